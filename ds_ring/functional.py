@@ -1,0 +1,65 @@
+"""The functional API: attention on local sequence shards, with plain ``torch.distributed`` groups."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.distributed import ProcessGroup
+
+from ds_ring.comm.groups import group_rank, group_size
+from ds_ring.kernels.dilation import validate_qkv
+from ds_ring.strategies import CommSpec, get_exchange, plan_shards, sharded_attention
+
+__all__ = ["ring_dilated_attention"]
+
+
+def ring_dilated_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_lengths: Sequence[int] | None = None,
+    dilation_rates: Sequence[int] | None = None,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    group: ProcessGroup | None = None,
+    communication: str = "ring",
+    layout: str = "contiguous",
+    head_offset: int = 0,
+    return_lse: bool = False,
+    timeout_s: float | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Dilated (or dense) attention over a sequence sharded across ``group``.
+
+    Every rank passes its shard, made by :func:`ds_ring.shard_sequence` with the same ``layout``.
+
+    Args:
+        q: local shard ``[batch, seq/p, heads, head_dim]``; k, v: ``[batch, seq/p, kv_heads, head_dim]``.
+        segment_lengths, dilation_rates: LongNet branches over the *global* sequence; ``None`` = dense.
+            A segment must divide the shard length or be a multiple of it.
+        causal: causal mask by global position.
+        group: the sequence-parallel process group (``None``: the default group).
+        communication: ``"ring"`` (K/V passed rank to rank, O(seq/p) memory) or ``"allgather"``.
+        layout: ``"contiguous"`` or ``"zigzag"`` (dense only; balances causal work).
+        head_offset: global index of local head 0 (dilation offsets use global head indices).
+        return_lse: also return ``lse [batch, heads, seq/p]`` (float32; float64 for float64 inputs).
+        timeout_s: bound on every communication wait (``None``: ``ds_ring.comm`` default).
+
+    Returns:
+        The local output shard ``[batch, seq/p, heads, head_dim]`` (and the LSE).
+
+    Raises:
+        ValueError: bad shapes or an unsupported layout / segment / shard combination, before any
+            communication.
+    """
+    validate_qkv(q, k, v, head_offset)
+    exchange = get_exchange(communication)
+    plan = plan_shards(
+        q.shape[1], q.shape[2], k.shape[2], group_rank(group), group_size(group),
+        segment_lengths, dilation_rates, layout=layout, head_offset=head_offset, device=q.device,
+    )  # fmt: skip
+    out, lse = sharded_attention(
+        q, k, v, plan, exchange, CommSpec(group, timeout_s), causal=causal, scale=scale, head_offset=head_offset
+    )
+    return (out, lse.transpose(1, 2)) if return_lse else out

@@ -1,0 +1,268 @@
+"""Single-process dilated attention with a flash-style custom backward.
+
+Every (branch, segment run, head group) is one batched block-kernel call on the kept rows of
+its segments; the pieces are LSE-merged into fp32 (fp64) accumulators. Only the kept rows of one
+run and one head group are ever copied, so peak extra memory is O(seq × heads × head_dim / rate)
+per piece and a ``seq × seq`` matrix never exists. The backward recomputes each piece with the
+*final* ``out``/``lse`` (DESIGN.md §2), which is exact also when branches overlap.
+
+Token layout helpers: a tensor in *token layout* is ``[*lead, rows, heads, head_dim]`` (``lead`` is
+batch × segments); the block kernels want ``[N, heads, rows, head_dim]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ds_ring.kernels.block import block_backward, block_forward
+from ds_ring.kernels.dilation import (
+    Branch,
+    add_heads_,
+    head_groups,
+    kept_rows,
+    make_branches,
+    segment_runs,
+    select_heads,
+    validate_qkv,
+)
+from ds_ring.kernels.merge import accum_dtype, merge_
+
+__all__ = [
+    "dilated_attention",
+    "attend_into",
+    "attend_backward",
+    "branch_forward_",
+    "branch_backward_",
+    "new_accumulators",
+]
+
+
+def _to_kernel(x: torch.Tensor) -> torch.Tensor:
+    """``[*lead, rows, heads, D]`` → contiguous ``[N, heads, rows, D]``."""
+    return x.transpose(-2, -3).reshape(-1, x.shape[-2], x.shape[-3], x.shape[-1])
+
+
+def _from_kernel(x: torch.Tensor, lead: torch.Size) -> torch.Tensor:
+    """``[N, heads, rows, D]`` → ``[*lead, rows, heads, D]`` (a view)."""
+    return x.view(*lead, *x.shape[1:]).transpose(-2, -3)
+
+
+def _lse_to_kernel(lse: torch.Tensor) -> torch.Tensor:
+    """``[*lead, rows, heads]`` → contiguous ``[N, heads, rows]``."""
+    return lse.transpose(-1, -2).reshape(-1, lse.shape[-1], lse.shape[-2])
+
+
+def _lse_from_kernel(lse: torch.Tensor, lead: torch.Size) -> torch.Tensor:
+    return lse.view(*lead, *lse.shape[1:]).transpose(-1, -2)
+
+
+def attend_into(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float | None,
+) -> None:
+    """Attend ``q`` over ``k``/``v`` and LSE-merge the result into ``out``/``lse`` in place.
+
+    Args:
+        q: ``[*lead, m, h, D]``; k, v: ``[*lead, n, h, D]`` (heads already matched to ``q``).
+        out: accumulator view ``[*lead, m, h, D]`` (fp32/fp64); lse: ``[*lead, m, h]``.
+        causal: diagonal block (``m == n``, same first position); otherwise unmasked.
+    """
+    lead = q.shape[:-3]
+    block_out, block_lse = block_forward(_to_kernel(q), _to_kernel(k), _to_kernel(v), causal=causal, scale=scale)
+    merge_(out, lse, _from_kernel(block_out, lead), _lse_from_kernel(block_lse, lead))
+
+
+def attend_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradient share of one piece, in token layout; ``out``/``lse`` are the *final* merged values.
+
+    Shapes as in :func:`attend_into` (``dout`` like ``out``). Returns ``(dq, dk, dv)`` views
+    ``[*lead, m|n, h, D]``.
+    """
+    lead = q.shape[:-3]
+    dq, dk, dv = block_backward(
+        _to_kernel(dout),
+        _to_kernel(q),
+        _to_kernel(k),
+        _to_kernel(v),
+        _to_kernel(out),
+        _lse_to_kernel(lse),
+        causal=causal,
+        scale=scale,
+    )
+    return _from_kernel(dq, lead), _from_kernel(dk, lead), _from_kernel(dv, lead)
+
+
+def new_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero output ``[B, S, H, D]`` and ``-inf`` LSE ``[B, S, H]`` in the accumulation dtype of ``q``."""
+    acc = accum_dtype(q.dtype)
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+    return out, lse
+
+
+def _segments(x: torch.Tensor, start: int, length: int, count: int) -> torch.Tensor:
+    """View rows ``[start, start + length·count)`` of dim 1 as ``[B, count, length, ...]``."""
+    return x[:, start : start + length * count].unflatten(1, (count, length))
+
+
+def branch_forward_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    branch: Branch,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float | None,
+    head_offset: int,
+) -> None:
+    """Merge one branch of dilated attention over a whole local sequence into ``out``/``lse``.
+
+    ``q [B, S, H, D]``, ``k``/``v`` ``[B, S, Hkv, D]``; the sequence starts at a segment boundary.
+    ``out [B, S, H, D]`` and ``lse [B, S, H]`` are accumulators (see :func:`new_accumulators`).
+    """
+    groups = head_groups(q.shape[2], k.shape[2], branch.rate, head_offset, q.device)
+    for run in segment_runs(q.shape[1], branch.segment):
+        qs, ks, vs, outs, lses = (_segments(x, run.start, run.length, run.count) for x in (q, k, v, out, lse))
+        for group in groups:
+            rows = kept_rows(0, run.length, group.offset, group.rate)
+            if rows.start >= run.length:
+                continue
+            heads = group.q_heads
+            attend_into(
+                qs[:, :, rows, heads],
+                select_heads(ks[:, :, rows], group.kv_heads),
+                select_heads(vs[:, :, rows], group.kv_heads),
+                outs[:, :, rows, heads],
+                lses[:, :, rows, heads],
+                causal=causal,
+                scale=scale,
+            )
+
+
+def branch_backward_(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    branch: Branch,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float | None,
+    head_offset: int,
+) -> None:
+    """Accumulate one branch's gradients into ``dq [B, S, H, D]``, ``dk``/``dv`` ``[B, S, Hkv, D]``.
+
+    ``out``/``lse`` are the final merged output ``[B, S, H, D]`` and LSE ``[B, S, H]``.
+    """
+    groups = head_groups(q.shape[2], k.shape[2], branch.rate, head_offset, q.device)
+    for run in segment_runs(q.shape[1], branch.segment):
+        views = (_segments(x, run.start, run.length, run.count) for x in (dout, q, k, v, out, lse, dq, dk, dv))
+        douts, qs, ks, vs, outs, lses, dqs, dks, dvs = views
+        for group in groups:
+            rows = kept_rows(0, run.length, group.offset, group.rate)
+            if rows.start >= run.length:
+                continue
+            heads = group.q_heads
+            dq_piece, dk_piece, dv_piece = attend_backward(
+                douts[:, :, rows, heads],
+                qs[:, :, rows, heads],
+                select_heads(ks[:, :, rows], group.kv_heads),
+                select_heads(vs[:, :, rows], group.kv_heads),
+                outs[:, :, rows, heads],
+                lses[:, :, rows, heads],
+                causal=causal,
+                scale=scale,
+            )
+            dqs[:, :, rows, heads] += dq_piece
+            add_heads_(dks[:, :, rows], group.kv_heads, dk_piece)
+            add_heads_(dvs[:, :, rows], group.kv_heads, dv_piece)
+
+
+class _DilatedAttention(torch.autograd.Function):
+    """Forward: all branches merged; backward: per-piece flash backward with the final out/lse."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, branches, causal, scale, head_offset):
+        out_acc, lse = new_accumulators(q)
+        for branch in branches:
+            branch_forward_(q, k, v, branch, out_acc, lse, causal=causal, scale=scale, head_offset=head_offset)
+        out = out_acc.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (branches, causal, scale, head_offset)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        branches, causal, scale, head_offset = ctx.args
+        acc = accum_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        dout = dout.to(q.dtype)
+        for branch in branches:
+            branch_backward_(
+                dout, q, k, v, out, lse, branch, dq, dk, dv, causal=causal, scale=scale, head_offset=head_offset
+            )
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def dilated_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_lengths: Sequence[int] | None = None,
+    dilation_rates: Sequence[int] | None = None,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    head_offset: int = 0,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """LongNet dilated attention on one device.
+
+    Args:
+        q: ``[batch, seq, heads, head_dim]``; k, v: ``[batch, seq, kv_heads, head_dim]`` with
+            ``heads % kv_heads == 0`` (GQA).
+        segment_lengths, dilation_rates: one ``(w, r)`` per branch; a segment longer than ``seq``
+            is clamped; the last segment may be shorter. Both ``None``: dense attention.
+        causal: mask by original position inside each segment.
+        scale: softmax scale, default ``1/sqrt(head_dim)``.
+        head_offset: global index of local head 0; head ``h`` uses offset ``(head_offset + h) % r``.
+        return_lse: also return the log-sum-exp.
+
+    Returns:
+        ``out [batch, seq, heads, head_dim]`` in the input dtype, and with ``return_lse`` also
+        ``lse [batch, heads, seq]`` (float32; float64 for float64 inputs; ``-inf`` for rows no
+        branch covers, whose output is 0). ``lse`` carries no gradient.
+    """
+    validate_qkv(q, k, v, head_offset)
+    branches = tuple(make_branches(q.shape[1], segment_lengths, dilation_rates))
+    out, lse = _DilatedAttention.apply(q, k, v, branches, causal, scale, head_offset)
+    return (out, lse.transpose(1, 2)) if return_lse else out

@@ -1,0 +1,177 @@
+"""Dilated-attention bookkeeping: branches, head groups, segment runs and argument checks.
+
+Pure index math shared by the single-process kernel and every distributed strategy
+(DESIGN.md §2 "Dilated attention, precisely"):
+
+- a *branch* ``(w, r)`` cuts the sequence into segments of length ``w`` (the last may be shorter);
+- head ``h`` (global index ``head_offset + h``) keeps, inside each segment, the positions
+  ``o, o + r, o + 2r, ...`` with ``o = (head_offset + h) % r``;
+- heads sharing an offset form a *head group*; they are the strided slice ``first::r`` of the
+  local heads, so selecting them is a view, not a copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "Branch",
+    "HeadGroup",
+    "SegmentRun",
+    "make_branches",
+    "head_groups",
+    "segment_runs",
+    "kept_rows",
+    "select_heads",
+    "add_heads_",
+    "validate_qkv",
+]
+
+
+@dataclass(frozen=True)
+class Branch:
+    """One LongNet branch: segment length ``segment`` (already clamped to the sequence) and ``rate``."""
+
+    segment: int
+    rate: int
+
+
+@dataclass(frozen=True)
+class HeadGroup:
+    """Query heads ``first, first + rate, ...`` (local indices) that keep positions ``≡ offset (mod rate)``.
+
+    ``kv_index`` maps each of those query heads to its K/V head (GQA); ``None`` when the K/V heads
+    are the query heads themselves, so the same strided slice selects them.
+    """
+
+    offset: int
+    first: int
+    rate: int
+    kv_index: torch.Tensor | None
+
+    @property
+    def q_heads(self) -> slice:
+        return slice(self.first, None, self.rate)
+
+    @property
+    def kv_heads(self) -> slice | torch.Tensor:
+        """The K/V head of each query head of the group, for :func:`select_heads`."""
+        return self.q_heads if self.kv_index is None else self.kv_index
+
+
+@dataclass(frozen=True)
+class SegmentRun:
+    """``count`` consecutive segments of ``length`` rows starting at row ``start``."""
+
+    start: int
+    length: int
+    count: int
+
+
+def make_branches(
+    seq_len: int, segment_lengths: Sequence[int] | None, dilation_rates: Sequence[int] | None
+) -> list[Branch]:
+    """Validate the branch lists and clamp each segment to ``seq_len`` (``None`` means dense)."""
+    if segment_lengths is None and dilation_rates is None:
+        return [Branch(seq_len, 1)]
+    if segment_lengths is None or dilation_rates is None:
+        missing = "segment_lengths" if segment_lengths is None else "dilation_rates"
+        raise ValueError(f"{missing} is None but the other list is given; pass both or neither (dense)")
+    segment_lengths, dilation_rates = list(segment_lengths), list(dilation_rates)
+    if len(segment_lengths) != len(dilation_rates):
+        raise ValueError(
+            f"segment_lengths {segment_lengths} and dilation_rates {dilation_rates} must have the same "
+            f"length (one rate per segment length), got {len(segment_lengths)} and {len(dilation_rates)}"
+        )
+    if not segment_lengths:
+        raise ValueError("segment_lengths is empty; give at least one (segment, rate) branch")
+    for name, values in (("segment_lengths", segment_lengths), ("dilation_rates", dilation_rates)):
+        bad = [x for x in values if not isinstance(x, int) or isinstance(x, bool) or x < 1]
+        if bad:
+            raise ValueError(f"{name} must be integers >= 1, got {values} (bad: {bad})")
+    return [Branch(min(w, seq_len), r) for w, r in zip(segment_lengths, dilation_rates, strict=True)]
+
+
+def head_groups(
+    num_heads: int, num_kv_heads: int, rate: int, head_offset: int, device: torch.device
+) -> list[HeadGroup]:
+    """Group the local query heads by dilation offset; one group per offset that has a head."""
+    per_kv = num_heads // num_kv_heads
+    groups = []
+    for offset in range(rate):
+        first = (offset - head_offset) % rate
+        if first >= num_heads:
+            continue
+        kv_index = None
+        if per_kv != 1:
+            kv_index = torch.arange(first, num_heads, rate, device=device) // per_kv
+        groups.append(HeadGroup(offset, first, rate, kv_index))
+    return groups
+
+
+def segment_runs(seq_len: int, segment: int) -> list[SegmentRun]:
+    """Full segments as one run, then the shorter last segment (if any) as a second run."""
+    full, rest = divmod(seq_len, segment)
+    runs = [SegmentRun(0, segment, full)] if full else []
+    if rest:
+        runs.append(SegmentRun(full * segment, rest, 1))
+    return runs
+
+
+def kept_rows(start_in_segment: int, rows: int, offset: int, rate: int) -> slice:
+    """Rows of a block kept by a head group.
+
+    The block holds ``rows`` consecutive positions starting at ``start_in_segment`` inside its
+    segment; the kept ones are those ``≡ offset (mod rate)``. Returns a slice of the block's rows
+    (possibly empty).
+    """
+    first = (offset - start_in_segment) % rate
+    return slice(first, rows, rate)
+
+
+def select_heads(x: torch.Tensor, heads: slice | torch.Tensor, dim: int = -2) -> torch.Tensor:
+    """Heads ``heads`` of ``x`` along ``dim``: a view for a slice, a copy for an index tensor."""
+    if isinstance(heads, slice):
+        index = [slice(None)] * x.dim()
+        index[dim] = heads
+        return x[tuple(index)]
+    return x.index_select(dim % x.dim(), heads)
+
+
+def add_heads_(dst: torch.Tensor, heads: slice | torch.Tensor, src: torch.Tensor, dim: int = -2) -> None:
+    """``dst[heads] += src`` along ``dim``, accumulating repeated indices (inverse of :func:`select_heads`)."""
+    if isinstance(heads, slice):
+        index = [slice(None)] * dst.dim()
+        index[dim] = heads
+        dst[tuple(index)] += src
+    else:
+        dst.index_add_(dim % dst.dim(), heads, src.to(dst.dtype))
+
+
+def validate_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_offset: int) -> None:
+    """Check shapes, dtypes and devices of ``[batch, seq, heads, head_dim]`` inputs; ``ValueError`` if bad."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree in batch, seq and head_dim "
+            "([batch, seq, heads, head_dim] layout)"
+        )
+    if q.shape[2] % k.shape[2] != 0:
+        raise ValueError(
+            f"q heads ({q.shape[2]}) must be a multiple of k/v heads ({k.shape[2]}) for grouped-query attention"
+        )
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.device != k.device or q.device != v.device:
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if not isinstance(head_offset, int) or head_offset < 0:
+        raise ValueError(f"head_offset must be an integer >= 0, got {head_offset!r}")

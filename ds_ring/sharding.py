@@ -1,0 +1,78 @@
+"""Cut a sequence into per-rank shards and put it back together, for both layouts.
+
+``contiguous``: rank ``r`` of ``p`` holds chunk ``r`` of ``p``.
+``zigzag``: the sequence is cut into ``2p`` chunks and rank ``r`` holds chunks ``r`` and
+``2p - 1 - r``, which balances causal attention (every rank gets early and late positions).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed import ProcessGroup
+
+from ds_ring.comm.collectives import all_gather
+from ds_ring.comm.groups import global_ranks, group_rank, group_size
+from ds_ring.strategies.plan import LAYOUTS
+
+__all__ = ["layout_chunks", "shard_sequence", "gather_sequence"]
+
+
+def layout_chunks(rank: int, world_size: int, layout: str) -> tuple[int, ...]:
+    """Indices of the chunks rank ``rank`` holds, the sequence cut into ``world_size`` (contiguous) or
+    ``2·world_size`` (zigzag) equal chunks."""
+    if layout == "contiguous":
+        return (rank,)
+    if layout == "zigzag":
+        return (rank, 2 * world_size - 1 - rank)
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def _num_chunks(world_size: int, layout: str) -> int:
+    return len(layout_chunks(0, world_size, layout)) * world_size
+
+
+def shard_sequence(
+    x: torch.Tensor, group: ProcessGroup | None = None, *, layout: str = "contiguous", dim: int = 1
+) -> torch.Tensor:
+    """This rank's shard of the full sequence ``x`` along ``dim`` (no communication).
+
+    Raises ``ValueError`` when the sequence does not split evenly: nothing is padded or dropped.
+    """
+    world = group_size(group)
+    chunks = _num_chunks(world, layout)
+    seq_len = x.shape[dim]
+    if seq_len % chunks:
+        raise ValueError(
+            f"sequence length {seq_len} (dim {dim}) must be divisible by {chunks} to shard it over {world} "
+            f"ranks with layout={layout!r}; pad or trim the sequence to a multiple of {chunks}"
+        )
+    pieces = x.chunk(chunks, dim=dim)
+    return torch.cat([pieces[i] for i in layout_chunks(group_rank(group), world, layout)], dim=dim)
+
+
+def gather_sequence(
+    x_local: torch.Tensor,
+    group: ProcessGroup | None = None,
+    *,
+    layout: str = "contiguous",
+    dim: int = 1,
+    timeout_s: float | None = None,
+) -> torch.Tensor:
+    """The full sequence from every rank's shard: exact inverse of :func:`shard_sequence`.
+
+    Every rank of ``group`` must call it with shards of one shape. Not differentiable.
+    """
+    world = group_size(group)
+    per_rank = len(layout_chunks(0, world, layout))
+    if x_local.shape[dim] % per_rank:
+        raise ValueError(f"a {layout} shard must split into {per_rank} chunks along dim {dim}, got {x_local.shape}")
+    if world == 1:
+        return x_local
+    flat = x_local.contiguous().reshape(-1)
+    shards = all_gather(flat, global_ranks(group, range(world)), group=group, op="gather_sequence", timeout_s=timeout_s)
+    ordered: dict[int, torch.Tensor] = {}
+    for rank, shard in enumerate(shards):
+        parts = shard.view(x_local.shape).chunk(per_rank, dim=dim)
+        for index, part in zip(layout_chunks(rank, world, layout), parts, strict=True):
+            ordered[index] = part
+    return torch.cat([ordered[i] for i in range(len(ordered))], dim=dim)

@@ -1,0 +1,154 @@
+"""Dilated attention over sequence shards: one autograd Function, pluggable K/V exchanges.
+
+The Function computes the shard-local branches itself and hands every spanning branch to an
+*exchange* — how K/V blocks move among the members of a span (``ring``: passed rank to rank;
+``allgather``: gathered at once). It saves only local tensors (``q, k, v, out, lse``, all
+O(seq/p)); the backward asks the exchange again, so the gradient of every visiting block goes home.
+
+A new exchange is one module defining a :class:`Exchange` plus one ``register_exchange`` line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch.distributed import ProcessGroup
+
+from ds_ring.kernels.dilated import branch_backward_, branch_forward_, new_accumulators
+from ds_ring.kernels.merge import accum_dtype
+from ds_ring.strategies.plan import ShardPlan, SpanPlan
+
+__all__ = ["Exchange", "CommSpec", "register_exchange", "get_exchange", "exchanges", "sharded_attention"]
+
+
+@dataclass(frozen=True)
+class CommSpec:
+    """Where and how long to communicate: the sequence-parallel group and the wait bound in seconds."""
+
+    group: ProcessGroup | None
+    timeout_s: float | None
+
+
+@dataclass(frozen=True)
+class Options:
+    causal: bool
+    scale: float | None
+    head_offset: int
+
+
+class Exchange(Protocol):
+    """How one spanning branch's K/V blocks reach the span's members, forward and backward."""
+
+    def forward(
+        self,
+        span: SpanPlan,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        comm: CommSpec,
+        opts: Options,
+        overlap: Callable[[], None] | None,
+    ) -> None:
+        """Merge attention over every member's block into ``out``/``lse``; call ``overlap()`` once
+        while the first transfer is in flight (local work to hide it behind)."""
+
+    def backward(
+        self,
+        span: SpanPlan,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        dq: torch.Tensor,
+        dk: torch.Tensor,
+        dv: torch.Tensor,
+        comm: CommSpec,
+        opts: Options,
+    ) -> None:
+        """Accumulate into ``dq`` and, once every member's contribution is home, ``dk``/``dv``."""
+
+
+_EXCHANGES: dict[str, Exchange] = {}
+
+
+def register_exchange(name: str, exchange: Exchange) -> None:
+    """Make ``exchange`` selectable as ``communication=name``."""
+    _EXCHANGES[name] = exchange
+
+
+def exchanges() -> tuple[str, ...]:
+    """Names of the registered exchanges."""
+    return tuple(_EXCHANGES)
+
+
+def get_exchange(name: str) -> Exchange:
+    """The exchange registered as ``name``; ``ValueError`` listing the choices otherwise."""
+    try:
+        return _EXCHANGES[name]
+    except KeyError:
+        raise ValueError(f"communication must be one of {sorted(_EXCHANGES)}, got {name!r}") from None
+
+
+class _ShardedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan: ShardPlan, exchange: Exchange, comm: CommSpec, opts: Options):
+        out, lse = new_accumulators(q)
+
+        def local_branches() -> None:
+            for branch in plan.local:
+                branch_forward_(
+                    q, k, v, branch, out, lse, causal=opts.causal, scale=opts.scale, head_offset=opts.head_offset
+                )
+
+        overlap: Callable[[], None] | None = local_branches
+        for span in plan.spans:
+            exchange.forward(span, q, k, v, out, lse, comm, opts, overlap)
+            overlap = None
+        if overlap is not None:
+            overlap()
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (plan, exchange, comm, opts)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan, exchange, comm, opts = ctx.args
+        acc = accum_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        dout = dout.to(q.dtype)
+        for span in plan.spans:
+            exchange.backward(span, dout, q, k, v, out, lse, dq, dk, dv, comm, opts)
+        for branch in plan.local:
+            branch_backward_(
+                dout, q, k, v, out, lse, branch, dq, dk, dv,
+                causal=opts.causal, scale=opts.scale, head_offset=opts.head_offset,
+            )  # fmt: skip
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def sharded_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: ShardPlan,
+    exchange: Exchange,
+    comm: CommSpec,
+    *,
+    causal: bool,
+    scale: float | None,
+    head_offset: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable attention of local shards ``[B, L, H, D]``; returns ``(out, lse [B, L, H])``."""
+    return _ShardedAttention.apply(q, k, v, plan, exchange, comm, Options(causal, scale, head_offset))

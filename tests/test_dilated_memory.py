@@ -1,0 +1,43 @@
+"""Dilated attention never materialises a seq × seq matrix: peak memory measured in a fresh process."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+_WORKER = textwrap.dedent(
+    """
+    import json, resource, sys, torch
+    import ds_ring
+    torch.set_num_threads(1)
+    seq, backward = int(sys.argv[1]), sys.argv[2] == "1"
+    q, k, v = (torch.randn(1, seq, 2, 16, requires_grad=backward) for _ in range(3))
+    ds_ring.dilated_attention(q[:, :256], k[:, :256], v[:, :256], [128], [1])  # warm the kernel up
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out = ds_ring.dilated_attention(q, k, v, [256, 1024], [1, 4], causal=True)
+    if backward:
+        out.sum().backward()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"extra_mib": (peak - base) / 1024}))
+    """
+)
+
+
+def _extra_mib(seq: int, backward: bool) -> float:
+    done = subprocess.run(
+        [sys.executable, "-c", _WORKER, str(seq), "1" if backward else "0"],
+        capture_output=True, text=True, timeout=240, check=True,
+    )  # fmt: skip
+    return json.loads(done.stdout.strip().splitlines()[-1])["extra_mib"]
+
+
+def test_peak_memory_is_linear_in_sequence_length():
+    seq = 32768
+    dense_scores_mib = seq * seq * 4 / 2**20  # one fp32 score matrix per head: 4096 MiB
+    tensors_mib = seq * 2 * 16 * 4 / 2**20  # one [seq, heads, head_dim] fp32 tensor: 4 MiB
+    forward = _extra_mib(seq, backward=False)
+    both = _extra_mib(seq, backward=True)
+    # O(seq): a few dozen tensor-sized buffers at most, orders of magnitude below one score matrix.
+    assert forward < 40 * tensors_mib, forward
+    assert both < 60 * tensors_mib, both
+    assert both < dense_scores_mib / 10
