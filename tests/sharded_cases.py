@@ -1,0 +1,69 @@
+"""Checks one distributed attention case against the float64 oracle on the gathered tensors.
+
+Each rank builds the same full q/k/v (same seed), runs the attention under test on its shard,
+and compares its output, LSE and q/k/v gradients with the shard of the oracle's. A rank function
+runs many cases in one spawn and returns the failures, so one failing case names itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import ds_ring
+from ds_ring.reference import dilated_attention_reference
+from tests.dist import CaseLog
+
+DTYPES = {"float64": (torch.float64, 1e-10), "float32": (torch.float32, 3e-5)}
+
+
+def full_inputs(case: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    """Full-sequence ``q, k, v, dout`` for a case, identical on every rank."""
+    dtype = DTYPES[case.get("dtype", "float64")][0]
+    g = torch.Generator().manual_seed(case.get("seed", 0))
+    b, s, h, hkv, d = case["batch"], case["seq"], case["heads"], case["kv_heads"], case["head_dim"]
+    q = torch.randn(b, s, h, d, generator=g, dtype=dtype)
+    k = torch.randn(b, s, hkv, d, generator=g, dtype=dtype)
+    v = torch.randn(b, s, hkv, d, generator=g, dtype=dtype)
+    dout = torch.randn(b, s, h, d, generator=g, dtype=dtype)
+    return q, k, v, dout
+
+
+def check_case(case: dict[str, Any], attention: Callable[..., Any], group=None) -> None:
+    """Run ``attention(q, k, v, segs, rates, causal=..., head_offset=..., return_lse=True)`` on shards."""
+    dtype, atol = DTYPES[case.get("dtype", "float64")]
+    layout = case.get("layout", "contiguous")
+    segs, rates = case.get("segments"), case.get("rates")
+    head_offset = case.get("head_offset", 0)
+    q, k, v, dout = full_inputs(case)
+    shard = lambda x: ds_ring.shard_sequence(x, group, layout=layout)  # noqa: E731
+    local = [shard(x).requires_grad_() for x in (q, k, v)]
+    out, lse = attention(
+        *local, segs, rates, causal=case["causal"], head_offset=head_offset, return_lse=True, layout=layout
+    )
+    full = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    ref_out, ref_lse = dilated_attention_reference(*full, segs, rates, causal=case["causal"], head_offset=head_offset)
+    ref_grads = torch.autograd.grad(ref_out, full, dout.double())
+    grads = torch.autograd.grad(out, local, shard(dout))
+    assert out.dtype == dtype and out.shape == local[0].shape
+    torch.testing.assert_close(out.double(), shard(ref_out), rtol=0, atol=atol, msg=lambda m: f"out: {m}")
+    ref_lse = ds_ring.shard_sequence(ref_lse, group, layout=layout, dim=2)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "lse: -inf rows differ"
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=0, atol=atol, msg=lambda m: f"lse: {m}")
+    for name, got, want in zip("qkv", grads, ref_grads, strict=True):
+        assert got.dtype == dtype
+        torch.testing.assert_close(
+            got.double(), shard(want.double()), rtol=0, atol=atol * 10, msg=lambda m, n=name: f"d{n}: {m}"
+        )
+
+
+def run_cases(cases: list[dict[str, Any]], attention: Callable[..., Any], group=None) -> list[str]:
+    """Check every case; return the failures, each with its case and traceback (empty when all pass)."""
+    log = CaseLog()
+    for case in cases:
+        with log.case(str(case)):
+            check_case(case, attention, group)
+    return log.failures

@@ -1,0 +1,48 @@
+"""Dense ring and all-gather attention equal the oracle on the gathered tensors, world sizes 1-4."""
+
+import functools
+import itertools
+
+import pytest
+
+import ds_ring
+from tests.dist import run_distributed
+from tests.sharded_cases import run_cases
+
+
+def _cases(world: int) -> list[dict]:
+    cases = []
+    for comm, causal, layout, (heads, kv_heads), dtype in itertools.product(
+        ["ring", "allgather"], [False, True], ["contiguous", "zigzag"], [(4, 4), (4, 2), (3, 1)], ["float64", "float32"]
+    ):
+        cases.append(
+            dict(
+                communication=comm,
+                causal=causal,
+                layout=layout,
+                heads=heads,
+                kv_heads=kv_heads,
+                dtype=dtype,
+                batch=2,
+                seq=world * 6,
+                head_dim=8,
+                seed=len(cases),
+            )  # fmt: skip
+        )
+    return cases
+
+
+def _rank(rank: int, world: int) -> list[str]:
+    failures = []
+    for case in _cases(world):
+        attention = functools.partial(ds_ring.ring_dilated_attention, communication=case["communication"])
+        failures += run_cases([case], attention)
+    return failures
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_dense_ring_and_allgather_match_reference(world):
+    results = run_distributed(_rank, world, timeout=200)
+    failures = [f for per_rank in results for f in per_rank]
+    assert not failures, "\n".join(failures[:3])
