@@ -1,0 +1,163 @@
+"""``nn.Module``\\ s a model calls with its local sequence shard.
+
+``RingDilatedAttention`` is attention over local ``q/k/v`` shards (the "local attention" a
+DeepSpeed ``DistributedAttention`` can wrap); ``MultiheadRingDilatedAttention`` adds the input and
+output projections and is a drop-in attention for a transformer block (``batch_first``, the call
+convention of ``nn.MultiheadAttention``).
+
+Both hold *how* to communicate (group, communication, layout, timeout) as plain attributes, so a
+trainer can install a strategy into every module of a model after building it
+(:meth:`RingDilatedAttention.configure`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from ds_ring.functional import ring_dilated_attention
+from ds_ring.kernels.dilation import make_branches
+
+__all__ = ["RingDilatedAttention", "MultiheadRingDilatedAttention"]
+
+
+class RingDilatedAttention(nn.Module):
+    """Dilated attention over the local shard of a sequence sharded across ``group``.
+
+    Args:
+        segment_lengths, dilation_rates: LongNet branches over the *global* sequence (``None``: dense).
+        causal: causal mask by global position.
+        communication: ``"ring"`` or ``"allgather"``.
+        layout: ``"contiguous"`` or ``"zigzag"`` (how the sequence was sharded).
+        group: sequence-parallel process group (``None``: the default group, or a single process
+            when ``torch.distributed`` is not initialised).
+        scale: softmax scale (default ``1/sqrt(head_dim)``).
+        head_offset: global index of local head 0.
+        timeout_s: bound on every communication wait.
+
+    Shapes: ``forward(q [B, L, H, D], k [B, L, Hkv, D], v [B, L, Hkv, D]) -> [B, L, H, D]``.
+    """
+
+    def __init__(
+        self,
+        segment_lengths: Sequence[int] | None = None,
+        dilation_rates: Sequence[int] | None = None,
+        *,
+        causal: bool = False,
+        communication: str = "ring",
+        layout: str = "contiguous",
+        group: ProcessGroup | None = None,
+        scale: float | None = None,
+        head_offset: int = 0,
+        timeout_s: float | None = None,
+    ) -> None:
+        super().__init__()
+        # Validate the branch lists now (seq_len=max: nothing is clamped) so a typo fails at build time.
+        make_branches(2**62, segment_lengths, dilation_rates)
+        self.segment_lengths = None if segment_lengths is None else list(segment_lengths)
+        self.dilation_rates = None if dilation_rates is None else list(dilation_rates)
+        self.causal = causal
+        self.scale = scale
+        self.head_offset = head_offset
+        self.communication = communication
+        self.layout = layout
+        self.group = group
+        self.timeout_s = timeout_s
+
+    def configure(self, **settings: Any) -> None:
+        """Change how this module communicates (``group``, ``communication``, ``layout``, ``timeout_s``...)."""
+        for name, value in settings.items():
+            if name not in {"group", "communication", "layout", "timeout_s", "causal", "head_offset"}:
+                raise ValueError(f"RingDilatedAttention.configure() got an unknown setting {name!r}")
+            setattr(self, name, value)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return ring_dilated_attention(
+            q, k, v, self.segment_lengths, self.dilation_rates,
+            causal=self.causal, scale=self.scale, group=self.group, communication=self.communication,
+            layout=self.layout, head_offset=self.head_offset, timeout_s=self.timeout_s,
+        )  # fmt: skip
+
+    def extra_repr(self) -> str:
+        return (
+            f"segment_lengths={self.segment_lengths}, dilation_rates={self.dilation_rates}, causal={self.causal}, "
+            f"communication={self.communication!r}, layout={self.layout!r}"
+        )
+
+
+class MultiheadRingDilatedAttention(nn.Module):
+    """Multi-head (grouped-query) ring dilated attention with input and output projections.
+
+    Args:
+        embed_dim: model width ``E``; ``num_heads`` must divide it.
+        num_heads: query heads ``H``; num_kv_heads: key/value heads (default ``H``; must divide ``H``).
+        bias: biases on the projections. batch_first: ``[B, L, E]`` inputs (``False``: ``[L, B, E]``).
+        device, dtype: for the parameters.
+        **attention: passed to :class:`RingDilatedAttention` (segments, rates, causal, group, ...).
+
+    ``forward(query, key=None, value=None)`` takes the local shard ``[B, L, E]`` (self-attention
+    when ``key``/``value`` are omitted) and returns ``(output [B, L, E], None)`` like
+    ``nn.MultiheadAttention`` with ``need_weights=False``.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        *,
+        bias: bool = True,
+        batch_first: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        **attention: Any,
+    ) -> None:
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+        self.head_dim = embed_dim // num_heads
+        self.batch_first = batch_first
+        factory = dict(device=device, dtype=dtype)
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.k_proj = nn.Linear(embed_dim, num_kv_heads * self.head_dim, bias=bias, **factory)
+        self.v_proj = nn.Linear(embed_dim, num_kv_heads * self.head_dim, bias=bias, **factory)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.attention = RingDilatedAttention(**attention)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        *,
+        need_weights: bool = False,
+        attn_mask: torch.Tensor | None = None,
+        key_padding_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+    ) -> tuple[torch.Tensor, None]:
+        if need_weights or attn_mask is not None or key_padding_mask is not None:
+            raise ValueError(
+                "MultiheadRingDilatedAttention never forms attention weights and takes no masks: pass "
+                "need_weights=False, attn_mask=None, key_padding_mask=None (use causal=True for causal attention)"
+            )
+        if is_causal and not self.attention.causal:
+            raise ValueError("is_causal=True but this module was built with causal=False; build it with causal=True")
+        key = query if key is None else key
+        value = key if value is None else value
+        if not self.batch_first:
+            query, key, value = (x.transpose(0, 1) for x in (query, key, value))
+        batch, seq = query.shape[:2]
+        q = self.q_proj(query).view(batch, seq, self.num_heads, self.head_dim)
+        k = self.k_proj(key).view(batch, seq, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(value).view(batch, seq, self.num_kv_heads, self.head_dim)
+        out = self.attention(q, k, v).reshape(batch, seq, self.embed_dim)
+        out = self.out_proj(out)
+        return (out if self.batch_first else out.transpose(0, 1)), None
