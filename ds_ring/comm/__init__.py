@@ -1,0 +1,21 @@
+"""Communication layer: the only code in ds_ring that calls torch.distributed transfers.
+
+Every wait is bounded (see :mod:`ds_ring.comm.wait`) and fails with an error naming the rank,
+the peer, the step and the op. Peers and spans are always *global* ranks.
+"""
+
+from ds_ring.comm.collectives import all_gather, all_to_all, reduce_scatter
+from ds_ring.comm.errors import CommError, CommTimeoutError
+from ds_ring.comm.ring import RingComm
+from ds_ring.comm.wait import get_default_timeout, set_default_timeout
+
+__all__ = [
+    "RingComm",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "CommError",
+    "CommTimeoutError",
+    "set_default_timeout",
+    "get_default_timeout",
+]

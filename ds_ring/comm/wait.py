@@ -1,0 +1,80 @@
+"""The one place where ``ds_ring`` waits on ``torch.distributed`` work: always with a deadline.
+
+gloo honours ``Work.wait(timeout=...)`` for point-to-point ops and async collectives (measured on
+torch 2.13: an ``irecv`` whose peer never sends raises after the timeout, not the group's timeout),
+so the wait is delegated to it rather than polled. A wait that raises is turned into
+:class:`CommTimeoutError` (deadline reached) or :class:`CommError` (failed early, e.g. the peer died).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ds_ring.comm.errors import CommError, CommTimeoutError
+
+__all__ = ["Pending", "wait_all", "set_default_timeout", "get_default_timeout", "resolve_timeout"]
+
+_default_timeout_s = 300.0
+
+
+def set_default_timeout(seconds: float) -> None:
+    """Set the timeout (seconds) used by every wait that is not given one explicitly."""
+    global _default_timeout_s
+    _default_timeout_s = _checked_timeout(seconds)
+
+
+def get_default_timeout() -> float:
+    """Timeout in seconds used when a call passes ``timeout_s=None`` (300 s unless changed)."""
+    return _default_timeout_s
+
+
+def resolve_timeout(timeout_s: float | None) -> float:
+    """``timeout_s`` validated, or the module default when it is ``None``."""
+    return _default_timeout_s if timeout_s is None else _checked_timeout(timeout_s)
+
+
+def _checked_timeout(seconds: float) -> float:
+    seconds = float(seconds)
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"ds_ring: a communication timeout must be a finite number of seconds > 0, got {seconds}")
+    return seconds
+
+
+@dataclass(frozen=True)
+class Pending:
+    """One posted operation: its ``Work``, the global rank on the other side (``-1`` for a
+    collective) and what it is, for error messages, such as ``"recv from rank 1"``."""
+
+    work: dist.Work
+    peer: int
+    what: str
+
+
+def wait_all(pending: Sequence[Pending], *, timeout_s: float, rank: int, op: str, step: int) -> None:
+    """Wait for every operation in ``pending`` under one shared deadline ``timeout_s`` seconds away.
+
+    Raises :class:`CommTimeoutError` naming the first operation still incomplete at the deadline,
+    or :class:`CommError` when the backend reports a failure before it.
+    """
+    deadline = time.monotonic() + timeout_s
+    for item in pending:
+        what = f"waiting for {item.what}"
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 and not item.work.is_completed():
+            raise CommTimeoutError(rank, item.peer, step, op, what, timeout_s)
+        # At least 1 ms: a zero timeout means "use the process group's timeout" to c10d.
+        wait_for = timedelta(milliseconds=max(1, math.ceil(remaining * 1000)))
+        try:
+            completed = item.work.wait(timeout=wait_for)
+        except RuntimeError as exc:
+            if time.monotonic() >= deadline or "timed out" in str(exc).lower():
+                raise CommTimeoutError(rank, item.peer, step, op, what, timeout_s) from exc
+            raise CommError(rank, item.peer, step, op, what, str(exc)) from exc
+        if completed is False:  # backends that report a timeout by returning instead of raising
+            raise CommTimeoutError(rank, item.peer, step, op, what, timeout_s)
