@@ -4,7 +4,7 @@ Every wait is bounded (see :mod:`ds_ring.comm.wait`) and fails with an error nam
 the peer, the step and the op. Peers and spans are always *global* ranks.
 """
 
-from ds_ring.comm.collectives import all_gather, all_to_all, reduce_scatter
+from ds_ring.comm.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
 from ds_ring.comm.errors import CommError, CommTimeoutError
 from ds_ring.comm.ring import RingComm
 from ds_ring.comm.wait import get_default_timeout, set_default_timeout
@@ -12,6 +12,7 @@ from ds_ring.comm.wait import get_default_timeout, set_default_timeout
 __all__ = [
     "RingComm",
     "all_gather",
+    "all_reduce",
     "reduce_scatter",
     "all_to_all",
     "CommError",

@@ -29,7 +29,7 @@ from ds_ring.comm.spans import group_members, span_position
 from ds_ring.comm.wait import Pending, resolve_timeout, wait_all
 from ds_ring.hooks import Event, emit, hooks_active
 
-__all__ = ["all_gather", "reduce_scatter", "all_to_all"]
+__all__ = ["all_gather", "all_reduce", "reduce_scatter", "all_to_all"]
 
 _unsupported: set[tuple[str, str, torch.dtype]] = set()
 
@@ -191,11 +191,33 @@ def all_to_all(
     return out
 
 
+def all_reduce(
+    tensor: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    op: str = "all_reduce",
+    step: int = -1,
+    timeout_s: float | None = None,
+) -> torch.Tensor:
+    """Sum ``tensor`` over every rank of ``group``; returns a new tensor (the input is left as it is)."""
+    call = _Call("all_reduce", group, group_members(group), op, step, resolve_timeout(timeout_s))
+    out = tensor.detach().clone()
+    if len(call.span) == 1:
+        return out
+    try:
+        work = dist.all_reduce(out, group=group, async_op=True)
+    except RuntimeError as exc:
+        raise call.post_failed(f"all_reduce among ranks {call.span}", exc) from exc
+    moved = out.numel() * out.element_size()
+    _finish(call, [call.pending(work)], path="collective", sent_bytes=moved, received_bytes=moved)
+    return out
+
+
 @dataclass
 class _Call:
     """One collective call: what error messages and events say about it."""
 
-    kind: str  # "all_gather", "reduce_scatter", "all_to_all"
+    kind: str  # "all_gather", "reduce_scatter", "all_to_all", "all_reduce"
     group: dist.ProcessGroup | None
     span: list[int]
     op: str

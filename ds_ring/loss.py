@@ -1,0 +1,50 @@
+"""Token losses over a sequence split across ranks.
+
+Each rank holds a slice of the tokens, and slices hold different numbers of real (non-padding)
+tokens, so averaging per-rank means is wrong. The helpers here sum over the local tokens, add up
+sums and counts over the sequence-parallel group, and divide once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.distributed import ProcessGroup
+
+from ds_ring.comm.collectives import all_reduce
+from ds_ring.kernels.merge import accum_dtype
+
+__all__ = ["sequence_parallel_cross_entropy"]
+
+
+def sequence_parallel_cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    group: ProcessGroup | None = None,
+    *,
+    ignore_index: int = -100,
+    timeout_s: float | None = None,
+) -> torch.Tensor:
+    """Mean cross-entropy over every counted token of the sequences sharded across ``group``.
+
+    Args:
+        logits: local ``[..., vocab]`` (e.g. ``[batch, seq/p, vocab]``); computed in fp32 (fp64 stays fp64).
+        labels: local ``[...]`` class indices; ``ignore_index`` marks tokens not counted (padding).
+        group: the sequence-parallel group (``None``: the default group).
+
+    Returns:
+        A scalar equal on every rank to (sum of token losses) / (number of counted tokens), over
+        the whole group. Its gradient on each rank is that rank's tokens' share, so summing
+        gradients over the group — what ZeRO's sequence-data-parallel reduction does — gives the
+        gradient of the global mean. Zero (with zero gradient) when no token is counted anywhere.
+    """
+    logits = logits.reshape(-1, logits.shape[-1])
+    logits = logits.to(accum_dtype(logits.dtype))
+    local_sum = F.cross_entropy(logits, labels.reshape(-1), ignore_index=ignore_index, reduction="sum")
+    local_count = (labels != ignore_index).sum().to(local_sum.dtype)
+    global_sum, global_count = all_reduce(
+        torch.stack([local_sum.detach(), local_count]), group=group, timeout_s=timeout_s
+    )
+    share = local_sum / global_count.clamp(min=1)
+    # Same value on every rank (the global mean); gradient of this rank's share only.
+    return share + (global_sum / global_count.clamp(min=1) - share).detach()
