@@ -1,21 +1,48 @@
-"""ds_ring: ring dilated attention and sequence parallelism for DeepSpeed."""
+"""ds_ring: ring dilated attention and sequence parallelism for DeepSpeed.
+
+The attention API (functions, modules, topology) needs only ``torch.distributed``; the names that
+need DeepSpeed (``load_config``, ``RingAttentionConfig``, ``initialize``) are imported on first use,
+so ``import ds_ring`` stays light.
+"""
+
+from importlib import import_module
+from typing import Any
 
 from ds_ring.attention import MultiheadRingDilatedAttention, RingDilatedAttention
 from ds_ring.functional import ring_dilated_attention
 from ds_ring.kernels import dilated_attention, merge
 from ds_ring.loss import sequence_parallel_cross_entropy
+from ds_ring.parallel import sequence_parallel_attention
 from ds_ring.reference import dilated_attention_reference
 from ds_ring.sharding import gather_sequence, shard_sequence
+from ds_ring.topology import Topology
+
+_WITH_DEEPSPEED = {
+    "load_config": "ds_ring.config",
+    "RingAttentionConfig": "ds_ring.config",
+    "initialize": "ds_ring.engine",
+}
 
 __all__ = [
     "MultiheadRingDilatedAttention",
+    "RingAttentionConfig",
     "RingDilatedAttention",
+    "Topology",
     "dilated_attention",
     "dilated_attention_reference",
     "gather_sequence",
+    "initialize",
+    "load_config",
     "merge",
     "ring_dilated_attention",
+    "sequence_parallel_attention",
     "sequence_parallel_cross_entropy",
     "shard_sequence",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WITH_DEEPSPEED:
+        return getattr(import_module(_WITH_DEEPSPEED[name]), name)
+    raise AttributeError(f"module 'ds_ring' has no attribute {name!r}")

@@ -21,6 +21,8 @@ from torch.distributed import ProcessGroup
 
 from ds_ring.functional import ring_dilated_attention
 from ds_ring.kernels.dilation import make_branches
+from ds_ring.parallel import sequence_parallel_attention
+from ds_ring.topology import Topology
 
 __all__ = ["RingDilatedAttention", "MultiheadRingDilatedAttention"]
 
@@ -34,7 +36,10 @@ class RingDilatedAttention(nn.Module):
         communication: ``"ring"`` or ``"allgather"``.
         layout: ``"contiguous"`` or ``"zigzag"`` (how the sequence was sharded).
         group: sequence-parallel process group (``None``: the default group, or a single process
-            when ``torch.distributed`` is not initialised).
+            when ``torch.distributed`` is not initialised). Ignored when ``topology`` is given.
+        topology: a :class:`ds_ring.Topology`; attention then runs over its sequence-parallel group
+            with ``strategy``.
+        strategy: ``"ring"``, ``"allgather"``, ``"ulysses"``, ``"hybrid"`` (with ``topology``).
         scale: softmax scale (default ``1/sqrt(head_dim)``).
         head_offset: global index of local head 0.
         timeout_s: bound on every communication wait.
@@ -51,6 +56,8 @@ class RingDilatedAttention(nn.Module):
         communication: str = "ring",
         layout: str = "contiguous",
         group: ProcessGroup | None = None,
+        topology: Topology | None = None,
+        strategy: str = "ring",
         scale: float | None = None,
         head_offset: int = 0,
         timeout_s: float | None = None,
@@ -66,16 +73,35 @@ class RingDilatedAttention(nn.Module):
         self.communication = communication
         self.layout = layout
         self.group = group
+        self.topology = topology
+        self.strategy = strategy
         self.timeout_s = timeout_s
 
+    _SETTINGS = frozenset(
+        {"group", "topology", "strategy", "communication", "layout", "timeout_s", "causal", "head_offset",
+         "segment_lengths", "dilation_rates"}
+    )  # fmt: skip
+
     def configure(self, **settings: Any) -> None:
-        """Change how this module communicates (``group``, ``communication``, ``layout``, ``timeout_s``...)."""
+        """Change how this module computes and communicates (any constructor argument but ``scale``)."""
+        unknown = set(settings) - self._SETTINGS
+        if unknown:
+            raise ValueError(f"RingDilatedAttention.configure() got unknown setting(s) {sorted(unknown)}")
+        if "segment_lengths" in settings or "dilation_rates" in settings:
+            segs = settings.get("segment_lengths", self.segment_lengths)
+            rates = settings.get("dilation_rates", self.dilation_rates)
+            make_branches(2**62, segs, rates)
         for name, value in settings.items():
-            if name not in {"group", "communication", "layout", "timeout_s", "causal", "head_offset"}:
-                raise ValueError(f"RingDilatedAttention.configure() got an unknown setting {name!r}")
-            setattr(self, name, value)
+            setattr(self, name, list(value) if name in ("segment_lengths", "dilation_rates") and value else value)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.topology is not None:
+            return sequence_parallel_attention(
+                q, k, v, self.segment_lengths, self.dilation_rates,
+                causal=self.causal, scale=self.scale, topology=self.topology, strategy=self.strategy,
+                communication=self.communication, layout=self.layout, head_offset=self.head_offset,
+                timeout_s=self.timeout_s,
+            )  # fmt: skip
         return ring_dilated_attention(
             q, k, v, self.segment_lengths, self.dilation_rates,
             causal=self.causal, scale=self.scale, group=self.group, communication=self.communication,
@@ -85,7 +111,7 @@ class RingDilatedAttention(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"segment_lengths={self.segment_lengths}, dilation_rates={self.dilation_rates}, causal={self.causal}, "
-            f"communication={self.communication!r}, layout={self.layout!r}"
+            f"strategy={self.strategy!r}, communication={self.communication!r}, layout={self.layout!r}"
         )
 
 

@@ -1,0 +1,198 @@
+"""The ``"ring_attention"`` section of a DeepSpeed ``ds_config.json``.
+
+DeepSpeed ignores top-level keys it does not know, so ds_ring reads and validates its own section.
+Everything that can be checked from the file alone is checked when it loads; what needs the
+world size, the model's heads or the sequence length is checked by :meth:`RingAttentionConfig.check`
+before any collective. Every rejection is a ``ValueError`` (pydantic's ``ValidationError`` is one)
+naming the field, the value given and the fix.
+
+Example::
+
+    "ring_attention": {
+        "strategy": "ring", "communication": "ring",
+        "sequence_parallel_size": 2,
+        "segment_lengths": [2048, 8192], "dilation_rates": [1, 4],
+        "causal": true, "timeout_s": 120
+    }
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from collections.abc import Mapping
+from os import PathLike
+from typing import Any, Literal
+
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+from pydantic import Field, field_validator, model_validator
+
+from ds_ring.kernels.dilation import make_branches
+from ds_ring.parallel import strategy_names
+from ds_ring.strategies import plan_shards
+
+__all__ = ["RingAttentionConfig", "load_config", "SECTION"]
+
+SECTION = "ring_attention"
+
+
+class RingAttentionConfig(DeepSpeedConfigModel):
+    """Sequence-parallel attention settings (the ``"ring_attention"`` section)."""
+
+    enabled: bool = True
+    """Use ds_ring's sequence-parallel attention. ``false`` runs every attention on the whole sequence."""
+
+    strategy: str = "ring"
+    """``"ring"``/``"allgather"`` (K/V move between sequence shards), ``"ulysses"`` (all-to-all from
+    sequence to head sharding), or ``"hybrid"`` (Ulysses inside ``ulysses_degree`` ranks, ring across)."""
+
+    communication: Literal["ring", "allgather"] = "ring"
+    """How the ring dimension moves K/V: passed rank to rank (O(n/p) memory) or all-gathered (fewer syncs)."""
+
+    sequence_parallel_size: int | None = Field(None, ge=1)
+    """Ranks that share one sequence (default: ``ulysses_degree × ring_degree``, or the whole world)."""
+
+    ulysses_degree: int | None = Field(None, ge=1)
+    """Ranks of the Ulysses (head-sharding) dimension: ``hybrid`` and ``ulysses`` only."""
+
+    ring_degree: int | None = Field(None, ge=1)
+    """Ranks of the ring dimension: ``hybrid``, ``ring`` and ``allgather``."""
+
+    segment_lengths: list[int] | None = None
+    """LongNet segment lengths over the global sequence; absent (with ``dilation_rates``) = dense."""
+
+    dilation_rates: list[int] | None = None
+    """One dilation rate per segment length."""
+
+    causal: bool = True
+    """Causal mask by global position."""
+
+    layout: Literal["contiguous", "zigzag"] = "contiguous"
+    """How the sequence is cut into shards; ``zigzag`` balances causal dense attention over a ring."""
+
+    timeout_s: float = Field(300.0, gt=0)
+    """Bound in seconds on every communication wait; expiry raises an error naming rank, peer and step."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _suggest_for_unknown_keys(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            unknown = [key for key in data if key not in cls.model_fields]
+            if unknown:
+                hints = []
+                for key in unknown:
+                    close = difflib.get_close_matches(str(key), cls.model_fields, n=1)
+                    hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+                raise ValueError(
+                    f"{SECTION}: unknown key(s) {', '.join(hints)}; known keys: {', '.join(cls.model_fields)}"
+                )
+        return data
+
+    @field_validator("strategy")
+    @classmethod
+    def _known_strategy(cls, value: str) -> str:
+        if value not in strategy_names():
+            raise ValueError(f"{SECTION}.strategy {value!r} is not one of {list(strategy_names())}")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RingAttentionConfig:
+        try:
+            make_branches(2**62, self.segment_lengths, self.dilation_rates)
+        except ValueError as err:
+            raise ValueError(f"{SECTION}.segment_lengths / dilation_rates: {err}") from None
+        if self.layout == "zigzag" and self.segment_lengths is not None:
+            raise ValueError(
+                f"{SECTION}.layout 'zigzag' supports dense attention only, got segment_lengths="
+                f"{self.segment_lengths}; remove segment_lengths/dilation_rates or use layout 'contiguous'"
+            )
+        if self.strategy in ("ring", "allgather") and self.ulysses_degree not in (None, 1):
+            raise ValueError(
+                f"{SECTION}.ulysses_degree is {self.ulysses_degree} but strategy {self.strategy!r} has no Ulysses "
+                "dimension; set ulysses_degree to 1 (or remove it), or use strategy 'hybrid'"
+            )
+        if self.strategy == "ulysses" and self.ring_degree not in (None, 1):
+            raise ValueError(
+                f"{SECTION}.ring_degree is {self.ring_degree} but strategy 'ulysses' has no ring dimension; "
+                "set ring_degree to 1 (or remove it), or use strategy 'hybrid'"
+            )
+        if self.strategy == "hybrid" and self.ulysses_degree is None:
+            raise ValueError(
+                f"{SECTION}.strategy 'hybrid' needs ulysses_degree (the Ulysses ranks inside each ring step)"
+            )
+        if None not in (self.sequence_parallel_size, self.ulysses_degree, self.ring_degree):
+            product = self.ulysses_degree * self.ring_degree
+            if product != self.sequence_parallel_size:
+                raise ValueError(
+                    f"{SECTION}: ulysses_degree {self.ulysses_degree} × ring_degree {self.ring_degree} = {product} "
+                    f"≠ sequence_parallel_size {self.sequence_parallel_size}; make the product equal it"
+                )
+        return self
+
+    def degrees(self, world_size: int) -> tuple[int, int, int]:
+        """``(data_parallel, ulysses, ring)`` for ``world_size`` ranks; ``ValueError`` naming every factor."""
+        ulysses = self.ulysses_degree or 1
+        sp = self.sequence_parallel_size
+        if sp is None:
+            sp = ulysses * self.ring_degree if self.ring_degree else world_size
+        if sp % ulysses:
+            raise ValueError(f"{SECTION}: sequence_parallel_size {sp} is not a multiple of ulysses_degree {ulysses}")
+        ring = self.ring_degree or sp // ulysses
+        if self.strategy == "ulysses":
+            ulysses, ring = sp, 1
+        if ulysses * ring != sp or world_size % sp:
+            raise ValueError(
+                f"{SECTION}: ulysses {ulysses} × ring {ring} = {ulysses * ring} ranks per sequence must equal "
+                f"sequence_parallel_size {sp} and divide the world size {world_size} (data parallel = world / "
+                f"sequence parallel); adjust sequence_parallel_size, ulysses_degree or ring_degree"
+            )
+        return world_size // sp, ulysses, ring
+
+    def check(
+        self, *, world_size: int, num_heads: int, num_kv_heads: int | None = None, seq_len: int | None = None
+    ) -> None:
+        """Check the section against the run (ranks, model heads, sequence length), before any collective.
+
+        Without ``seq_len`` the shard and segment checks wait for the first attention call (which
+        raises the same errors before communicating).
+        """
+        _, ulysses, ring = self.degrees(world_size)
+        if num_heads % ulysses:
+            raise ValueError(
+                f"{SECTION}: the model's {num_heads} attention heads are not divisible by ulysses degree {ulysses}; "
+                f"use a ulysses_degree that divides {num_heads}"
+            )
+        if seq_len is None:
+            return
+        sp = ulysses * ring
+        chunks = sp * (2 if self.layout == "zigzag" else 1)
+        if seq_len % chunks:
+            raise ValueError(
+                f"{SECTION}: sequence length {seq_len} must be divisible by {chunks} (sequence_parallel_size {sp}"
+                f"{', ×2 for zigzag' if self.layout == 'zigzag' else ''}); pad or trim the data to a multiple of {chunks}"
+            )
+        if self.strategy == "ulysses":
+            return
+        try:  # the ring dimension holds ulysses·seq/sp consecutive tokens per rank
+            plan_shards(
+                seq_len // ring, num_heads // ulysses, max(1, (num_kv_heads or num_heads) // ulysses), 0, ring,
+                self.segment_lengths, self.dilation_rates, layout=self.layout,
+            )  # fmt: skip
+        except ValueError as err:
+            raise ValueError(f"{SECTION}.segment_lengths {self.segment_lengths} with sequence length {seq_len}: {err}")
+
+
+def load_config(ds_config: str | PathLike | Mapping[str, Any]) -> RingAttentionConfig:
+    """The validated ``"ring_attention"`` section of a whole ds_config (a JSON path or a dict).
+
+    A ds_config without the section gives ``RingAttentionConfig(enabled=False)``.
+    """
+    if not isinstance(ds_config, Mapping):
+        with open(ds_config) as handle:
+            ds_config = json.load(handle)
+    section = ds_config.get(SECTION)
+    if section is None:
+        return RingAttentionConfig(enabled=False)
+    if not isinstance(section, Mapping):
+        raise ValueError(f"{SECTION} must be a JSON object, got {section!r}")
+    return RingAttentionConfig(strict=True, **section)

@@ -1,0 +1,102 @@
+"""Hybrid: Ulysses inside each ulysses group, ring dilated attention across the ring group.
+
+Sequence-parallel rank ``r·U + u`` holds shard ``r·U + u`` of ``L`` rows. The all-to-all inside a
+ulysses group (``U`` consecutive shards) gives rank ``(r, u)`` the ``U·L`` consecutive rows of
+block ``r`` for heads ``[u·H/U, (u+1)·H/U)``; the ring group (same ``u``, ``r = 0..R-1``) then
+holds consecutive blocks in order, so the ring dimension is :func:`sharded_attention` over the
+ring group on shards of ``U·L`` rows with ``head_offset + u·H/U``, and a ring exchange
+(``communication``) moves the K/V between blocks. Forward and backward compose through autograd:
+all-to-all, sharded attention (its own backward ring), all-to-all back.
+
+With ``zigzag`` shards of the sequence-parallel group, the rows a rank gathers are chunks ``r``
+and ``2R-1-r`` of ``2R``: the ring group's own zigzag layout, so dense causal work stays balanced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.distributed import ProcessGroup
+
+from ds_ring.comm.groups import group_rank, group_size
+from ds_ring.kernels.dilated import dilated_attention
+from ds_ring.kernels.dilation import Branch, make_branches, validate_qkv
+from ds_ring.strategies.plan import plan_shards
+from ds_ring.strategies.sharded import CommSpec, get_exchange, sharded_attention
+from ds_ring.strategies.ulysses import check_layout, heads_to_sequence, split_heads, to_heads
+
+__all__ = ["hybrid_attention"]
+
+
+def hybrid_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_lengths: Sequence[int] | None = None,
+    dilation_rates: Sequence[int] | None = None,
+    *,
+    ulysses_group: ProcessGroup | None,
+    ring_group: ProcessGroup | None,
+    causal: bool = False,
+    scale: float | None = None,
+    communication: str = "ring",
+    layout: str = "contiguous",
+    head_offset: int = 0,
+    return_lse: bool = False,
+    timeout_s: float | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Dilated (or dense) attention over a sequence sharded across ``ulysses × ring`` ranks.
+
+    Args:
+        q: local shard ``[batch, seq/p, heads, head_dim]`` with ``heads % U == 0``;
+            k, v: ``[batch, seq/p, kv_heads, head_dim]`` (fewer K/V heads than ``U`` are replicated).
+        segment_lengths, dilation_rates: LongNet branches over the global sequence; ``None``: dense.
+            With ``R > 1`` a segment must divide the ring shard ``U·seq/p`` or be a multiple of it.
+        ulysses_group: the ``U`` ranks of this all-to-all, holding consecutive shards in rank order.
+        ring_group: the ``R`` ranks with this ulysses index, in sequence order.
+        communication: how K/V move along the ring dimension: ``"ring"`` or ``"allgather"``.
+        layout: ``"contiguous"``, or ``"zigzag"`` (with ``R > 1``: dense attention only).
+        head_offset: global index of local head 0.
+        return_lse: also return ``lse [batch, heads, seq/p]`` (float32; float64 for float64 inputs).
+        timeout_s: bound on every communication wait (``None``: ``ds_ring.comm`` default).
+
+    Returns:
+        The local output shard ``[batch, seq/p, heads, head_dim]`` (and the LSE).
+
+    Raises:
+        ValueError: bad shapes, heads not divisible by ``U``, an unknown communication, or a
+            branch / layout the ring dimension cannot shard, before any communication.
+    """
+    validate_qkv(q, k, v, head_offset)
+    exchange = get_exchange(communication)
+    degree, ring_size = group_size(ulysses_group), group_size(ring_group)
+    split = split_heads(q.shape[2], k.shape[2], degree, q.device)
+    check_layout(layout, q.shape[1])
+    block = q.shape[1] * degree
+    offset = head_offset + group_rank(ulysses_group) * split.heads
+    branches = make_branches(block * ring_size, segment_lengths, dilation_rates)
+    plan = None
+    if ring_size > 1:
+        if layout == "zigzag" and any(b != Branch(block * ring_size, 1) for b in branches):
+            raise ValueError(
+                f"strategy 'hybrid' with a ring degree of {ring_size} supports layout='zigzag' for dense attention "
+                f"only, got segment_lengths={segment_lengths} dilation_rates={dilation_rates}; use "
+                f"layout='contiguous', or strategy 'ulysses', which supports zigzag with dilation"
+            )
+        plan = plan_shards(
+            block, split.heads, split.kv_heads, group_rank(ring_group), ring_size, segment_lengths,
+            dilation_rates, layout=layout, head_offset=offset, device=q.device,
+        )  # fmt: skip
+    qh, kh, vh = to_heads(q, k, v, split, ulysses_group, layout=layout, timeout_s=timeout_s)
+    if plan is None:
+        out, lse = dilated_attention(
+            qh, kh, vh, segment_lengths, dilation_rates, causal=causal, scale=scale, head_offset=offset,
+            return_lse=True,
+        )  # fmt: skip
+        lse = lse.transpose(1, 2)
+    else:
+        out, lse = sharded_attention(
+            qh, kh, vh, plan, exchange, CommSpec(ring_group, timeout_s), causal=causal, scale=scale, head_offset=offset
+        )
+    return heads_to_sequence(out, lse, split, ulysses_group, layout, return_lse, timeout_s)

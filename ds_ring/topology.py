@@ -1,0 +1,354 @@
+"""Process groups of sequence-parallel training: data × ring × ulysses, and DeepSpeed's ``mpu``.
+
+A :class:`Topology` is built once, after ``torch.distributed.init_process_group``, and passed
+explicitly to whatever needs a group (attention modules, ``deepspeed.initialize(mpu=...)``);
+there is no module-level singleton.
+
+Rank layout (:class:`RankLayout`, pure arithmetic): with degrees ``D`` (data parallel),
+``U`` (ulysses) and ``R`` (ring),
+
+    rank = d·(U·R) + r·U + u
+
+so a sequence-parallel group (``U·R`` ranks, sequence-parallel rank ``r·U + u``) is made of
+consecutive ranks, the ulysses dimension is innermost (it carries all-to-alls: keep it inside a
+node), the ring next and data parallel outermost. The sequence is cut into contiguous shards in
+sequence-parallel rank order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+__all__ = ["RankLayout", "rank_layout", "Topology", "ROLES"]
+
+ROLES = (
+    "sequence_parallel",
+    "ulysses",
+    "ring",
+    "data_parallel",
+    "sequence_data_parallel",
+    "model_parallel",
+)
+"""The process groups a topology holds, in the order they are created (the same on every rank)."""
+
+Partition = tuple[tuple[int, ...], ...]
+
+
+def _check_degree(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Where every rank sits in the ``data_parallel × ring × ulysses`` grid (no process groups).
+
+    Every group of a role is a tuple of ranks in increasing order, which is also its group-rank
+    order; a role's groups partition ``range(world_size)``.
+    """
+
+    data_parallel: int
+    ulysses: int
+    ring: int
+
+    def __post_init__(self) -> None:
+        for name in ("data_parallel", "ulysses", "ring"):
+            _check_degree(name, getattr(self, name))
+
+    @property
+    def sequence_parallel(self) -> int:
+        """Ranks that share one sequence: ``ulysses × ring``."""
+        return self.ulysses * self.ring
+
+    @property
+    def world_size(self) -> int:
+        return self.data_parallel * self.sequence_parallel
+
+    def rank(self, d: int, r: int, u: int) -> int:
+        """The rank at data-parallel index ``d``, ring index ``r``, ulysses index ``u``."""
+        return d * self.sequence_parallel + r * self.ulysses + u
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """``(d, r, u)`` of ``rank``."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a layout of {self.world_size} ranks")
+        d, sp = divmod(rank, self.sequence_parallel)
+        r, u = divmod(sp, self.ulysses)
+        return d, r, u
+
+    def sequence_parallel_rank(self, rank: int) -> int:
+        """Position of ``rank``'s shard in its sequence: ``r·U + u``."""
+        return rank % self.sequence_parallel
+
+    def groups(self, role: str) -> Partition:
+        """Every group of ``role`` (one of :data:`ROLES`), each a tuple of increasing ranks."""
+        D, R, U = self.data_parallel, self.ring, self.ulysses
+        if role == "sequence_parallel":
+            return tuple(tuple(self.rank(d, r, u) for r in range(R) for u in range(U)) for d in range(D))
+        if role == "ulysses":
+            return tuple(tuple(self.rank(d, r, u) for u in range(U)) for d in range(D) for r in range(R))
+        if role == "ring":
+            return tuple(tuple(self.rank(d, r, u) for r in range(R)) for d in range(D) for u in range(U))
+        if role == "data_parallel":
+            return tuple(tuple(self.rank(d, r, u) for d in range(D)) for r in range(R) for u in range(U))
+        if role == "sequence_data_parallel":
+            return (tuple(range(self.world_size)),)
+        if role == "model_parallel":  # no tensor or pipeline parallelism: every rank alone
+            return tuple((rank,) for rank in range(self.world_size))
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+
+    def group_of(self, role: str, rank: int) -> tuple[int, ...]:
+        """The ranks of ``rank``'s group of ``role``."""
+        return next(g for g in self.groups(role) if rank in g)
+
+    @classmethod
+    def from_config(cls, section: Any, world_size: int) -> RankLayout:
+        """Degrees from a ``ring_attention`` config section (an object or a mapping).
+
+        Reads ``ulysses_degree``, ``ring_degree`` and ``sequence_parallel_size`` (each may be absent
+        or ``None``): ``ulysses`` defaults to 1 (or ``sequence_parallel_size / ring``), the
+        sequence-parallel size to ``ulysses × ring`` (or the whole world when ``ring`` is absent too),
+        ``ring`` to ``sequence_parallel_size / ulysses``. Data parallel = ``world_size / (ulysses × ring)``.
+
+        Raises:
+            ValueError: inconsistent degrees, naming every factor.
+        """
+        _check_degree("world_size", world_size)
+        ulysses, ring, sp = (_read(section, k) for k in ("ulysses_degree", "ring_degree", "sequence_parallel_size"))
+        for name, value in (("ulysses_degree", ulysses), ("ring_degree", ring), ("sequence_parallel_size", sp)):
+            if value is not None:
+                _check_degree(name, value)
+        if ulysses is None:
+            ulysses = sp // ring if sp is not None and ring is not None and sp % ring == 0 else 1
+        if sp is None:
+            sp = ulysses * ring if ring is not None else world_size
+        if ring is None:
+            if sp % ulysses:
+                raise ValueError(
+                    f"sequence_parallel_size {sp} is not a multiple of ulysses_degree {ulysses}; set ring_degree, or "
+                    f"a ulysses_degree that divides {sp}"
+                )
+            ring = sp // ulysses
+        if ulysses * ring != sp:
+            raise ValueError(
+                f"ulysses_degree {ulysses} × ring_degree {ring} = {ulysses * ring} ≠ sequence_parallel_size {sp}; "
+                f"set the degrees so that their product is the sequence-parallel size"
+            )
+        if world_size % sp:
+            raise ValueError(
+                f"ulysses_degree {ulysses} × ring_degree {ring} = {sp} does not divide the world size {world_size}, "
+                f"so data parallel = world size / (ulysses × ring) is not a whole number; choose degrees whose "
+                f"product divides {world_size}"
+            )
+        return rank_layout(world_size, data_parallel=world_size // sp, ulysses=ulysses, ring=ring)
+
+
+def _read(section: Any, key: str) -> Any:
+    return section.get(key) if isinstance(section, Mapping) else getattr(section, key, None)
+
+
+def rank_layout(world_size: int, *, data_parallel: int = 1, ulysses: int = 1, ring: int = 1) -> RankLayout:
+    """The layout of ``world_size`` ranks; the one place where the degrees are checked.
+
+    Raises:
+        ValueError: a degree is not a positive integer, or ``data_parallel × ulysses × ring``
+            differs from ``world_size`` (the message names every factor and a fix).
+    """
+    layout = RankLayout(data_parallel, ulysses, ring)
+    if layout.world_size != world_size:
+        sp = ulysses * ring
+        fix = (
+            f"with ulysses {ulysses} × ring {ring} use data_parallel {world_size // sp}"
+            if world_size % sp == 0
+            else f"ulysses × ring = {sp} must divide the world size"
+        )
+        raise ValueError(
+            f"data_parallel {data_parallel} × ulysses {ulysses} × ring {ring} = {layout.world_size} ≠ world size "
+            f"{world_size}: the degrees must multiply to the number of ranks; {fix}"
+        )
+    return layout
+
+
+def _create_groups(layout: RankLayout, rank: int, world: ProcessGroup) -> dict[str, ProcessGroup]:
+    """This rank's group of every role; every rank runs the same ``new_group`` calls in the same order.
+
+    A rank set that several roles share (e.g. sequence parallel = ulysses when ``ring == 1``) gets
+    one process group; the set of all ranks is ``world`` itself.
+    """
+    made: dict[tuple[int, ...], ProcessGroup] = {}
+    mine: dict[str, ProcessGroup] = {}
+    for role in ROLES:
+        for ranks in layout.groups(role):
+            if ranks not in made:
+                made[ranks] = world if len(ranks) == layout.world_size else dist.new_group(list(ranks))
+            if rank in ranks:
+                mine[role] = made[ranks]
+    return mine
+
+
+@dataclass(frozen=True, eq=False, init=False)
+class Topology:
+    """Every process group of ``data_parallel × ulysses × ring`` sequence-parallel training.
+
+    ``Topology(data_parallel=1, ulysses=1, ring=1, group=None)``, after
+    ``torch.distributed.init_process_group``. Every process of the job must construct it with the
+    same degrees, in the same order relative to other group creations (``torch.distributed.new_group``
+    is collective over the whole job). ``group`` is the group whose ranks the topology divides; it
+    must span every process (default: the world). Degrees are checked before any group is created.
+
+    It is DeepSpeed's ``mpu``: pass it as ``deepspeed.initialize(..., mpu=topology)``. ZeRO then
+    reduces gradients over :attr:`sequence_data_parallel_group` (all ``D·U·R`` ranks) and divides by
+    its size / sequence-parallel size = ``D``; the data loader splits batches over the ``D``
+    data-parallel replicas; the model-parallel group is this rank alone (no tensor or pipeline
+    parallelism), so gradient norms count every replicated parameter once. It deliberately has no
+    ``initialize_sequence_parallel`` attribute: DeepSpeed takes that as the sign of its own
+    sequence-parallel mpu and would then ignore this object's data-parallel group.
+
+    Attributes:
+        layout: the degrees and the rank arithmetic.
+        rank: this process's rank (in ``group``).
+        sequence_parallel_group: the ``U·R`` consecutive ranks sharing one sequence (shards in rank order).
+        ulysses_group: the ``U`` consecutive ranks of one all-to-all (same ``d``, ``r``).
+        ring_group: the ``R`` ranks with the same ``d``, ``u`` (stride ``U``), in sequence order.
+        data_parallel_group: the ``D`` replicas of this rank's position (same ``r``, ``u``).
+        sequence_data_parallel_group: all ranks: what ZeRO partitions and reduces over.
+        model_parallel_group: this rank alone.
+    """
+
+    layout: RankLayout
+    rank: int
+    sequence_parallel_group: ProcessGroup = field(repr=False)
+    ulysses_group: ProcessGroup = field(repr=False)
+    ring_group: ProcessGroup = field(repr=False)
+    data_parallel_group: ProcessGroup = field(repr=False)
+    sequence_data_parallel_group: ProcessGroup = field(repr=False)
+    model_parallel_group: ProcessGroup = field(repr=False)
+
+    def __init__(
+        self, data_parallel: int = 1, ulysses: int = 1, ring: int = 1, group: ProcessGroup | None = None
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("ds_ring.Topology needs torch.distributed: call init_process_group first")
+        world_size = dist.get_world_size(group)
+        layout = rank_layout(world_size, data_parallel=data_parallel, ulysses=ulysses, ring=ring)
+        if group is not None and dist.get_process_group_ranks(group) != list(range(dist.get_world_size())):
+            raise ValueError(
+                f"group must span every process of the job in rank order (torch.distributed.new_group is "
+                f"collective over the whole job), got ranks {dist.get_process_group_ranks(group)} of "
+                f"{dist.get_world_size()}; build the Topology on the world (group=None)"
+            )
+        rank = dist.get_rank(group)
+        groups = _create_groups(layout, rank, dist.group.WORLD if group is None else group)
+        object.__setattr__(self, "layout", layout)
+        object.__setattr__(self, "rank", rank)
+        for role, pg in groups.items():
+            object.__setattr__(self, f"{role}_group", pg)
+
+    @classmethod
+    def from_config(cls, section: Any, world_size: int) -> Topology:
+        """The topology of a ``ring_attention`` config section (see :meth:`RankLayout.from_config`).
+
+        Raises:
+            ValueError: inconsistent degrees, or ``world_size`` differing from torch.distributed's.
+        """
+        layout = RankLayout.from_config(section, world_size)
+        if dist.is_initialized() and dist.get_world_size() != world_size:
+            raise ValueError(
+                f"world_size {world_size} was given but torch.distributed has {dist.get_world_size()} ranks"
+            )
+        return cls(layout.data_parallel, layout.ulysses, layout.ring)
+
+    def __copy__(self) -> Topology:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Topology:
+        """A topology is a handle on process groups, which cannot be copied: copies share it
+        (so ``copy.deepcopy`` of a model holding one works)."""
+        return self
+
+    # Degrees and coordinates ---------------------------------------------------------------------
+
+    @property
+    def data_parallel(self) -> int:
+        return self.layout.data_parallel
+
+    @property
+    def ulysses(self) -> int:
+        return self.layout.ulysses
+
+    @property
+    def ring(self) -> int:
+        return self.layout.ring
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    def _coord(self, index: int) -> int:
+        return self.layout.coords(self.rank)[index]
+
+    # The mpu interface DeepSpeed reads ------------------------------------------------------------
+
+    def get_data_parallel_group(self) -> ProcessGroup:
+        return self.data_parallel_group
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.layout.data_parallel
+
+    def get_data_parallel_rank(self) -> int:
+        return self._coord(0)
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return list(self.layout.group_of("data_parallel", self.rank))
+
+    def get_model_parallel_group(self) -> ProcessGroup:
+        return self.model_parallel_group
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_sequence_parallel_group(self) -> ProcessGroup:
+        return self.sequence_parallel_group
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.layout.sequence_parallel
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self.layout.sequence_parallel_rank(self.rank)
+
+    def get_sequence_data_parallel_group(self) -> ProcessGroup:
+        return self.sequence_data_parallel_group
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.layout.world_size
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.rank
+
+    # The sub-groups of the sequence-parallel group ----------------------------------------------
+
+    def get_ulysses_group(self) -> ProcessGroup:
+        return self.ulysses_group
+
+    def get_ulysses_world_size(self) -> int:
+        return self.layout.ulysses
+
+    def get_ulysses_rank(self) -> int:
+        return self._coord(2)
+
+    def get_ring_group(self) -> ProcessGroup:
+        return self.ring_group
+
+    def get_ring_world_size(self) -> int:
+        return self.layout.ring
+
+    def get_ring_rank(self) -> int:
+        return self._coord(1)

@@ -1,0 +1,92 @@
+"""The ds_config section: ready configs load; malformed ones fail at load time naming field and value."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+import ds_ring
+from ds_ring.config import RingAttentionConfig
+
+CONFIGS = Path(__file__).resolve().parents[1] / "ds_configs"
+WORLD = {"cpu_default.json": 2, "ring_zero2.json": 4, "allgather_zero1.json": 4, "ulysses_zero3.json": 4,
+         "hybrid.json": 8}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.json")))
+def test_ready_configs_load_and_fit_their_world(name):
+    section = ds_ring.load_config(CONFIGS / name)
+    assert section.enabled
+    data_parallel, ulysses, ring = section.degrees(WORLD[name])
+    assert data_parallel * ulysses * ring == WORLD[name]
+    section.check(world_size=WORLD[name], num_heads=8, seq_len=2**17)
+    assert ds_ring.load_config(json.loads((CONFIGS / name).read_text())) == section
+
+
+def test_every_ready_config_is_listed():
+    assert {p.name for p in CONFIGS.glob("*.json")} == set(WORLD)
+
+
+def test_missing_section_means_disabled():
+    assert ds_ring.load_config({"train_batch_size": 8}).enabled is False
+
+
+MALFORMED = [
+    ({"strategy": "rnig"}, ["strategy", "rnig"]),
+    ({"comunication": "ring"}, ["comunication", "did you mean 'communication'"]),
+    ({"communication": "p2p"}, ["communication", "p2p"]),
+    ({"sequence_parallel_size": 0}, ["sequence_parallel_size", "0"]),
+    ({"ulysses_degree": -2, "strategy": "hybrid"}, ["ulysses_degree", "-2"]),
+    ({"segment_lengths": [1024, 2048], "dilation_rates": [1]}, ["segment_lengths", "[1024, 2048]"]),
+    ({"segment_lengths": [0], "dilation_rates": [1]}, ["segment_lengths", "[0]"]),
+    ({"segment_lengths": [1024]}, ["dilation_rates", "None"]),
+    ({"layout": "spiral"}, ["layout", "spiral"]),
+    ({"layout": "zigzag", "segment_lengths": [8], "dilation_rates": [1]}, ["zigzag", "[8]"]),
+    ({"strategy": "ring", "ulysses_degree": 2}, ["ulysses_degree", "2", "hybrid"]),
+    ({"strategy": "ulysses", "ring_degree": 2}, ["ring_degree", "2"]),
+    ({"strategy": "hybrid", "ring_degree": 2}, ["hybrid", "ulysses_degree"]),
+    ({"strategy": "hybrid", "ulysses_degree": 2, "ring_degree": 2, "sequence_parallel_size": 8},
+     ["ulysses_degree 2", "ring_degree 2", "sequence_parallel_size 8"]),
+    ({"timeout_s": 0}, ["timeout_s", "0"]),
+    ({"timeout_s": "soon"}, ["timeout_s", "soon"]),
+    ({"causal": "maybe"}, ["causal", "maybe"]),
+    ({"dilation_rates": [1, 2], "segment_lengths": [64, "long"]}, ["segment_lengths", "long"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("section", "needles"), MALFORMED, ids=[str(i) for i in range(len(MALFORMED))])
+def test_malformed_section_rejected_at_load(section, needles):
+    with pytest.raises(ValueError) as err:
+        ds_ring.load_config({"ring_attention": section})
+    for needle in needles:
+        assert needle in str(err.value), (needle, str(err.value))
+
+
+def test_section_must_be_an_object(tmp_path):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({"ring_attention": 5}))
+    with pytest.raises(ValueError, match="ring_attention must be a JSON object, got 5"):
+        ds_ring.load_config(path)
+
+
+RUN_MISMATCHES = [
+    (dict(sequence_parallel_size=4), dict(world_size=6, num_heads=8, seq_len=1024), ["4", "world size 6"]),
+    (dict(strategy="ulysses", sequence_parallel_size=4), dict(world_size=4, num_heads=6, seq_len=1024),
+     ["6 attention heads", "ulysses degree 4"]),
+    (dict(sequence_parallel_size=3), dict(world_size=3, num_heads=8, seq_len=1000), ["1000", "divisible by 3"]),
+    (dict(sequence_parallel_size=2, segment_lengths=[300], dilation_rates=[1]),
+     dict(world_size=2, num_heads=8, seq_len=1024), ["[300]", "1024", "512"]),
+    (dict(sequence_parallel_size=2, layout="zigzag"), dict(world_size=2, num_heads=8, seq_len=1026),
+     ["1026", "zigzag"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("section", "run", "needles"), RUN_MISMATCHES, ids=[str(i) for i in range(len(RUN_MISMATCHES))]
+)
+def test_section_checked_against_the_run(section, run, needles):
+    config = RingAttentionConfig(**section)
+    with pytest.raises(ValueError) as err:
+        config.check(**run)
+    for needle in needles:
+        assert needle in str(err.value), (needle, str(err.value))
