@@ -169,7 +169,8 @@ class RingAttentionConfig(DeepSpeedConfigModel):
         if seq_len % chunks:
             raise ValueError(
                 f"{SECTION}: sequence length {seq_len} must be divisible by {chunks} (sequence_parallel_size {sp}"
-                f"{', ×2 for zigzag' if self.layout == 'zigzag' else ''}); pad or trim the data to a multiple of {chunks}"
+                f"{', ×2 for zigzag' if self.layout == 'zigzag' else ''}); pad or trim the data to a multiple of "
+                f"{chunks}"
             )
         if self.strategy == "ulysses":
             return
@@ -179,7 +180,9 @@ class RingAttentionConfig(DeepSpeedConfigModel):
                 self.segment_lengths, self.dilation_rates, layout=self.layout,
             )  # fmt: skip
         except ValueError as err:
-            raise ValueError(f"{SECTION}.segment_lengths {self.segment_lengths} with sequence length {seq_len}: {err}")
+            raise ValueError(
+                f"{SECTION}.segment_lengths {self.segment_lengths} with sequence length {seq_len}: {err}"
+            ) from None
 
 
 def load_config(ds_config: str | PathLike | Mapping[str, Any]) -> RingAttentionConfig:
