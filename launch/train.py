@@ -30,6 +30,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python launch/train.py` from a checkout
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is imported: no detection warning
 
 import ds_ring  # noqa: E402
 from launch.model import TinyGPT  # noqa: E402
