@@ -7,6 +7,7 @@ runs many cases in one spawn and returns the failures, so one failing case names
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -67,3 +68,18 @@ def run_cases(cases: list[dict[str, Any]], attention: Callable[..., Any], group=
         with log.case(str(case)):
             check_case(case, attention, group)
     return log.failures
+
+
+def ring_rank(rank: int, world: int, cases: list[dict[str, Any]]) -> list[str]:
+    """Rank function: every case through ``ds_ring.ring_dilated_attention`` with the case's communication."""
+    failures = []
+    for case in cases:
+        attention = functools.partial(ds_ring.ring_dilated_attention, communication=case["communication"])
+        failures += run_cases([case], attention)
+    return failures
+
+
+def assert_no_failures(results: list[list[str]]) -> None:
+    """Fail with the first few failing cases of every rank's list."""
+    failures = [f for per_rank in results for f in per_rank]
+    assert not failures, "\n".join(failures[:3])

@@ -1,13 +1,11 @@
 """Dense ring and all-gather attention equal the oracle on the gathered tensors, world sizes 1-4."""
 
-import functools
 import itertools
 
 import pytest
 
-import ds_ring
 from tests.dist import run_distributed
-from tests.sharded_cases import run_cases
+from tests.sharded_cases import assert_no_failures, ring_rank
 
 
 def _cases(world: int) -> list[dict]:
@@ -32,17 +30,7 @@ def _cases(world: int) -> list[dict]:
     return cases
 
 
-def _rank(rank: int, world: int) -> list[str]:
-    failures = []
-    for case in _cases(world):
-        attention = functools.partial(ds_ring.ring_dilated_attention, communication=case["communication"])
-        failures += run_cases([case], attention)
-    return failures
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_dense_ring_and_allgather_match_reference(world):
-    results = run_distributed(_rank, world, timeout=200)
-    failures = [f for per_rank in results for f in per_rank]
-    assert not failures, "\n".join(failures[:3])
+    assert_no_failures(run_distributed(ring_rank, world, timeout=200, cases=_cases(world)))
