@@ -10,8 +10,10 @@ from typing import Any
 
 from ds_ring.attention import MultiheadRingDilatedAttention, RingDilatedAttention
 from ds_ring.functional import ring_dilated_attention
+from ds_ring.hooks import Event, register_hook
 from ds_ring.kernels import dilated_attention, merge
 from ds_ring.loss import sequence_parallel_cross_entropy
+from ds_ring.monitor import NumericsError, RingMonitor, run_main
 from ds_ring.parallel import sequence_parallel_attention
 from ds_ring.reference import dilated_attention_reference
 from ds_ring.sharding import gather_sequence, shard_sequence
@@ -24,9 +26,12 @@ _WITH_DEEPSPEED = {
 }
 
 __all__ = [
+    "Event",
     "MultiheadRingDilatedAttention",
+    "NumericsError",
     "RingAttentionConfig",
     "RingDilatedAttention",
+    "RingMonitor",
     "Topology",
     "dilated_attention",
     "dilated_attention_reference",
@@ -34,7 +39,9 @@ __all__ = [
     "initialize",
     "load_config",
     "merge",
+    "register_hook",
     "ring_dilated_attention",
+    "run_main",
     "sequence_parallel_attention",
     "sequence_parallel_cross_entropy",
     "shard_sequence",

@@ -12,8 +12,13 @@ Example::
         "strategy": "ring", "communication": "ring",
         "sequence_parallel_size": 2,
         "segment_lengths": [2048, 8192], "dilation_rates": [1, 4],
-        "causal": true, "timeout_s": 120
+        "causal": true, "timeout_s": 120,
+        "monitoring": {"metrics": true, "watchdog": true, "step_timeout_s": 900, "numerics_guard": "warn"}
     }
+
+``monitoring.metrics`` writes through DeepSpeed's monitor, so the ds_config must enable one of its
+backends (``"csv_monitor"``, ``"tensorboard"``, ``"wandb"``, ``"comet"``); :func:`ds_ring.initialize`
+checks that before any collective.
 """
 
 from __future__ import annotations
@@ -31,9 +36,52 @@ from ds_ring.kernels.dilation import make_branches
 from ds_ring.parallel import strategy_names
 from ds_ring.strategies import plan_shards
 
-__all__ = ["RingAttentionConfig", "load_config", "SECTION"]
+__all__ = ["RingAttentionConfig", "MonitoringConfig", "load_config", "SECTION"]
 
 SECTION = "ring_attention"
+
+
+def _refuse_unknown_keys(data: Any, known: Mapping[str, Any], where: str) -> None:
+    """``ValueError`` naming every key of ``data`` not in ``known``, with the closest known key."""
+    if not isinstance(data, Mapping):
+        return
+    unknown = [key for key in data if key not in known]
+    if unknown:
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ValueError(f"{where}: unknown key(s) {', '.join(hints)}; known keys: {', '.join(known)}")
+
+
+class MonitoringConfig(DeepSpeedConfigModel):
+    """Built-in monitoring hooks (the ``"monitoring"`` object inside ``"ring_attention"``)."""
+
+    metrics: bool = False
+    """Per training step, write attention compute time, communication time, the share of
+    communication hidden behind compute, bytes sent and received and peak memory (min and max over
+    ranks) through DeepSpeed's monitor from rank 0. Needs a DeepSpeed monitor backend enabled."""
+
+    watchdog: bool = True
+    """Log every communication error (timeout after ``timeout_s`` or failed peer) the moment it is
+    raised, naming this rank, the peer, the training step, the layer and the operation."""
+
+    step_timeout_s: float | None = Field(None, gt=0)
+    """With ``watchdog``: a training step still running after this many seconds (a hang outside
+    ds_ring's bounded waits) makes the process dump every thread's stack and exit with code 1.
+    ``null``: no step deadline. Must exceed a whole step, checkpointing included."""
+
+    numerics_guard: Literal["off", "warn", "raise", "skip_step"] = "off"
+    """What a NaN or Inf in an attention output or LSE (``+inf``; ``-inf`` marks rows no key covers)
+    does: nothing (``off``), a warning naming the layer and rank (``warn``), a ``NumericsError``
+    (``raise``), or a warning and the step skipped on every rank (``skip_step``, when the training
+    loop asks ``engine.ring_monitor.skip_step()``)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _suggest_for_unknown_keys(cls, data: Any) -> Any:
+        _refuse_unknown_keys(data, cls.model_fields, f"{SECTION}.monitoring")
+        return data
 
 
 class RingAttentionConfig(DeepSpeedConfigModel):
@@ -71,21 +119,16 @@ class RingAttentionConfig(DeepSpeedConfigModel):
     """How the sequence is cut into shards; ``zigzag`` balances causal dense attention over a ring."""
 
     timeout_s: float = Field(300.0, gt=0)
-    """Bound in seconds on every communication wait; expiry raises an error naming rank, peer and step."""
+    """Bound in seconds on every communication wait (ds_ring's and, when ds_ring starts
+    ``torch.distributed``, the process group's); expiry raises an error naming rank, peer and step."""
+
+    monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
+    """Built-in hooks: per-step metrics, the watchdog and the numerics guard (:class:`MonitoringConfig`)."""
 
     @model_validator(mode="before")
     @classmethod
     def _suggest_for_unknown_keys(cls, data: Any) -> Any:
-        if isinstance(data, Mapping):
-            unknown = [key for key in data if key not in cls.model_fields]
-            if unknown:
-                hints = []
-                for key in unknown:
-                    close = difflib.get_close_matches(str(key), cls.model_fields, n=1)
-                    hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-                raise ValueError(
-                    f"{SECTION}: unknown key(s) {', '.join(hints)}; known keys: {', '.join(cls.model_fields)}"
-                )
+        _refuse_unknown_keys(data, cls.model_fields, SECTION)
         return data
 
     @field_validator("strategy")

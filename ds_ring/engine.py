@@ -1,6 +1,6 @@
 """DeepSpeed glue: read the ``ring_attention`` section, build the topology, install the strategy,
 and hand the topology to ``deepspeed.initialize`` as its ``mpu`` so ZeRO reduces gradients over
-the sequence-data-parallel group.
+the sequence-data-parallel group; attach the monitoring hooks the section switches on.
 """
 
 from __future__ import annotations
@@ -19,11 +19,15 @@ from torch import nn
 
 from ds_ring.attention import MultiheadRingDilatedAttention, RingDilatedAttention
 from ds_ring.comm.wait import set_default_timeout
-from ds_ring.config import SECTION, RingAttentionConfig, load_config
+from ds_ring.config import SECTION, MonitoringConfig, RingAttentionConfig, load_config
 from ds_ring.launch_env import discover_launch_env
+from ds_ring.monitor import RingMonitor
 from ds_ring.topology import Topology
 
-__all__ = ["initialize", "install", "init_distributed"]
+__all__ = ["initialize", "install", "init_distributed", "attach_monitor"]
+
+MONITOR_BACKENDS = ("csv_monitor", "tensorboard", "wandb", "comet")
+_attached: RingMonitor | None = None  # the monitor of the last ds_ring.initialize in this process
 
 
 def _read(config: str | PathLike | Mapping[str, Any]) -> dict[str, Any]:
@@ -33,21 +37,39 @@ def _read(config: str | PathLike | Mapping[str, Any]) -> dict[str, Any]:
         return json.load(handle)
 
 
+def _restart_safe_store(timeout: timedelta) -> dist.Store | None:
+    """Under ``torchrun``, a view of the agent's store private to this restart attempt (else ``None``).
+
+    The agent keeps one TCPStore for every restart of a job, and ``torch.distributed``'s ``env://``
+    rendezvous uses it with the same keys each time: ranks restarted after a failure could read the
+    addresses their dead predecessors published, and then fail to connect or wait for the timeout
+    (seen with the static rendezvous of ``--master-addr/--master-port``, torch 2.13). Prefixing the
+    keys with ``TORCHELASTIC_RESTART_COUNT`` keeps each attempt to itself.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"ds_ring/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def init_distributed(timeout_s: float = 300.0) -> None:
     """Start ``torch.distributed`` once, from whatever launcher started this process.
 
     Reads the rank from the launcher's environment (``deepspeed``, ``torchrun``, SLURM, or
     ``mpirun`` through mpi4py — keeping ``MASTER_ADDR`` if set), then calls
     ``deepspeed.init_distributed`` with the accelerator's backend (gloo on CPU, NCCL on CUDA).
+    Under ``torchrun`` the rendezvous keys are private to the restart attempt, so
+    ``--max-restarts`` restarts rendezvous afresh.
     """
     if dist.is_initialized():
         return
     discover_launch_env()
-    deepspeed.init_distributed(
-        dist_backend=get_accelerator().communication_backend_name(),
-        auto_mpi_discovery=False,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    backend, timeout = get_accelerator().communication_backend_name(), timedelta(seconds=timeout_s)
+    store = _restart_safe_store(timeout)
+    if store is not None:  # deepspeed.init_distributed adopts the group
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
 
 
 def _attention_modules(model: nn.Module) -> list[RingDilatedAttention]:
@@ -104,6 +126,37 @@ def _zero3_over_sequence_data_parallel(model: nn.Module, ds_config: dict[str, An
     return ds_config
 
 
+def _check_monitor_backend(section: RingAttentionConfig, ds_config: Mapping[str, Any]) -> None:
+    """``monitoring.metrics`` writes through DeepSpeed's monitor: one backend must be enabled."""
+    if not section.monitoring.metrics:
+        return
+    enabled = [name for name in MONITOR_BACKENDS if (ds_config.get(name) or {}).get("enabled")]
+    if not enabled:
+        raise ValueError(
+            f"{SECTION}.monitoring.metrics is true but the ds_config enables none of DeepSpeed's monitors "
+            f'{list(MONITOR_BACKENDS)}; add e.g. "csv_monitor": {{"enabled": true, "output_path": '
+            f'"runs/monitor", "job_name": "ring"}} to the ds_config, or set metrics to false'
+        )
+
+
+def attach_monitor(engine: Any, model: nn.Module, monitoring: MonitoringConfig) -> RingMonitor:
+    """Attach the section's monitoring hooks to ``engine`` as ``engine.ring_monitor`` (metrics go to
+    ``engine.monitor``). The monitor of an earlier ``ds_ring.initialize`` in this process is closed."""
+    global _attached
+    if _attached is not None:
+        _attached.close()
+    _attached = RingMonitor(
+        metrics=monitoring.metrics,
+        watchdog=monitoring.watchdog,
+        step_timeout_s=monitoring.step_timeout_s,
+        numerics_guard=monitoring.numerics_guard,
+        model=model,
+        writer=getattr(engine, "monitor", None),
+    )
+    engine.ring_monitor = _attached
+    return _attached
+
+
 def initialize(
     *,
     model: nn.Module,
@@ -126,29 +179,34 @@ def initialize(
 
     Returns:
         What ``deepspeed.initialize`` returns: ``(engine, optimizer, dataloader, lr_scheduler)``;
-        ``engine.mpu`` is the :class:`ds_ring.Topology`.
+        ``engine.mpu`` is the :class:`ds_ring.Topology` and ``engine.ring_monitor`` the
+        :class:`ds_ring.monitor.RingMonitor` of the section's ``monitoring`` (the training loop
+        calls its ``begin_step`` / ``skip_step`` / ``end_step``).
 
     Raises:
-        ValueError: a malformed section or one inconsistent with the world size, the model's heads
-            or ``seq_len`` — before any collective.
+        ValueError: a malformed section or one inconsistent with the world size, the model's heads,
+            ``seq_len`` or the ds_config's monitors — before any collective.
     """
     if "mpu" in deepspeed_kwargs:
         raise ValueError("ds_ring.initialize builds the mpu from the ds_config; do not pass mpu=")
     ds_config = _read(config)
     section = load_config(ds_config)
+    _check_monitor_backend(section, ds_config)
     discover_launch_env()
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     if section.enabled:
         _check_heads(model, section, world_size, seq_len)
     else:
-        section = RingAttentionConfig(enabled=False, sequence_parallel_size=1, timeout_s=section.timeout_s)
+        section = RingAttentionConfig(
+            enabled=False, sequence_parallel_size=1, timeout_s=section.timeout_s, monitoring=section.monitoring
+        )
     init_distributed(section.timeout_s)
     set_default_timeout(section.timeout_s)
     topology = Topology.from_config(section, world_size)
     install(model, section, topology)
     config_for_deepspeed = {key: value for key, value in ds_config.items() if key != SECTION}
     config_for_deepspeed = _zero3_over_sequence_data_parallel(model, config_for_deepspeed, topology)
-    return deepspeed.initialize(
+    initialized = deepspeed.initialize(
         model=model,
         model_parameters=model_parameters,
         optimizer=optimizer,
@@ -156,3 +214,5 @@ def initialize(
         mpu=topology,
         **deepspeed_kwargs,
     )
+    attach_monitor(initialized[0], model, section.monitoring)
+    return initialized

@@ -12,7 +12,17 @@ Launch with any of (2 CPU ranks shown; see launch/README.md)::
     mpirun -np 2 python launch/train.py --deepspeed_config ds_configs/cpu_default.json
 
 It checkpoints every ``--save-every`` steps into ``--save-dir`` and, when started again with the
-same directory, resumes from the latest checkpoint (data position included).
+same directory (a plain re-run, or ``torchrun --max-restarts``), resumes from the latest checkpoint
+(data position included). The ``ring_attention.monitoring`` section of the ds_config switches on
+per-step metrics (written through DeepSpeed's monitor; a monitor ``output_path`` left empty means
+``<save-dir>/monitor``), the watchdog and the numerics guard. Any error ends the process with
+code 1 after logging it, never a hang.
+
+Fault injection, for the recovery tests: ``DS_RING_FAULT="kill:rank=1:step=5"`` SIGKILLs rank 1
+when training step 5 (1-based) posts its first ring transfer; ``"sleep:rank=1:step=3:seconds=60"``
+makes it stop answering for 60 s there instead. It fires only in a run that started from scratch
+and is not a torchrun restart (``TORCHELASTIC_RESTART_COUNT`` unset or 0), so a restarted or
+re-run job resumes and finishes.
 """
 
 from __future__ import annotations
@@ -20,9 +30,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
+import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,6 +45,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is imported: no detection warning
 
 import ds_ring  # noqa: E402
+from ds_ring.hooks import Event, HookHandle, peak_memory_bytes, register_hook  # noqa: E402
+from ds_ring.monitor import run_main  # noqa: E402
 from launch.model import TinyGPT  # noqa: E402
 
 KEYS, KEY_REPEAT, QUERY_TOKENS = 16, 64, 64
@@ -55,9 +68,63 @@ def make_batch(step: int, batch: int, seq: int, seed: int) -> tuple[torch.Tensor
 
 def peak_memory_mib() -> float:
     """Peak memory of this rank: the accelerator allocator's when on CUDA, else peak RSS."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return peak_memory_bytes() / 2**20
+
+
+MONITORS_WITH_OUTPUT_PATH = ("csv_monitor", "tensorboard")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A fault to inject (tests): ``action`` ("kill" or "sleep") on ``rank`` in training step ``step``."""
+
+    action: str
+    rank: int
+    step: int
+    seconds: float = 0.0
+
+    @classmethod
+    def parse(cls, spec: str) -> Fault:
+        """``"kill:rank=R:step=S"`` or ``"sleep:rank=R:step=S:seconds=X"``; ``ValueError`` naming what is wrong."""
+        action, *fields = spec.split(":")
+        try:
+            values = dict(field.split("=", 1) for field in fields)
+            fault = cls(action, int(values.pop("rank")), int(values.pop("step")), float(values.pop("seconds", 0)))
+            if action not in ("kill", "sleep") or values or (action == "sleep") != (fault.seconds > 0):
+                raise ValueError(f"unknown action or fields {sorted(values)}")
+        except (KeyError, ValueError) as err:
+            raise ValueError(
+                f"DS_RING_FAULT={spec!r}: expected 'kill:rank=R:step=S' or 'sleep:rank=R:step=S:seconds=X' ({err})"
+            ) from None
+        return fault
+
+    def install(self, rank: int, current_step: list[int]) -> HookHandle | None:
+        """On ``rank``, fire when training step ``current_step[0] == step`` starts its first ring step."""
+        if rank != self.rank:
+            return None
+
+        def fire(event: Event) -> None:
+            if event.kind != "ring_step" or event.phase != "start" or current_step[0] != self.step:
+                return
+            print(f"ds_ring fault injection: rank {rank} {self.action}{f' {self.seconds} s' if self.seconds else ''} "
+                  f"in training step {self.step} before {event.op} ring step {event.step} "
+                  f"(unix time {time.time():.3f})", file=sys.stderr, flush=True)  # fmt: skip
+            if self.action == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            current_step[0] = -1  # once
+            time.sleep(self.seconds)
+
+        return register_hook(fire, phases=("start",))
+
+
+def ds_config_for(path: str, save_dir: Path) -> dict:
+    """The ds_config, with an empty monitor ``output_path`` set to ``<save_dir>/monitor``."""
+    config = json.loads(Path(path).read_text())
+    for name in MONITORS_WITH_OUTPUT_PATH:
+        backend = config.get(name)
+        if isinstance(backend, dict) and backend.get("enabled") and not backend.get("output_path"):
+            config[name] = {**backend, "output_path": str(save_dir / "monitor")}
+    return config
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -76,20 +143,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-dir", default="runs/train", help="checkpoints; an existing one is resumed")
     p.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps (0: never)")
     p.add_argument("--metrics-log", default=None, help="write per-step metrics as JSON lines here (rank 0)")
+    p.add_argument("--final-params", default=None, help="rank 0 saves the final parameters here (torch.save)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    fault = Fault.parse(os.environ["DS_RING_FAULT"]) if os.environ.get("DS_RING_FAULT") else None
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    section = ds_ring.load_config(args.deepspeed_config)
+    save_dir = Path(args.save_dir)
+    ds_config = ds_config_for(args.deepspeed_config, save_dir)
+    section = ds_ring.load_config(ds_config)
     model = TinyGPT(
         VOCAB, args.dim, args.heads, args.layers, args.seq, kv_heads=args.kv_heads,
         segment_lengths=section.segment_lengths, dilation_rates=section.dilation_rates, causal=True,
     )  # fmt: skip
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    engine, *_ = ds_ring.initialize(model=model, optimizer=optimizer, config=args.deepspeed_config, seq_len=args.seq)
+    engine, *_ = ds_ring.initialize(model=model, optimizer=optimizer, config=ds_config, seq_len=args.seq)
+    if args.final_params and engine.zero_optimization_stage() == 3:
+        raise ValueError("--final-params needs whole parameters on rank 0: use ZeRO stage 0-2")
+    monitor = engine.ring_monitor
     topology = engine.mpu
     group = topology.sequence_parallel_group
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -98,29 +172,39 @@ def main(argv: list[str] | None = None) -> dict:
     positions = ds_ring.shard_sequence(torch.arange(args.seq), group, dim=0)
 
     start_step = 0
-    save_dir = Path(args.save_dir)
     if (save_dir / "latest").exists():
+        tag = (save_dir / "latest").read_text().strip()
         _, client_state = engine.load_checkpoint(str(save_dir))
         start_step = client_state["step"]
+        if rank == 0:
+            print(f"resumed from checkpoint {tag} at step {start_step}", flush=True)
+    current_step = [0]  # read by the fault hook
+    first_attempt = start_step == 0 and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+    if fault is not None and first_attempt:
+        fault.install(rank, current_step)
 
     losses: list[float] = []
     tokens_per_step = micro * replicas * args.seq
     progress = tqdm(range(start_step, args.steps), disable=rank != 0, desc="train", unit="step")
     started = time.perf_counter()
     for step in progress:
+        current_step[0] = step + 1
+        monitor.begin_step(step + 1)
         tokens, labels = make_batch(step, micro * replicas, args.seq, args.seed)
         rows = slice(replica * micro, (replica + 1) * micro)
         local_tokens, local_labels = (ds_ring.shard_sequence(x[rows], group) for x in (tokens, labels))
         loss = ds_ring.sequence_parallel_cross_entropy(engine(local_tokens, positions), local_labels, group)
-        engine.backward(loss)
-        engine.step()
+        if not monitor.skip_step():  # numerics_guard "skip_step": the batch is dropped on every rank
+            engine.backward(loss)
+            engine.step()
         losses.append(loss.item())
         progress.set_postfix(loss=f"{losses[-1]:.3f}")
-        if args.metrics_log and rank == 0:
-            with open(args.metrics_log, "a") as handle:
-                handle.write(json.dumps({"step": step + 1, "loss": losses[-1]}) + "\n")
         if args.save_every and (step + 1) % args.save_every == 0:
             engine.save_checkpoint(str(save_dir), tag=f"step{step + 1}", client_state={"step": step + 1})
+        metrics = monitor.end_step(loss=losses[-1])
+        if args.metrics_log and rank == 0:
+            with open(args.metrics_log, "a") as handle:
+                handle.write(json.dumps({"step": step + 1, "loss": losses[-1], **metrics}) + "\n")
     elapsed = time.perf_counter() - started
     done = args.steps - start_step
 
@@ -135,8 +219,12 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{done} steps of {tokens_per_step} tokens on {world} ranks in {elapsed:.1f} s")
         for r, (mem, tps) in enumerate(reports.tolist() if isinstance(reports, torch.Tensor) else reports):
             print(f"  rank {r}: {float(tps):8.0f} tokens/s | peak memory {float(mem):7.1f} MiB")
+        if args.final_params:
+            params = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+            torch.save(params, args.final_params)
     if os.environ.get("DS_RING_TRAIN_SUMMARY"):
         Path(os.environ["DS_RING_TRAIN_SUMMARY"]).with_suffix(f".rank{rank}.json").write_text(json.dumps(summary))
+    monitor.close()
     dist.barrier()
     engine.destroy()
     dist.destroy_process_group()
@@ -144,12 +232,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
-    # Everything is saved, printed and torn down. Exit without C++ static destructors: at
-    # interpreter exit DeepSpeed/gloo intermittently abort ("terminate called without an active
-    # exception", ~1 run in 4 here), which would turn a finished run into a failed one.
-    if "mpi4py.MPI" in sys.modules:  # mpirun counts a rank that skips MPI_Finalize as crashed
-        sys.modules["mpi4py.MPI"].Finalize()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # Everything is saved, printed and torn down by main(). run_main exits without C++ static
+    # destructors (at interpreter exit DeepSpeed/gloo intermittently abort with "terminate called
+    # without an active exception", ~1 run in 4 here), with code 1 after logging any error (a
+    # communication timeout names the rank, peer, step and op), so a failed rank never hangs.
+    run_main(main)

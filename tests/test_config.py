@@ -51,6 +51,14 @@ MALFORMED = [
     ({"timeout_s": "soon"}, ["timeout_s", "soon"]),
     ({"causal": "maybe"}, ["causal", "maybe"]),
     ({"dilation_rates": [1, 2], "segment_lengths": [64, "long"]}, ["segment_lengths", "long"]),
+    ({"monitoring": {"numerics_guard": "loud"}}, ["monitoring.numerics_guard", "loud", "skip_step"]),
+    ({"monitoring": {"metrix": True}}, ["monitoring", "metrix", "did you mean 'metrics'"]),
+    ({"monitoring": {"metrics": "sometimes"}}, ["monitoring.metrics", "sometimes"]),
+    ({"monitoring": {"watchdog": None}}, ["monitoring.watchdog", "None"]),
+    ({"monitoring": {"step_timeout_s": 0}}, ["monitoring.step_timeout_s", "0"]),
+    ({"monitoring": {"step_timeout_s": "later"}}, ["monitoring.step_timeout_s", "later"]),
+    ({"monitoring": "all"}, ["monitoring", "all"]),
+    ({"monitor": {}}, ["monitor", "did you mean 'monitoring'"]),
 ]  # fmt: skip
 
 
@@ -60,6 +68,23 @@ def test_malformed_section_rejected_at_load(section, needles):
         ds_ring.load_config({"ring_attention": section})
     for needle in needles:
         assert needle in str(err.value), (needle, str(err.value))
+
+
+def test_monitoring_defaults_and_ready_values():
+    assert ds_ring.load_config({"ring_attention": {}}).monitoring.model_dump() == {
+        "metrics": False, "watchdog": True, "step_timeout_s": None, "numerics_guard": "off"
+    }  # fmt: skip
+    for mode in ("off", "warn", "raise", "skip_step"):
+        section = ds_ring.load_config({"ring_attention": {"monitoring": {"numerics_guard": mode, "step_timeout_s": 5}}})
+        assert (section.monitoring.numerics_guard, section.monitoring.step_timeout_s) == (mode, 5.0)
+
+
+def test_metrics_need_a_deepspeed_monitor_before_any_collective():
+    from ds_ring.engine import initialize
+
+    config = {"train_micro_batch_size_per_gpu": 1, "ring_attention": {"monitoring": {"metrics": True}}}
+    with pytest.raises(ValueError, match=r"monitoring.metrics is true but the ds_config enables none of .*csv_monitor"):
+        initialize(model=ds_ring.RingDilatedAttention(), config=config)
 
 
 def test_section_must_be_an_object(tmp_path):

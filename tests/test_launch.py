@@ -26,10 +26,15 @@ def _free_port() -> int:
 
 def _run(command: list[str], tmp_path: Path, port: int) -> str:
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
-    done = subprocess.run(
-        [*command, "--save-dir", str(tmp_path / "ckpt"), "--save-every", "3"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+    try:
+        done = subprocess.run(
+            [*command, "--save-dir", str(tmp_path / "ckpt"), "--save-every", "3"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+    finally:
+        # DeepSpeed's CPU shared-memory all-reduce (under its launcher) leaves 2 × 69 MB per job in /dev/shm.
+        for leftover in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+            leftover.unlink(missing_ok=True)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
     assert "rank 0:" in output and "rank 1:" in output, output[-4000:]

@@ -10,8 +10,10 @@ backend that refuses a collective (old gloo lacks reduce-scatter) is remembered 
 
 No autograd: strategies define their own backward. Each call emits one
 :class:`~ds_ring.hooks.Event` (``kind`` = the collective's name, ``nbytes`` = bytes received,
-``extra`` = ``span``, ``path`` (``"collective"`` or ``"p2p"``), ``sent_bytes``) when hooks are
-registered; a span of one moves nothing, makes no ``torch.distributed`` call and emits nothing.
+``seconds`` = from the call to completion, ``extra`` = ``span``, ``path`` (``"collective"`` or
+``"p2p"``), ``sent_bytes``, ``wait_s`` (the part spent blocked waiting)) when hooks are
+registered, and a ``phase="start"`` event of the same kind before posting for hooks that asked
+for start events; a span of one moves nothing, makes no ``torch.distributed`` call and emits nothing.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch.distributed as dist
 from ds_ring.comm.errors import CommError
 from ds_ring.comm.groups import group_rank
 from ds_ring.comm.spans import group_members, span_position
-from ds_ring.comm.wait import Pending, resolve_timeout, wait_all
+from ds_ring.comm.wait import Pending, failed, resolve_timeout, wait_all
 from ds_ring.hooks import Event, emit, hooks_active
 
 __all__ = ["all_gather", "all_reduce", "reduce_scatter", "all_to_all"]
@@ -66,6 +68,7 @@ def all_gather(
     if len(call.span) == 1:
         parts[0].copy_(tensor)
         return parts
+    call.begin()
     work = None
     if not force_p2p and len(set(numels)) == 1 and call.span == group_members(group):
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -119,6 +122,7 @@ def reduce_scatter(
         return mine.clone()
     sizes = [c.numel() for c in contributions]
     out = mine.new_empty(mine.numel())
+    call.begin()
     work = None
     if not force_p2p and len(set(sizes)) == 1 and call.span == group_members(group):
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -173,6 +177,7 @@ def all_to_all(
     if p == 1:
         out.copy_(tensor)
         return out
+    call.begin()
     work = None
     if not force_p2p:
         work = _try_collective(
@@ -204,6 +209,7 @@ def all_reduce(
     out = tensor.detach().clone()
     if len(call.span) == 1:
         return out
+    call.begin()
     try:
         work = dist.all_reduce(out, group=group, async_op=True)
     except RuntimeError as exc:
@@ -226,11 +232,18 @@ class _Call:
     rank: int = field(default_factory=lambda: group_rank(None))
     started: float = field(default_factory=time.perf_counter)
 
+    def begin(self) -> None:
+        """Emit the start event (for hooks that asked for start events) and restart the clock."""
+        if hooks_active("start"):
+            emit(Event(kind=self.kind, rank=self.rank, op=self.op, step=self.step, phase="start",
+                       extra={"span": self.span}))  # fmt: skip
+        self.started = time.perf_counter()
+
     def pending(self, work: dist.Work) -> Pending:
         return Pending(work, -1, f"{self.kind} among ranks {self.span}")
 
     def post_failed(self, what: str, exc: RuntimeError) -> CommError:
-        return CommError(self.rank, -1, self.step, self.op, f"posting {what}", str(exc))
+        return failed(CommError(self.rank, -1, self.step, self.op, f"posting {what}", str(exc)))
 
 
 def _try_collective(call: _Call, dtype: torch.dtype, launch: Callable[[], dist.Work]) -> dist.Work | None:
@@ -270,7 +283,7 @@ def _post_exchange(call: _Call, exchange: list[tuple[int, torch.Tensor, torch.Te
 
 def _finish(call: _Call, pending: list[Pending], *, path: str, sent_bytes: int, received_bytes: int) -> None:
     """Bounded wait for ``pending``, then one event describing the call."""
-    wait_all(pending, timeout_s=call.timeout_s, rank=call.rank, op=call.op, step=call.step)
+    blocked = wait_all(pending, timeout_s=call.timeout_s, rank=call.rank, op=call.op, step=call.step)
     if hooks_active():
         emit(
             Event(
@@ -280,6 +293,6 @@ def _finish(call: _Call, pending: list[Pending], *, path: str, sent_bytes: int, 
                 step=call.step,
                 nbytes=received_bytes,
                 seconds=time.perf_counter() - call.started,
-                extra={"span": call.span, "path": path, "sent_bytes": sent_bytes},
+                extra={"span": call.span, "path": path, "sent_bytes": sent_bytes, "wait_s": blocked},
             )
         )

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from ds_ring.comm.errors import CommError
 from ds_ring.comm.groups import group_rank
 from ds_ring.comm.spans import group_members
-from ds_ring.comm.wait import Pending, resolve_timeout, wait_all
+from ds_ring.comm.wait import Pending, failed, resolve_timeout, wait_all
 from ds_ring.hooks import Event, emit, hooks_active
 
 __all__ = ["RingComm"]
@@ -91,7 +91,11 @@ class RingComm:
 
     Every transfer emits a ``send`` and a ``recv`` :class:`~ds_ring.hooks.Event` when hooks are
     registered; ``recv`` events carry ``extra["live_remote_blocks"]``: how many blocks received by
-    this ring (including the one just received) are still referenced anywhere.
+    this ring (including the one just received) are still referenced anywhere. Each step also
+    emits a ``ring_step`` start event in ``commit`` (before posting) and a ``ring_step`` end event
+    in ``wait``: ``nbytes`` sent, ``seconds`` in flight (commit to completion),
+    ``extra["received_bytes"]`` and ``extra["wait_s"]`` (the part of it spent blocked in ``wait``:
+    what computing between ``commit`` and ``wait`` did not hide).
     """
 
     def __init__(
@@ -182,10 +186,15 @@ class RingComm:
             raise RuntimeError(f"ds_ring: RingComm({self.op}).commit() with nothing queued; call send_recv() first")
         self._step = step
         self._commits += 1
-        self._posted_at = time.perf_counter()
         if self._local:
+            self._posted_at = time.perf_counter()
             self._pending = []
             return
+        if hooks_active("start"):
+            sent = sum(t.send.numel() * t.send.element_size() for t in self._queued)
+            emit(Event(kind="ring_step", rank=self.rank, op=self.op, step=step, peer=self.send_to, nbytes=sent,
+                       phase="start", extra={"recv_from": self.recv_from}))  # fmt: skip
+        self._posted_at = time.perf_counter()
         ops = []
         for transfer in self._queued:
             ops.append(dist.P2POp(dist.isend, transfer.send, self.send_to, self.group))
@@ -195,7 +204,7 @@ class RingComm:
         except RuntimeError as exc:  # e.g. the pair was closed by an earlier timeout or a dead peer
             self._queued = []
             what = f"posting {self._both_ways()}"
-            raise CommError(self.rank, self._either_peer(), step, self.op, what, str(exc)) from exc
+            raise failed(CommError(self.rank, self._either_peer(), step, self.op, what, str(exc))) from exc
         self._pending = self._describe(ops, works)
 
     def wait(self) -> None:
@@ -208,9 +217,9 @@ class RingComm:
             raise RuntimeError(f"ds_ring: RingComm({self.op}).wait() before commit()")
         pending, transfers = self._pending, self._queued
         self._pending, self._queued = None, []
-        wait_all(pending, timeout_s=self.timeout_s, rank=self.rank, op=self.op, step=self._step)
+        blocked = wait_all(pending, timeout_s=self.timeout_s, rank=self.rank, op=self.op, step=self._step)
         if hooks_active() and not self._local:
-            self._emit(transfers, time.perf_counter() - self._posted_at)
+            self._emit(transfers, time.perf_counter() - self._posted_at, blocked)
 
     def _describe(self, ops: list[dist.P2POp], works: list[dist.Work]) -> list[Pending]:
         if len(works) != len(ops):  # the backend coalesced the batch into fewer works (NCCL)
@@ -227,8 +236,9 @@ class RingComm:
         """The peer to name when the backend does not say which op of a batch failed (-1: either)."""
         return self.send_to if self.send_to == self.recv_from else -1
 
-    def _emit(self, transfers: list[_Transfer], seconds: float) -> None:
+    def _emit(self, transfers: list[_Transfer], seconds: float, blocked: float) -> None:
         live = self._live.count()
+        sent_total = received_total = 0
         for transfer in transfers:
             sent, received = transfer.send, transfer.recv
             emit(
@@ -254,3 +264,17 @@ class RingComm:
                     extra={"live_remote_blocks": live},
                 )
             )
+            sent_total += sent.numel() * sent.element_size()
+            received_total += received.numel() * received.element_size()
+        emit(
+            Event(
+                kind="ring_step",
+                rank=self.rank,
+                op=self.op,
+                step=self._step,
+                peer=self.send_to,
+                nbytes=sent_total,
+                seconds=seconds,
+                extra={"recv_from": self.recv_from, "received_bytes": received_total, "wait_s": blocked},
+            )
+        )

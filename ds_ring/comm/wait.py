@@ -4,6 +4,8 @@ gloo honours ``Work.wait(timeout=...)`` for point-to-point ops and async collect
 torch 2.13: an ``irecv`` whose peer never sends raises after the timeout, not the group's timeout),
 so the wait is delegated to it rather than polled. A wait that raises is turned into
 :class:`CommTimeoutError` (deadline reached) or :class:`CommError` (failed early, e.g. the peer died).
+Every such error is announced to the hooks (a ``"comm_error"`` event, :func:`failed`) before it is
+raised, so a watchdog logs it where it happens even if a caller swallows it.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ds_ring.comm.errors import CommError, CommTimeoutError
+from ds_ring.hooks import Event, emit, hooks_active
 
-__all__ = ["Pending", "wait_all", "set_default_timeout", "get_default_timeout", "resolve_timeout"]
+__all__ = ["Pending", "wait_all", "failed", "set_default_timeout", "get_default_timeout", "resolve_timeout"]
 
 _default_timeout_s = 300.0
 
@@ -56,25 +59,47 @@ class Pending:
     what: str
 
 
-def wait_all(pending: Sequence[Pending], *, timeout_s: float, rank: int, op: str, step: int) -> None:
+def wait_all(pending: Sequence[Pending], *, timeout_s: float, rank: int, op: str, step: int) -> float:
     """Wait for every operation in ``pending`` under one shared deadline ``timeout_s`` seconds away.
 
-    Raises :class:`CommTimeoutError` naming the first operation still incomplete at the deadline,
-    or :class:`CommError` when the backend reports a failure before it.
+    Returns the seconds spent blocked here. Raises :class:`CommTimeoutError` naming the first
+    operation still incomplete at the deadline, or :class:`CommError` when the backend reports a
+    failure before it.
     """
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    deadline = started + timeout_s
     for item in pending:
         what = f"waiting for {item.what}"
         remaining = deadline - time.monotonic()
         if remaining <= 0 and not item.work.is_completed():
-            raise CommTimeoutError(rank, item.peer, step, op, what, timeout_s)
+            raise failed(CommTimeoutError(rank, item.peer, step, op, what, timeout_s), started)
         # At least 1 ms: a zero timeout means "use the process group's timeout" to c10d.
         wait_for = timedelta(milliseconds=max(1, math.ceil(remaining * 1000)))
         try:
             completed = item.work.wait(timeout=wait_for)
         except RuntimeError as exc:
             if time.monotonic() >= deadline or "timed out" in str(exc).lower():
-                raise CommTimeoutError(rank, item.peer, step, op, what, timeout_s) from exc
-            raise CommError(rank, item.peer, step, op, what, str(exc)) from exc
+                raise failed(CommTimeoutError(rank, item.peer, step, op, what, timeout_s), started) from exc
+            raise failed(CommError(rank, item.peer, step, op, what, str(exc)), started) from exc
         if completed is False:  # backends that report a timeout by returning instead of raising
-            raise CommTimeoutError(rank, item.peer, step, op, what, timeout_s)
+            raise failed(CommTimeoutError(rank, item.peer, step, op, what, timeout_s), started)
+    return time.monotonic() - started
+
+
+def failed(error: CommError, since: float | None = None) -> CommError:
+    """``error``, after emitting a ``"comm_error"`` event for it (``seconds``: blocked since the
+    ``time.monotonic()`` value ``since``, when given; ``extra["error"]``: the error)."""
+    if hooks_active():
+        seconds = 0.0 if since is None else time.monotonic() - since
+        emit(
+            Event(
+                kind="comm_error",
+                rank=error.rank,
+                op=error.op,
+                step=error.step,
+                peer=error.peer,
+                seconds=seconds,
+                extra={"error": error},
+            )
+        )
+    return error

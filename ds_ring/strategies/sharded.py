@@ -6,10 +6,17 @@ The Function computes the shard-local branches itself and hands every spanning b
 O(seq/p)); the backward asks the exchange again, so the gradient of every visiting block goes home.
 
 A new exchange is one module defining a :class:`Exchange` plus one ``register_exchange`` line.
+
+Each call emits ``"attention"`` events (:mod:`ds_ring.hooks`) when hooks listen: a start and an
+end event around the forward and around the backward (``extra["direction"]``), the end events
+timed and carrying the peak memory; the forward's end event also carries the local output and
+LSE (``extra["out"]``, ``extra["lse"]``: read them, never modify them). The backward runs under
+the labels (layer, ...) that were set when its forward ran.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -17,6 +24,8 @@ from typing import Protocol
 import torch
 from torch.distributed import ProcessGroup
 
+from ds_ring.comm.groups import group_rank
+from ds_ring.hooks import Event, current_labels, emit, hooks_active, labelled, peak_memory_bytes
 from ds_ring.kernels.dilated import branch_backward_, branch_forward_, new_accumulators
 from ds_ring.kernels.merge import accum_dtype
 from ds_ring.strategies.plan import ShardPlan, SpanPlan
@@ -96,9 +105,33 @@ def get_exchange(name: str) -> Exchange:
         raise ValueError(f"communication must be one of {sorted(_EXCHANGES)}, got {name!r}") from None
 
 
+def _exchange_name(exchange: Exchange) -> str:
+    return next((name for name, known in _EXCHANGES.items() if known is exchange), type(exchange).__name__)
+
+
+def _attention_event(exchange: Exchange, direction: str, phase: str, started: float = 0.0, **extra) -> None:
+    """Emit one ``"attention"`` event (the caller checked ``hooks_active(phase)``)."""
+    end = phase == "end"
+    emit(
+        Event(
+            kind="attention",
+            rank=group_rank(None),
+            op=f"attention_{direction}",
+            seconds=time.perf_counter() - started if end else 0.0,
+            extra={"direction": direction, **extra},
+            phase=phase,
+            strategy=_exchange_name(exchange),
+            peak_bytes=peak_memory_bytes() if end else 0,
+        )
+    )
+
+
 class _ShardedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: ShardPlan, exchange: Exchange, comm: CommSpec, opts: Options):
+        started = time.perf_counter()
+        if hooks_active("start"):
+            _attention_event(exchange, "forward", "start")
         out, lse = new_accumulators(q)
 
         def local_branches() -> None:
@@ -116,13 +149,24 @@ class _ShardedAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (plan, exchange, comm, opts)
+        ctx.labels = current_labels()
         ctx.mark_non_differentiable(lse)
+        if hooks_active():
+            _attention_event(exchange, "forward", "end", started, out=out, lse=lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        with labelled(**ctx.labels):
+            return _ShardedAttention._backward(ctx, dout)
+
+    @staticmethod
+    def _backward(ctx, dout):
+        started = time.perf_counter()
         q, k, v, out, lse = ctx.saved_tensors
         plan, exchange, comm, opts = ctx.args
+        if hooks_active("start"):
+            _attention_event(exchange, "backward", "start")
         acc = accum_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
@@ -135,6 +179,8 @@ class _ShardedAttention(torch.autograd.Function):
                 dout, q, k, v, out, lse, branch, dq, dk, dv,
                 causal=opts.causal, scale=opts.scale, head_offset=opts.head_offset,
             )  # fmt: skip
+        if hooks_active():
+            _attention_event(exchange, "backward", "end", started)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 

@@ -1,0 +1,131 @@
+"""Start the main job (launch/train.py) for recovery tests: per-rank processes or a launcher, hard deadlines.
+
+Every process starts in its own session (process group), output goes to files (no pipe to fill),
+and whatever is still running at the deadline or when the test ends is SIGKILLed by group, so a
+test can neither hang nor leave a process behind; :func:`leftovers` tells whether one survived.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+TRAIN = str(ROOT / "launch" / "train.py")
+_TERM_GRACE_S = 10.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_config(path: Path, *, sequence_parallel: int = 2, dense: bool = False, timeout_s: float = 120,
+                 **monitoring: object) -> Path:  # fmt: skip
+    """``ds_configs/cpu_default.json`` with the given ring size, wait bound and monitoring settings."""
+    config = json.loads((ROOT / "ds_configs" / "cpu_default.json").read_text())
+    section = config["ring_attention"]
+    section.update(sequence_parallel_size=sequence_parallel, timeout_s=timeout_s)
+    section["monitoring"] = {**section.get("monitoring", {}), **monitoring}
+    if dense:
+        section.pop("segment_lengths")
+        section.pop("dilation_rates")
+    path.write_text(json.dumps(config))
+    return path
+
+
+def environment(port: int, **extra: str) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if key != "DS_RING_FAULT"}
+    return {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1", **extra}
+
+
+@dataclass
+class Exit:
+    """How one process ended: its exit code, when (``time.time()``), and its output."""
+
+    code: int | None  # None: killed at the deadline
+    at: float
+    output: str
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM first (torchrun then stops its workers, which run in sessions of their own), then SIGKILL."""
+    if proc.poll() is None:
+        _signal_group(proc, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(_TERM_GRACE_S)
+    _signal_group(proc, signal.SIGKILL)  # also whatever the process started in its group and left behind
+    proc.wait()
+
+
+def _run_all(commands: list[tuple[list[str], dict[str, str]]], logs: list[Path], timeout: float) -> list[Exit]:
+    procs, handles, ended = [], [], {}
+    try:
+        for (command, env), log in zip(commands, logs, strict=True):
+            handle = open(log, "w")  # noqa: SIM115 - closed below
+            handles.append(handle)
+            procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT,
+                                          start_new_session=True))  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while len(ended) < len(procs) and time.monotonic() < deadline:
+            for i, proc in enumerate(procs):
+                if i not in ended and proc.poll() is not None:
+                    ended[i] = (proc.returncode, time.time())
+            time.sleep(0.02)
+    finally:
+        for proc in procs:
+            _stop(proc)
+        for handle in handles:
+            handle.close()
+    return [Exit(*ended.get(i, (None, time.time())), logs[i].read_text()) for i in range(len(procs))]
+
+
+def run_ranks(args: list[str], world: int, port: int, tmp: Path, timeout: float, **env: str) -> list[Exit]:
+    """One trainer process per rank, started like a launcher would (``RANK``/``WORLD_SIZE`` env)."""
+    commands = [
+        ([sys.executable, TRAIN, *args], environment(port, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
+                                                     LOCAL_WORLD_SIZE=str(world), **env))
+        for r in range(world)
+    ]  # fmt: skip
+    return _run_all(commands, [tmp / f"rank{r}.log" for r in range(world)], timeout)
+
+
+def run_torchrun(args: list[str], port: int, log: Path, timeout: float, max_restarts: int = 0, **env: str) -> Exit:
+    """``torchrun --nproc-per-node 2`` of the trainer on loopback."""
+    command = [str(BIN / "torchrun"), "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(port), "--max-restarts", str(max_restarts), TRAIN, *args]  # fmt: skip
+    return _run_all([(command, environment(port, **env))], [log], timeout)[0]
+
+
+def reap(marker: str) -> list[str]:
+    """SIGKILL processes still running whose command line holds ``marker`` (the test's unique tmp
+    dir: only processes the test started); returns their command lines (a test asserts none)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            zombie = "(zombie)" in (entry / "status").read_text()
+        except OSError:
+            continue
+        if marker in cmdline and not zombie:
+            found.append(cmdline)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.name), signal.SIGKILL)
+    return found
