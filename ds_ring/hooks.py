@@ -26,6 +26,7 @@ import itertools
 import resource
 import sys
 import threading
+import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -175,3 +176,24 @@ def peak_memory_bytes() -> int:
         return int(torch.cuda.max_memory_allocated())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
+
+
+def emit_attention(strategy: str, direction: str, phase: str, rank: int, started: float = 0.0, **extra: Any) -> None:
+    """Emit one ``"attention"`` event for ``direction`` (``"forward"``/``"backward"``) of ``strategy``.
+
+    ``started``: ``time.perf_counter()`` at the start event (end events report the elapsed seconds
+    and the peak memory). The caller checks ``hooks_active(phase)`` first.
+    """
+    end = phase == "end"
+    emit(
+        Event(
+            kind="attention",
+            rank=rank,
+            op=f"attention_{direction}",
+            seconds=time.perf_counter() - started if end else 0.0,
+            extra={"direction": direction, **extra},
+            phase=phase,
+            strategy=strategy,
+            peak_bytes=peak_memory_bytes() if end else 0,
+        )
+    )

@@ -20,11 +20,10 @@ import torch
 from torch.distributed import ProcessGroup
 
 from ds_ring.comm.groups import group_rank, group_size
-from ds_ring.kernels.dilated import dilated_attention
 from ds_ring.kernels.dilation import Branch, make_branches, validate_qkv
 from ds_ring.strategies.plan import plan_shards
 from ds_ring.strategies.sharded import CommSpec, get_exchange, sharded_attention
-from ds_ring.strategies.ulysses import check_layout, heads_to_sequence, split_heads, to_heads
+from ds_ring.strategies.ulysses import attend_local_heads, check_layout, heads_to_sequence, split_heads, to_heads
 
 __all__ = ["hybrid_attention"]
 
@@ -90,11 +89,10 @@ def hybrid_attention(
         )  # fmt: skip
     qh, kh, vh = to_heads(q, k, v, split, ulysses_group, layout=layout, timeout_s=timeout_s)
     if plan is None:
-        out, lse = dilated_attention(
+        out, lse = attend_local_heads(
             qh, kh, vh, segment_lengths, dilation_rates, causal=causal, scale=scale, head_offset=offset,
-            return_lse=True,
+            strategy="hybrid",
         )  # fmt: skip
-        lse = lse.transpose(1, 2)
     else:
         out, lse = sharded_attention(
             qh, kh, vh, plan, exchange, CommSpec(ring_group, timeout_s), causal=causal, scale=scale, head_offset=offset

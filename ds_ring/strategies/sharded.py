@@ -25,7 +25,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from ds_ring.comm.groups import group_rank
-from ds_ring.hooks import Event, current_labels, emit, hooks_active, labelled, peak_memory_bytes
+from ds_ring.hooks import current_labels, emit_attention, hooks_active, labelled
 from ds_ring.kernels.dilated import branch_backward_, branch_forward_, new_accumulators
 from ds_ring.kernels.merge import accum_dtype
 from ds_ring.strategies.plan import ShardPlan, SpanPlan
@@ -110,20 +110,7 @@ def _exchange_name(exchange: Exchange) -> str:
 
 
 def _attention_event(exchange: Exchange, direction: str, phase: str, started: float = 0.0, **extra) -> None:
-    """Emit one ``"attention"`` event (the caller checked ``hooks_active(phase)``)."""
-    end = phase == "end"
-    emit(
-        Event(
-            kind="attention",
-            rank=group_rank(None),
-            op=f"attention_{direction}",
-            seconds=time.perf_counter() - started if end else 0.0,
-            extra={"direction": direction, **extra},
-            phase=phase,
-            strategy=_exchange_name(exchange),
-            peak_bytes=peak_memory_bytes() if end else 0,
-        )
-    )
+    emit_attention(_exchange_name(exchange), direction, phase, group_rank(None), started, **extra)
 
 
 class _ShardedAttention(torch.autograd.Function):

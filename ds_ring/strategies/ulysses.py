@@ -21,6 +21,7 @@ attention here needs its global head offset and, for ``zigzag``, the gathered ro
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ from torch.distributed import ProcessGroup
 
 from ds_ring.comm.collectives import all_to_all
 from ds_ring.comm.groups import group_rank, group_size
+from ds_ring.hooks import emit_attention, hooks_active
 from ds_ring.kernels.dilated import dilated_attention
 from ds_ring.kernels.dilation import make_branches, validate_qkv
 from ds_ring.strategies.plan import LAYOUTS
@@ -174,6 +176,34 @@ def to_sequence(
     return received.movedim(0, 2).flatten(2, 3)
 
 
+def attend_local_heads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_lengths: Sequence[int] | None,
+    dilation_rates: Sequence[int] | None,
+    *,
+    causal: bool,
+    scale: float | None,
+    head_offset: int,
+    strategy: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dilated attention over the whole sequence on this rank's heads, with attention events.
+
+    ``q [B, S, h, D]``, ``k``/``v`` ``[B, S, hkv, D]`` after the all-to-all; returns ``out [B, S, h, D]``
+    and ``lse [B, S, h]``.
+    """
+    rank, started = group_rank(None), time.perf_counter()
+    if hooks_active("start"):
+        emit_attention(strategy, "forward", "start", rank)
+    out, lse = dilated_attention(
+        q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale, head_offset=head_offset, return_lse=True
+    )
+    if hooks_active():
+        emit_attention(strategy, "forward", "end", rank, started, out=out, lse=lse)
+    return out, lse.transpose(1, 2)
+
+
 def ulysses_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -215,11 +245,11 @@ def ulysses_attention(
     check_layout(layout, q.shape[1])
     make_branches(q.shape[1] * degree, segment_lengths, dilation_rates)
     qh, kh, vh = to_heads(q, k, v, split, group, layout=layout, timeout_s=timeout_s)
-    out, lse = dilated_attention(
+    out, lse = attend_local_heads(
         qh, kh, vh, segment_lengths, dilation_rates, causal=causal, scale=scale,
-        head_offset=head_offset + group_rank(group) * split.heads, return_lse=True,
+        head_offset=head_offset + group_rank(group) * split.heads, strategy="ulysses",
     )  # fmt: skip
-    return heads_to_sequence(out, lse.transpose(1, 2), split, group, layout, return_lse, timeout_s)
+    return heads_to_sequence(out, lse, split, group, layout, return_lse, timeout_s)
 
 
 def heads_to_sequence(
