@@ -21,7 +21,8 @@ head_dim 64, fp32, ranks = processes × 1 torch thread, gloo over loopback
    on the same branches (2 threads; its xformers call mapped to SDPA by ``benchmarks.dilated``).
 5. **Existing libraries** on the same shapes at p = 2: ring-attention-pytorch (ring), DeepSpeed's
    ``DistributedAttention`` (Ulysses), PyTorch ``context_parallel`` (not runnable on CPU: the row
-   records the error), next to ds_ring ring (contiguous and zigzag) and Ulysses.
+   records the error), next to ds_ring ring and Ulysses on contiguous shards as the libraries use
+   (and the zigzag rows of section 1; the faster of the two layouts is compared).
 6. **Largest total length in a per-rank memory budget** (full: 512 MiB, quick: 96 MiB of working
    memory per rank) at p = 4 for each strategy: a search over multiples of a step (full 4096,
    quick 1024 tokens), each probe one forward+backward in fresh processes, seeded by the scaling
@@ -71,6 +72,7 @@ LABELS = {
     "ulysses": "ds_ring Ulysses (zigzag)",
     "hybrid": "ds_ring hybrid U2×R(p/2) (zigzag)",
     "ring_contiguous": "ds_ring ring (contiguous)",
+    "ulysses_contiguous": "ds_ring Ulysses (contiguous)",
     "rap": "ring-attention-pytorch 0.5.20 (ring)",
     "deepspeed": "DeepSpeed DistributedAttention + SDPA",
     "torch_cp": "PyTorch context_parallel + SDPA",
@@ -143,11 +145,13 @@ def single_process(mode: dict[str, Any], args: argparse.Namespace, tp: Throughpu
 
 
 def libraries(mode: dict[str, Any], args: argparse.Namespace, tp: Throughput, seen: dict) -> list[dict[str, Any]]:
-    """Section 5: existing libraries at p = 2 on the same shapes, next to ds_ring ring (contiguous)."""
+    """Section 5: existing libraries at p = 2 on the same shapes, next to ds_ring ring and Ulysses on
+    contiguous shards (the layout the libraries use)."""
     seq, p = mode["seq"], 2
     rows = [
         run_strategy("ring", seq, p, args, tp, seen, layout="contiguous", key="ring_contiguous"),
         run_row("rap", seq, p, args, tp, seen, layout="contiguous"),
+        run_strategy("ulysses", seq, p, args, tp, seen, layout="contiguous", key="ulysses_contiguous"),
         run_strategy("deepspeed", seq, p, args, tp, seen, layout="contiguous"),
         run_row("torch_cp", seq, p, args, tp, seen),
     ]
@@ -246,6 +250,7 @@ def _next_candidate(
 
 
 def _section(row: dict[str, Any], section: str) -> dict[str, Any]:
+    """Tag ``row`` with its table section and fill ``tokens_per_s`` (S ÷ fwd+bwd s); return it."""
     row["section"] = section
     if row.get("fwdbwd_s"):
         row.setdefault("tokens_per_s", row["seq"] / row["fwdbwd_s"])
@@ -268,6 +273,7 @@ def derive(rows: list[dict[str, Any]]) -> None:
 
 
 def _get(rows: list[dict[str, Any]], impl: str, world: int | None = None) -> dict[str, Any]:
+    """The first row of ``impl`` (on ``world`` ranks when given), or an empty dict."""
     return next((r for r in rows if r["impl"] == impl and (world is None or r["world"] == world)), {})
 
 
@@ -342,14 +348,14 @@ def targets(rows: list[dict[str, Any]], mode: dict[str, Any], cores: int) -> lis
 def _library_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """ "At least as fast as each existing library on the same shapes" (> 1 = ds_ring faster)."""
     out = []
-    ring = min(
-        (r for r in (_get(rows, "ring", 2), _get(rows, "ring_contiguous", 2)) if r.get("fwdbwd_s")),
-        key=lambda r: r["fwdbwd_s"],
-        default={},
-    )
+    ring, ulysses = (
+        min((r for r in (_get(rows, impl, 2), _get(rows, f"{impl}_contiguous", 2)) if r.get("fwdbwd_s")),
+            key=lambda r: r["fwdbwd_s"], default={})
+        for impl in ("ring", "ulysses")
+    )  # fmt: skip
     pairs = [
         ("ring-attention-pytorch (ring, p=2)", ring, _get(rows, "rap", 2), ""),
-        ("DeepSpeed DistributedAttention (Ulysses, p=2)", _get(rows, "ulysses", 2), _get(rows, "deepspeed", 2), ""),
+        ("DeepSpeed DistributedAttention (Ulysses, p=2)", ulysses, _get(rows, "deepspeed", 2), ""),
         ("PyTorch context_parallel (p=2)", ring, _get(rows, "torch_cp", 2), ""),
     ]
     dap, dil = _get(rows, "dap_2t"), _get(rows, "dilated_2t")
@@ -378,6 +384,7 @@ def _library_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _fmt_list(values: list[float]) -> str:
+    """``[0.01, 0.31]``: seconds with two decimals."""
     return "[" + ", ".join(f"{v:.2f}" for v in values) + "]"
 
 

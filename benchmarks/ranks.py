@@ -70,6 +70,7 @@ from benchmarks.harness import (
 
 __all__ = [
     "ATTENTION_RANK",
+    "AttentionFn",
     "GRACE_AFTER_FAILURE_S",
     "MATMUL_N",
     "OTHER_CPU_WARN",
@@ -91,6 +92,9 @@ __all__ = [
 MIB = float(2**20)
 PRELOAD = ["torch", "torch.distributed", "ds_ring", "benchmarks.harness", "benchmarks.ranks"]
 """Modules the fork server imports once; ranks import anything else they need themselves."""
+AttentionFn = Callable[..., Any]
+"""What a factory returns: ``attn(q, k, v, segment_lengths, dilation_rates) -> out``, all tensors local
+shards ``[batch, seq/p, heads, head_dim]``; the branches may be None (dense)."""
 ATTENTION_RANK = "benchmarks.ranks:attention_rank"
 """Target of :func:`launch` for :func:`attention_rank`."""
 GRACE_AFTER_FAILURE_S = 10.0
@@ -114,6 +118,7 @@ class Launch:
     ranks: one dict per rank, in rank order (a rank that sent nothing gets ``{"error": ...}``).
     wall_s: seconds from the first fork to the last result (imports are already done by the server).
     other_cpu_share: share (0..1) of all CPUs used by other processes during the launch, or None.
+    world, threads: ranks launched and torch threads per rank.
     """
 
     ranks: list[dict[str, Any]]
@@ -121,7 +126,6 @@ class Launch:
     other_cpu_share: float | None
     world: int
     threads: int
-    notes: list[str] = field(default_factory=list)
 
 
 def _context() -> multiprocessing.context.BaseContext:
@@ -145,6 +149,7 @@ def _cpu_jiffies() -> tuple[int, int]:
 
 
 def _own_cpu_s() -> float:
+    """CPU seconds (user + system, all threads) this process has used."""
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
 
@@ -351,7 +356,8 @@ class _BlockedTime:
             self.bytes_sent += event.nbytes
 
 
-def _factory(cfg: dict[str, Any]) -> Callable[..., Any]:
+def _factory(cfg: dict[str, Any]) -> Callable[..., AttentionFn]:
+    """The factory named ``cfg["factory"]`` (``"module:function"``), imported in this rank."""
     module, name = cfg["factory"].split(":")
     return getattr(importlib.import_module(module), name)
 
@@ -383,6 +389,7 @@ def attention_rank(cfg: dict[str, Any], rank: int, world: int) -> dict[str, Any]
     gen = torch.Generator().manual_seed(1000 + rank)
 
     def shards(total: int) -> list[torch.Tensor]:
+        """This rank's q, k, v, grad_out for ``total`` tokens in all: ``[batch, total/p, heads, head_dim]``."""
         shape = (cfg["batch"], total // world, cfg["heads"], cfg["head_dim"])
         return [torch.randn(shape, generator=gen) for _ in range(4)]
 
@@ -475,7 +482,7 @@ def summarize(launch_result: Launch) -> dict[str, Any]:
     """
     ranks = launch_result.ranks
     row: dict[str, Any] = {"world": launch_result.world, "threads_per_rank": launch_result.threads}
-    notes = list(launch_result.notes)
+    notes: list[str] = []
     errors = [f"rank {r.get('rank', i)}: {r['error']}" for i, r in enumerate(ranks) if "error" in r]
     if errors:
         # A failing rank usually makes its peers fail too (timeouts): the first error is the cause.

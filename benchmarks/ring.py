@@ -42,12 +42,13 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from benchmarks.dilated import pairs_dense, pairs_ds_ring
 from benchmarks.harness import Column, Series, Skip, fmt_seq, markdown_table, plot_panels, wait_for_idle, write_json
 from benchmarks.ranks import (
     ATTENTION_RANK,
+    AttentionFn,
     Throughput,
     base_report,
     finish_report,
@@ -57,6 +58,9 @@ from benchmarks.ranks import (
     mem_available_mib,
     summarize,
 )
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 MODULE = "benchmarks.ring"
 BATCH, HEADS, HEAD_DIM = 1, 8, 64
@@ -106,7 +110,7 @@ def fwdbwd_gflop(
 # --------------------------------------------------------------------------------------
 
 
-def make_attention(cfg: dict[str, Any], rank: int, world: int):
+def make_attention(cfg: dict[str, Any], rank: int, world: int) -> AttentionFn:
     """``attn(q, k, v, segment_lengths, dilation_rates) -> out`` on local shards for ``cfg["impl"]``."""
     impl, causal, timeout = cfg["impl"], cfg["causal"], cfg["comm_timeout_s"]
     if impl in DS_RING:
@@ -114,7 +118,7 @@ def make_attention(cfg: dict[str, Any], rank: int, world: int):
 
         communication, layout = DS_RING[impl]
 
-        def ds_ring_attn(q, k, v, segs, rates):
+        def ds_ring_attn(q: Tensor, k: Tensor, v: Tensor, segs: list[int] | None, rates: list[int] | None) -> Tensor:
             return ds_ring.ring_dilated_attention(
                 q, k, v, segs, rates, causal=causal, communication=communication, layout=layout, timeout_s=timeout
             )
@@ -127,14 +131,14 @@ def make_attention(cfg: dict[str, Any], rank: int, world: int):
     raise ValueError(f"unknown impl {impl!r}")
 
 
-def _rap_attention(causal: bool, world: int):
+def _rap_attention(causal: bool, world: int) -> AttentionFn:
     """ring-attention-pytorch's CPU ring path on contiguous shards (``ring_reduce_col`` when p > 1)."""
     try:
         from ring_attention_pytorch import ring_flash_attn
     except ImportError as exc:
         raise Skip(f"{RAP_PACKAGE} not installed (pip install {RAP_PACKAGE}==0.5.20): {exc}") from exc
 
-    def rap_attn(q, k, v, segs, rates):
+    def rap_attn(q: Tensor, k: Tensor, v: Tensor, segs: list[int] | None, rates: list[int] | None) -> Tensor:
         if segs is not None:
             raise ValueError("ring-attention-pytorch has no dilated attention")
         bucket = min(RAP_BUCKET, q.shape[1])
@@ -143,7 +147,7 @@ def _rap_attention(causal: bool, world: int):
     return rap_attn
 
 
-def _torch_cp_attention(causal: bool, world: int):
+def _torch_cp_attention(causal: bool, world: int) -> AttentionFn:
     """PyTorch context parallelism around SDPA (whole-sequence buffers, sharded by CP itself)."""
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
@@ -153,7 +157,7 @@ def _torch_cp_attention(causal: bool, world: int):
 
     mesh = init_device_mesh("cpu", (world,))
 
-    def cp_attn(q, k, v, segs, rates):
+    def cp_attn(q: Tensor, k: Tensor, v: Tensor, segs: list[int] | None, rates: list[int] | None) -> Tensor:
         if segs is not None:
             raise ValueError("context_parallel runs SDPA: no dilated attention")
         full = [ds_ring.gather_sequence(t.detach()).transpose(1, 2).contiguous() for t in (q, k, v)]

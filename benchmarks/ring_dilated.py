@@ -32,10 +32,10 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from benchmarks.harness import Column, fmt_seq, markdown_table, write_json
-from benchmarks.ranks import Throughput, base_report, finish_report, format_header, format_targets
+from benchmarks.ranks import AttentionFn, Throughput, base_report, finish_report, format_header, format_targets
 from benchmarks.ring import (
     BATCH,
     HEAD_DIM,
@@ -46,6 +46,9 @@ from benchmarks.ring import (
     resolve_common_args,
     run_row,
 )
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 MODULE = "benchmarks.ring_dilated"
 FULL_SEQS = [32768, 65536, 131072, 262144]
@@ -67,7 +70,7 @@ def branches(seq: int) -> tuple[list[int], list[int]]:
     return [min(2048, seq // 16), min(8192, seq // 4), seq], list(DILATION_RATES)
 
 
-def make_single(cfg: dict[str, Any], rank: int, world: int):
+def make_single(cfg: dict[str, Any], rank: int, world: int) -> AttentionFn:
     """Factory for :func:`benchmarks.ranks.attention_rank`: single-process attention in this process.
 
     ``cfg["single_impl"]`` (default ``"ds_ring"``) names a ``benchmarks.dilated`` implementation:
@@ -80,7 +83,7 @@ def make_single(cfg: dict[str, Any], rank: int, world: int):
     impl = cfg.get("single_impl", "ds_ring")
     built: dict[tuple, Any] = {}
 
-    def attn(q, k, v, segs, rates):
+    def attn(q: Tensor, k: Tensor, v: Tensor, segs: list[int] | None, rates: list[int] | None) -> Tensor:
         key = (q.shape[1], tuple(segs or ()), tuple(rates or ()))
         if key not in built:
             built[key] = _attention_fn(impl, dict(cfg, seq=q.shape[1], segment_lengths=segs, dilation_rates=rates))

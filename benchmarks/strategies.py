@@ -38,11 +38,14 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from benchmarks.harness import Column, Series, Skip, fmt_seq, markdown_table, plot_panels, write_json
-from benchmarks.ranks import Throughput, base_report, finish_report, format_header
+from benchmarks.ranks import AttentionFn, Throughput, base_report, finish_report, format_header
 from benchmarks.ring import BATCH, HEAD_DIM, HEADS, add_common_args, label_rows, resolve_common_args, run_row
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 MODULE = "benchmarks.strategies"
 WORLD, ULYSSES, RING = 4, 2, 2
@@ -76,7 +79,7 @@ def branches(kind: str, seq: int) -> tuple[list[int] | None, list[int] | None]:
 # --------------------------------------------------------------------------------------
 
 
-def make_attention(cfg: dict[str, Any], rank: int, world: int):
+def make_attention(cfg: dict[str, Any], rank: int, world: int) -> AttentionFn:
     """``attn(q, k, v, segment_lengths, dilation_rates) -> out`` on local shards for ``cfg["impl"]``.
 
     ``cfg["ulysses"]`` × ``cfg["ring"]`` = ``world`` is the topology; ``cfg["layout"]`` the shards' layout.
@@ -88,7 +91,7 @@ def make_attention(cfg: dict[str, Any], rank: int, world: int):
     if impl == "deepspeed":
         return _deepspeed_ulysses(topology, causal, rank)
 
-    def attn(q, k, v, segs, rates):
+    def attn(q: Tensor, k: Tensor, v: Tensor, segs: list[int] | None, rates: list[int] | None) -> Tensor:
         return ds_ring.sequence_parallel_attention(
             q, k, v, segs, rates, causal=causal, topology=topology, strategy=impl,
             communication="ring", layout=layout, timeout_s=timeout,
@@ -97,7 +100,7 @@ def make_attention(cfg: dict[str, Any], rank: int, world: int):
     return attn
 
 
-def _deepspeed_ulysses(topology: Any, causal: bool, rank: int):
+def _deepspeed_ulysses(topology: Any, causal: bool, rank: int) -> AttentionFn:
     """DeepSpeed's ``DistributedAttention`` over the sequence-parallel group, SDPA inside."""
     try:
         import deepspeed
@@ -109,14 +112,16 @@ def _deepspeed_ulysses(topology: Any, causal: bool, rank: int):
     os.environ["LOCAL_RANK"] = str(rank)
     deepspeed.init_distributed(dist_backend="gloo")
 
-    def sdpa(q, k, v, *args, **kwargs):  # [B, S, h, D] as DistributedAttention passes it
+    def sdpa(
+        q: Tensor, k: Tensor, v: Tensor, *args: Any, **kwargs: Any
+    ) -> Tensor:  # [B, S, h, D] as DistributedAttention passes it
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
         return out.transpose(1, 2)
 
     # Batch-first [B, S, H, D]: scatter heads (2), gather sequence (1).
     ds_attn = DistributedAttention(sdpa, topology.sequence_parallel_group, scatter_idx=2, gather_idx=1)
 
-    def attn(q, k, v, segs, rates):
+    def attn(q: Tensor, k: Tensor, v: Tensor, segs: list[int] | None, rates: list[int] | None) -> Tensor:
         if segs is not None:
             raise ValueError("SDPA, DistributedAttention's local attention here, has no dilation")
         return ds_attn(q, k, v, 0)
