@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from benchmarks.dilated import pairs_dense, pairs_ds_ring
 from benchmarks.harness import Column, Series, Skip, fmt_seq, markdown_table, plot_panels, wait_for_idle, write_json
+from benchmarks.libraries import ensure_libraries
 from benchmarks.ranks import (
     ATTENTION_RANK,
     AttentionFn,
@@ -477,10 +478,13 @@ def add_common_args(p: argparse.ArgumentParser, *, calls: int = 2, max_call_s: f
         help="run the ranks with MALLOC_MMAP_THRESHOLD_=N bytes (glibc): large tensors are then always mmap'ed and "
         "returned to the OS when freed, so RSS follows live tensors; default: glibc's dynamic threshold",
     )
+    p.add_argument("--no-install", action="store_true", help="do not pip-install the libraries compared against")
 
 
 def resolve_common_args(args: argparse.Namespace, *, calls: int = 2, max_call_s: float = 600.0) -> None:
     """Fill the quick / full defaults of :func:`add_common_args`'s options, in place."""
+    if not args.no_install:
+        ensure_libraries()
     args.calls = args.calls or (1 if args.quick else calls)
     args.max_call_s = args.max_call_s or (120.0 if args.quick else max_call_s)
     if args.malloc_mmap_threshold is not None:  # read by glibc when the fork server starts
