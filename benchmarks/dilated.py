@@ -397,6 +397,8 @@ def _reusable(paths: list[str], threads: int, digest: str | None) -> dict[tuple[
             share = raw.get("other_cpu_share")
             if "fwdbwd" not in raw or share is None or share > OTHER_CPU_WARN:
                 continue
+            if "peak_extra_all_calls_mib" not in raw["fwdbwd"]:
+                continue  # measured before memory was taken from the first call only
             if r["impl"] == "ds_ring" and not same_lib:
                 continue
             key = (r["impl"], r["seq"], r["causal"])
@@ -540,6 +542,12 @@ def format_report(report: dict[str, Any]) -> str:
         f"Other processes used at most {report['max_other_cpu_pct']:.0f}% of the CPUs during a config "
         f"(column 'other load %'); highest 1-min load average {report['max_loadavg_1m']:.1f}."
     )
+    reused = sum("reused_from" in r["raw"] for r in report["rows"])
+    if reused:
+        head += (
+            f" {reused} of {len(report['rows'])} rows were reused from earlier undisturbed runs (--reuse; "
+            "see notes); the matmul figures and run time are this run's."
+        )
     return head + "\n\n" + markdown_table(report["rows"], COLUMNS)
 
 
@@ -558,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
         "--max-call-s",
         type=float,
         help="skip a config whose fwd+bwd call, extrapolated from the previous seq, "
-        "would exceed this many seconds (default 100, quick 60)",
+        "would exceed this many seconds (default 150, quick 60)",
     )
     p.add_argument(
         "--wait-idle-s",
@@ -586,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
         return worker_main(run_config, args.worker)
     args.repeats = args.repeats or (1 if args.quick else 3)
     args.budget_s = args.budget_s or (8.0 if args.quick else 30.0)
-    args.max_call_s = args.max_call_s or (60.0 if args.quick else 100.0)
+    args.max_call_s = args.max_call_s or (60.0 if args.quick else 150.0)
     report = drive(args)
     print()
     print(format_report(report))
