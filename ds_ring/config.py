@@ -35,6 +35,7 @@ from pydantic import Field, field_validator, model_validator
 from ds_ring.kernels.dilation import make_branches
 from ds_ring.parallel import strategy_names
 from ds_ring.strategies import plan_shards
+from ds_ring.topology import RankLayout
 
 __all__ = ["RingAttentionConfig", "MonitoringConfig", "load_config", "SECTION"]
 
@@ -173,23 +174,13 @@ class RingAttentionConfig(DeepSpeedConfigModel):
         return self
 
     def degrees(self, world_size: int) -> tuple[int, int, int]:
-        """``(data_parallel, ulysses, ring)`` for ``world_size`` ranks; ``ValueError`` naming every factor."""
-        ulysses = self.ulysses_degree or 1
-        sp = self.sequence_parallel_size
-        if sp is None:
-            sp = ulysses * self.ring_degree if self.ring_degree else world_size
-        if sp % ulysses:
-            raise ValueError(f"{SECTION}: sequence_parallel_size {sp} is not a multiple of ulysses_degree {ulysses}")
-        ring = self.ring_degree or sp // ulysses
-        if self.strategy == "ulysses":
-            ulysses, ring = sp, 1
-        if ulysses * ring != sp or world_size % sp:
-            raise ValueError(
-                f"{SECTION}: ulysses {ulysses} × ring {ring} = {ulysses * ring} ranks per sequence must equal "
-                f"sequence_parallel_size {sp} and divide the world size {world_size} (data parallel = world / "
-                f"sequence parallel); adjust sequence_parallel_size, ulysses_degree or ring_degree"
-            )
-        return world_size // sp, ulysses, ring
+        """``(data_parallel, ulysses, ring)`` for ``world_size`` ranks, as the :class:`~ds_ring.Topology`
+        built from this section will have them; ``ValueError`` naming every factor."""
+        try:
+            layout = RankLayout.from_config(self, world_size)
+        except ValueError as err:
+            raise ValueError(f"{SECTION}: {err}") from None
+        return layout.data_parallel, layout.ulysses, layout.ring
 
     def check(
         self, *, world_size: int, num_heads: int, num_kv_heads: int | None = None, seq_len: int | None = None
@@ -200,14 +191,17 @@ class RingAttentionConfig(DeepSpeedConfigModel):
         raises the same errors before communicating).
         """
         _, ulysses, ring = self.degrees(world_size)
-        if num_heads % ulysses:
+        sp = ulysses * ring
+        # Strategy "ulysses" splits the heads over the whole sequence-parallel group, hybrid over its ulysses ranks.
+        head_split = sp if self.strategy == "ulysses" else ulysses
+        if num_heads % head_split:
             raise ValueError(
-                f"{SECTION}: the model's {num_heads} attention heads are not divisible by ulysses degree {ulysses}; "
-                f"use a ulysses_degree that divides {num_heads}"
+                f"{SECTION}: the model's {num_heads} attention heads are not divisible by ulysses degree {head_split}; "
+                f"use a {'sequence_parallel_size' if self.strategy == 'ulysses' else 'ulysses_degree'} that divides "
+                f"{num_heads}"
             )
         if seq_len is None:
             return
-        sp = ulysses * ring
         chunks = sp * (2 if self.layout == "zigzag" else 1)
         if seq_len % chunks:
             raise ValueError(
