@@ -1,4 +1,4 @@
-"""run_distributed: results come back in rank order, failures bring their tracebacks, hangs are killed."""
+"""The rank runner: results come back in rank order, failures bring their tracebacks, hangs are killed."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ds_ring.testing import rank_results, spawn_ranks
 from tests.dist import run_distributed
 
 
@@ -98,3 +99,19 @@ def test_a_hanging_rank_is_killed_and_named(tmp_path: Path) -> None:
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def _no_group(rank: int, world_size: int, scale: int) -> int:
+    assert not dist.is_initialized()
+    return rank * scale
+
+
+@pytest.mark.timeout(60)
+def test_ranks_without_a_process_group_report_their_resources() -> None:
+    outcomes = spawn_ranks(_no_group, 2, timeout_s=30, args=(10,), process_group=False)
+    assert [o.rank for o in outcomes] == [0, 1]
+    assert rank_results(outcomes) == [0, 10]
+    for outcome in outcomes:
+        assert outcome.ok and not outcome.hung
+        assert outcome.cpu_s is not None and outcome.cpu_s >= 0
+        assert outcome.peak_rss_mib is not None and outcome.peak_rss_mib > 0

@@ -1,0 +1,227 @@
+"""Run a function on N fresh CPU ranks and collect what each returns: the rank runner of the tests
+and the benchmarks (like ``torch.testing``, not imported by ``ds_ring/__init__``).
+
+Ranks are started with the ``forkserver`` method, the server preloading torch (and whatever
+``preload`` names): each rank is a fork of that clean, single-threaded server process, never of
+the caller, so only the first call of a process pays for importing torch. Measured on 2 busy cores:
+7-13 s per call for 2-4 ``spawn``-ed ranks, 0.1-0.2 s with the preloaded forkserver. Every rank is
+still a process of its own: address space, allocator, thread pools and RSS high-water mark.
+
+Rendezvous goes through a ``file://`` store in a fresh temporary directory (no ports to clash) and
+gloo is pinned to the loopback interface. A hard deadline covers the whole call, process start-up
+included: ranks still running then are killed (SIGKILL) and reported as hung; once a rank has
+failed, the others get ``grace_s`` to finish, since they are usually blocked on the failed one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import pickle
+import resource
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_ready
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+__all__ = ["PRELOAD", "RankOutcome", "rank_results", "spawn_ranks"]
+
+PRELOAD = ("torch", "torch.distributed")
+"""Modules the fork server imports once. The server starts on the first call of a process and keeps
+the ``preload`` of that call; ranks import anything else their function needs themselves."""
+_EXIT_S = 5.0
+"""How long a rank that has sent its result may take to exit before it is killed."""
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """What one rank gave back.
+
+    rank: its rank. value: what the function returned (None unless ``ok``).
+    error: the rank's traceback, or why it sent nothing (None when ``ok``).
+    hung: killed without a result, at the deadline or after the grace that followed a failure.
+    cpu_s: CPU seconds (user + system, all threads) its process used; None if it sent nothing.
+    peak_rss_mib: its process's RSS high-water mark, MiB (2**20 bytes); None if it sent nothing.
+    """
+
+    rank: int
+    value: Any = None
+    error: str | None = None
+    hung: bool = False
+    cpu_s: float | None = None
+    peak_rss_mib: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def spawn_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    timeout_s: float,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    threads_per_rank: int = 1,
+    process_group: bool = True,
+    grace_s: float = 5.0,
+    preload: Sequence[str] = PRELOAD,
+) -> list[RankOutcome]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` fresh processes; outcomes in rank order.
+
+    ``fn`` must be a module-level function; ``args``, ``kwargs`` and its results must be picklable.
+    Each rank sets ``torch.set_num_threads(threads_per_rank)`` (and one inter-op thread) and, with
+    ``process_group``, joins a gloo group of ``world_size`` ranks whose timeout is ``timeout_s``.
+    ``timeout_s`` (seconds from the first fork) is the deadline for every result. Never raises
+    for a failing or hanging rank: its :class:`RankOutcome` says what happened.
+    """
+    deadline = time.monotonic() + timeout_s
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(preload))
+    procs: list[BaseProcess] = []
+    readers: list[Connection] = []
+    sent: dict[int, tuple] = {}
+    with tempfile.TemporaryDirectory(prefix="ds_ring_ranks_", ignore_cleanup_errors=True) as tmp:
+        init_method = "file://" + os.path.join(tmp, "rendezvous") if process_group else ""
+        setup = (world_size, init_method, timeout_s, threads_per_rank)
+        try:
+            for rank in range(world_size):
+                reader, writer = ctx.Pipe(duplex=False)
+                proc = ctx.Process(
+                    target=_rank_main,
+                    args=(fn, rank, setup, tuple(args), dict(kwargs or {}), writer),
+                    name=f"ds_ring-rank{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                writer.close()
+                procs.append(proc)
+                readers.append(reader)
+            _collect(procs, readers, deadline, grace_s, sent)
+        finally:
+            _stop(procs, finished=set(sent))
+            for reader in readers:
+                reader.close()
+    if any(not ok for ok, *_ in sent.values()):
+        why = f"killed: no result within {grace_s} s after the first failure"
+    else:
+        why = f"no result after {float(timeout_s)} s"
+    outcomes = []
+    for rank in range(world_size):
+        if rank not in sent:
+            outcomes.append(RankOutcome(rank, error=why, hung=True))
+            continue
+        ok, payload, cpu_s, peak_rss_mib = sent[rank]
+        value, error = (pickle.loads(payload), None) if ok else (None, payload)
+        outcomes.append(RankOutcome(rank, value, error, cpu_s=cpu_s, peak_rss_mib=peak_rss_mib))
+    return outcomes
+
+
+def rank_results(outcomes: Sequence[RankOutcome]) -> list[Any]:
+    """The values of ``outcomes`` in rank order, or an exception naming every rank that did not return.
+
+    Raises ``RuntimeError`` with ``"rank r failed:\\n<traceback>"`` for every failing rank (and the
+    ranks killed after it), or ``TimeoutError("rank r hung: no result after X s")`` when ranks hung
+    without any failure.
+    """
+    failed = [o for o in outcomes if not o.ok and not o.hung]
+    hung = [o for o in outcomes if o.hung]
+    if failed:
+        report = "\n\n".join(f"rank {o.rank} failed:\n{o.error}" for o in failed)
+        if hung:
+            report += f"\n\n{_ranks(hung)} {hung[0].error}"
+        raise RuntimeError(report)
+    if hung:
+        raise TimeoutError(f"{_ranks(hung)} hung: {hung[0].error}")
+    return [o.value for o in outcomes]
+
+
+def _ranks(outcomes: Sequence[RankOutcome]) -> str:
+    ranks = [o.rank for o in outcomes]
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    rank: int,
+    setup: tuple[int, str, float, int],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    writer: Connection,
+) -> None:
+    """Child entry point: run one rank and send ``(ok, pickled result or traceback, cpu_s, peak_rss_mib)``."""
+    import torch
+    import torch.distributed as dist
+
+    world_size, init_method, timeout_s, threads = setup
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(threads)
+    with contextlib.suppress(RuntimeError):  # only allowed before any inter-op work started
+        torch.set_num_interop_threads(1)
+    try:
+        if init_method:
+            dist.init_process_group(
+                "gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+            )
+        try:
+            ok, payload = True, pickle.dumps(fn(rank, world_size, *args, **kwargs))
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    except BaseException:  # everything, SystemExit included, goes back to the parent as text
+        ok, payload = False, traceback.format_exc()
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    writer.send((ok, payload, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024))  # ru_maxrss: KiB
+    writer.close()
+
+
+def _collect(
+    procs: list[BaseProcess], readers: list[Connection], deadline: float, grace_s: float, sent: dict[int, tuple]
+) -> None:
+    """Fill ``sent`` until every rank reported, the deadline passed, or the post-failure grace ran out."""
+    limit = deadline
+    while len(sent) < len(procs):
+        now = time.monotonic()
+        if now >= limit:
+            return
+        waiting = {reader: rank for rank, reader in enumerate(readers) if rank not in sent}
+        exits = {procs[rank].sentinel: rank for rank in waiting.values()}
+        for ready in wait_ready([*waiting, *exits], timeout=limit - now):
+            rank = waiting[ready] if ready in waiting else exits[ready]
+            if rank in sent:
+                continue
+            sent[rank] = _read(procs[rank], readers[rank])
+            if not sent[rank][0]:
+                limit = min(limit, time.monotonic() + grace_s)
+
+
+def _read(proc: BaseProcess, reader: Connection) -> tuple:
+    """The rank's report, or a failure when it exited without one (crash, ``os._exit``, killed for memory)."""
+    if reader.poll():
+        try:
+            return reader.recv()
+        except EOFError:
+            pass
+    proc.join(_EXIT_S)
+    return False, f"process exited with code {proc.exitcode} before returning a result", None, None
+
+
+def _stop(procs: list[BaseProcess], finished: set[int]) -> None:
+    """SIGKILL ranks without a result at once, give the others a moment to exit, reap them all."""
+    for rank, proc in enumerate(procs):
+        if rank not in finished and proc.is_alive():
+            proc.kill()
+    exit_by = time.monotonic() + _EXIT_S
+    for proc in procs:
+        proc.join(max(0.0, exit_by - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
