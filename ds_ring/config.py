@@ -27,8 +27,10 @@ import difflib
 import json
 from collections.abc import Mapping
 from os import PathLike
+from pathlib import Path
 from typing import Any, Literal
 
+import yaml
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import Field, field_validator, model_validator
 
@@ -37,7 +39,7 @@ from ds_ring.parallel import strategy_names
 from ds_ring.strategies import plan_shards
 from ds_ring.topology import RankLayout
 
-__all__ = ["RingAttentionConfig", "MonitoringConfig", "load_config", "SECTION"]
+__all__ = ["RingAttentionConfig", "MonitoringConfig", "load_config", "read_ds_config", "SECTION"]
 
 SECTION = "ring_attention"
 
@@ -222,14 +224,39 @@ class RingAttentionConfig(DeepSpeedConfigModel):
             ) from None
 
 
+def read_ds_config(ds_config: str | PathLike | Mapping[str, Any]) -> dict[str, Any]:
+    """A whole ds_config as a dict: a mapping as it is, a ``.yaml``/``.yml`` file as YAML, any other as JSON.
+
+    Raises ``ValueError`` naming the file, line and column of a syntax error, or when the top level
+    is not an object.
+    """
+    if isinstance(ds_config, Mapping):
+        return dict(ds_config)
+    path = Path(ds_config)
+    text = path.read_text()
+    if path.suffix.lower() in (".yaml", ".yml"):
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ValueError(f"{path}: YAML syntax error{where}: {getattr(err, 'problem', None) or err}") from None
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: JSON syntax error at line {err.lineno}, column {err.colno}: {err.msg}") from None
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{path}: a ds_config is an object of sections at the top level, got {type(data).__name__}")
+    return dict(data)
+
+
 def load_config(ds_config: str | PathLike | Mapping[str, Any]) -> RingAttentionConfig:
-    """The validated ``"ring_attention"`` section of a whole ds_config (a JSON path or a dict).
+    """The validated ``"ring_attention"`` section of a whole ds_config (a JSON or YAML path, or a dict).
 
     A ds_config without the section gives ``RingAttentionConfig(enabled=False)``.
     """
-    if not isinstance(ds_config, Mapping):
-        with open(ds_config) as handle:
-            ds_config = json.load(handle)
+    ds_config = read_ds_config(ds_config)
     section = ds_config.get(SECTION)
     if section is None:
         return RingAttentionConfig(enabled=False)

@@ -5,7 +5,6 @@ the sequence-data-parallel group; attach the monitoring hooks the section switch
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from datetime import timedelta
@@ -19,7 +18,7 @@ from torch import nn
 
 from ds_ring.attention import MultiheadRingDilatedAttention, RingDilatedAttention
 from ds_ring.comm.wait import set_default_timeout
-from ds_ring.config import SECTION, MonitoringConfig, RingAttentionConfig, load_config
+from ds_ring.config import SECTION, MonitoringConfig, RingAttentionConfig, load_config, read_ds_config
 from ds_ring.launch_env import discover_launch_env
 from ds_ring.monitor import RingMonitor
 from ds_ring.topology import Topology
@@ -28,13 +27,6 @@ __all__ = ["initialize", "install", "init_distributed", "attach_monitor"]
 
 MONITOR_BACKENDS = ("csv_monitor", "tensorboard", "wandb", "comet")
 _attached: RingMonitor | None = None  # the monitor of the last ds_ring.initialize in this process
-
-
-def _read(config: str | PathLike | Mapping[str, Any]) -> dict[str, Any]:
-    if isinstance(config, Mapping):
-        return dict(config)
-    with open(config) as handle:
-        return json.load(handle)
 
 
 def _restart_safe_store(timeout: timedelta) -> dist.Store | None:
@@ -171,7 +163,7 @@ def initialize(
     Args:
         model: a model whose attention modules are :class:`ds_ring.RingDilatedAttention` (or
             :class:`ds_ring.MultiheadRingDilatedAttention`).
-        config: the whole ds_config (JSON path or dict); DeepSpeed gets it as it is.
+        config: the whole ds_config (JSON or YAML path, or dict); DeepSpeed gets it as it is.
         model_parameters, optimizer: as for ``deepspeed.initialize``.
         seq_len: the training sequence length, to check shards and segments now rather than at
             the first step (optional).
@@ -189,7 +181,7 @@ def initialize(
     """
     if "mpu" in deepspeed_kwargs:
         raise ValueError("ds_ring.initialize builds the mpu from the ds_config; do not pass mpu=")
-    ds_config = _read(config)
+    ds_config = read_ds_config(config)
     section = load_config(ds_config)
     _check_monitor_backend(section, ds_config)
     discover_launch_env()

@@ -45,6 +45,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is imported: no detection warning
 
 import ds_ring  # noqa: E402
+from ds_ring.config import read_ds_config  # noqa: E402
 from ds_ring.hooks import Event, HookHandle, peak_memory_bytes, register_hook  # noqa: E402
 from ds_ring.monitor import run_main  # noqa: E402
 from launch.model import TinyGPT  # noqa: E402
@@ -119,7 +120,7 @@ class Fault:
 
 def ds_config_for(path: str, save_dir: Path) -> dict:
     """The ds_config, with an empty monitor ``output_path`` set to ``<save_dir>/monitor``."""
-    config = json.loads(Path(path).read_text())
+    config = read_ds_config(path)
     for name in MONITORS_WITH_OUTPUT_PATH:
         backend = config.get(name)
         if isinstance(backend, dict) and backend.get("enabled") and not backend.get("output_path"):
@@ -129,7 +130,9 @@ def ds_config_for(path: str, save_dir: Path) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--deepspeed_config", default="ds_configs/cpu_default.json", help="ds_config.json path")
+    p.add_argument(
+        "--deepspeed_config", default="ds_configs/cpu_default.json", help="ds_config path (.json, .yaml or .yml)"
+    )
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (split over the sequence ranks)")
     p.add_argument("--steps", type=int, default=240)
