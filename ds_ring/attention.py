@@ -44,7 +44,9 @@ class RingDilatedAttention(nn.Module):
         head_offset: global index of local head 0.
         timeout_s: bound on every communication wait.
 
-    Shapes: ``forward(q [B, L, H, D], k [B, L, Hkv, D], v [B, L, Hkv, D]) -> [B, L, H, D]``.
+    Shapes: ``forward(q [B, L, H, D], k [B, L, Hkv, D], v [B, L, Hkv, D], *, cu_seqlens=None) -> [B, L, H, D]``;
+    ``cu_seqlens``: document boundaries of a packed sequence over the global sequence (see
+    :func:`ds_ring.ring_dilated_attention`).
     """
 
     def __init__(
@@ -94,18 +96,20 @@ class RingDilatedAttention(nn.Module):
         for name, value in settings.items():
             setattr(self, name, list(value) if name in ("segment_lengths", "dilation_rates") and value else value)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if self.topology is not None:
             return sequence_parallel_attention(
                 q, k, v, self.segment_lengths, self.dilation_rates,
                 causal=self.causal, scale=self.scale, topology=self.topology, strategy=self.strategy,
                 communication=self.communication, layout=self.layout, head_offset=self.head_offset,
-                timeout_s=self.timeout_s,
+                timeout_s=self.timeout_s, cu_seqlens=cu_seqlens,
             )  # fmt: skip
         return ring_dilated_attention(
             q, k, v, self.segment_lengths, self.dilation_rates,
             causal=self.causal, scale=self.scale, group=self.group, communication=self.communication,
-            layout=self.layout, head_offset=self.head_offset, timeout_s=self.timeout_s,
+            layout=self.layout, head_offset=self.head_offset, timeout_s=self.timeout_s, cu_seqlens=cu_seqlens,
         )  # fmt: skip
 
     def extra_repr(self) -> str:
@@ -125,9 +129,9 @@ class MultiheadRingDilatedAttention(nn.Module):
         device, dtype: for the parameters.
         **attention: passed to :class:`RingDilatedAttention` (segments, rates, causal, group, ...).
 
-    ``forward(query, key=None, value=None)`` takes the local shard ``[B, L, E]`` (self-attention
-    when ``key``/``value`` are omitted) and returns ``(output [B, L, E], None)`` like
-    ``nn.MultiheadAttention`` with ``need_weights=False``.
+    ``forward(query, key=None, value=None, *, cu_seqlens=None)`` takes the local shard ``[B, L, E]``
+    (self-attention when ``key``/``value`` are omitted; ``cu_seqlens``: packed documents over the global
+    sequence) and returns ``(output [B, L, E], None)`` like ``nn.MultiheadAttention`` with ``need_weights=False``.
     """
 
     def __init__(
@@ -168,6 +172,7 @@ class MultiheadRingDilatedAttention(nn.Module):
         attn_mask: torch.Tensor | None = None,
         key_padding_mask: torch.Tensor | None = None,
         is_causal: bool = False,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, None]:
         if need_weights or attn_mask is not None or key_padding_mask is not None:
             raise ValueError(
@@ -184,6 +189,6 @@ class MultiheadRingDilatedAttention(nn.Module):
         q = self.q_proj(query).view(batch, seq, self.num_heads, self.head_dim)
         k = self.k_proj(key).view(batch, seq, self.num_kv_heads, self.head_dim)
         v = self.v_proj(value).view(batch, seq, self.num_kv_heads, self.head_dim)
-        out = self.attention(q, k, v).reshape(batch, seq, self.embed_dim)
+        out = self.attention(q, k, v, cu_seqlens=cu_seqlens).reshape(batch, seq, self.embed_dim)
         out = self.out_proj(out)
         return (out if self.batch_first else out.transpose(0, 1)), None

@@ -8,7 +8,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from ds_ring.comm.groups import group_rank, group_size
-from ds_ring.kernels.dilation import validate_qkv
+from ds_ring.kernels.dilation import check_cu_seqlens, validate_qkv
 from ds_ring.strategies import CommSpec, get_exchange, plan_shards, sharded_attention
 
 __all__ = ["ring_dilated_attention"]
@@ -29,6 +29,7 @@ def ring_dilated_attention(
     head_offset: int = 0,
     return_lse: bool = False,
     timeout_s: float | None = None,
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Dilated (or dense) attention over a sequence sharded across ``group``.
 
@@ -37,7 +38,7 @@ def ring_dilated_attention(
     Args:
         q: local shard ``[batch, seq/p, heads, head_dim]``; k, v: ``[batch, seq/p, kv_heads, head_dim]``.
         segment_lengths, dilation_rates: LongNet branches over the *global* sequence; ``None`` = dense.
-            A segment must divide the shard length or be a multiple of it.
+            Segments may cross shard boundaries anywhere; only the kept rows of those that do travel.
         causal: causal mask by global position.
         group: the sequence-parallel process group (``None``: the default group).
         communication: ``"ring"`` (K/V passed rank to rank, O(seq/p) memory) or ``"allgather"``.
@@ -45,6 +46,9 @@ def ring_dilated_attention(
         head_offset: global index of local head 0 (dilation offsets use global head indices).
         return_lse: also return ``lse [batch, heads, seq/p]`` (float32; float64 for float64 inputs).
         timeout_s: bound on every communication wait (``None``: ``ds_ring.comm`` default).
+        cu_seqlens: document boundaries ``[0, e1, ..., seq]`` over the *global* sequence (1-D integers, the
+            same on every rank): each document is attended as if alone; K/V of other documents are neither
+            computed on nor sent. ``None``: one document.
 
     Returns:
         The local output shard ``[batch, seq/p, heads, head_dim]`` (and the LSE).
@@ -55,9 +59,11 @@ def ring_dilated_attention(
     """
     validate_qkv(q, k, v, head_offset)
     exchange = get_exchange(communication)
+    world = group_size(group)
     plan = plan_shards(
-        q.shape[1], q.shape[2], k.shape[2], group_rank(group), group_size(group),
-        segment_lengths, dilation_rates, layout=layout, head_offset=head_offset, device=q.device,
+        q.shape[1], q.shape[2], k.shape[2], group_rank(group), world, segment_lengths, dilation_rates,
+        layout=layout, head_offset=head_offset, device=q.device, causal=causal,
+        documents=check_cu_seqlens(cu_seqlens, q.shape[1] * world),
     )  # fmt: skip
     out, lse = sharded_attention(
         q, k, v, plan, exchange, CommSpec(group, timeout_s), causal=causal, scale=scale, head_offset=head_offset

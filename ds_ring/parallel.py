@@ -54,6 +54,7 @@ class AttentionCall:
     head_offset: int
     return_lse: bool
     timeout_s: float | None
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None
 
     def options(self) -> dict[str, Any]:
         """Keyword arguments every strategy function takes."""
@@ -64,6 +65,7 @@ class AttentionCall:
             head_offset=self.head_offset,
             return_lse=self.return_lse,
             timeout_s=self.timeout_s,
+            cu_seqlens=self.cu_seqlens,
         )
 
 
@@ -109,6 +111,7 @@ def sequence_parallel_attention(
     head_offset: int = 0,
     return_lse: bool = False,
     timeout_s: float | None = None,
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
 ) -> Output:
     """Dilated (or dense) attention over a sequence sharded across ``topology.sequence_parallel_group``.
 
@@ -127,6 +130,9 @@ def sequence_parallel_attention(
         head_offset: global index of local head 0 (dilation offsets use global head indices).
         return_lse: also return ``lse [batch, heads, seq/p]`` (float32; float64 for float64 inputs).
         timeout_s: bound on every communication wait (``None``: ``ds_ring.comm`` default).
+        cu_seqlens: document boundaries ``[0, e1, ..., seq]`` of a packed sequence over the *global*
+            sequence (1-D integers, the same on every rank and batch row): each document is attended as
+            if alone, on every strategy and layout. ``None``: one document.
 
     Returns:
         The local output shard ``[batch, seq/p, heads, head_dim]`` in the input dtype (and the LSE).
@@ -139,8 +145,9 @@ def sequence_parallel_attention(
     run = get_strategy(strategy)
     get_exchange(communication)
     call = AttentionCall(
-        segment_lengths, dilation_rates, causal, scale, communication, layout, head_offset, return_lse, timeout_s
-    )
+        segment_lengths, dilation_rates, causal, scale, communication, layout, head_offset, return_lse, timeout_s,
+        cu_seqlens,
+    )  # fmt: skip
     return run(q, k, v, topology, call)
 
 

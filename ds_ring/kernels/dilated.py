@@ -19,10 +19,12 @@ import torch
 from ds_ring.kernels.block import block_backward, block_forward
 from ds_ring.kernels.dilation import (
     Branch,
+    Region,
     add_heads_,
+    check_cu_seqlens,
+    document_regions,
     head_groups,
     kept_rows,
-    make_branches,
     segment_runs,
     select_heads,
     validate_qkv,
@@ -35,6 +37,8 @@ __all__ = [
     "attend_backward",
     "branch_forward_",
     "branch_backward_",
+    "regions_forward_",
+    "regions_backward_",
     "new_accumulators",
 ]
 
@@ -203,33 +207,77 @@ def branch_backward_(
             add_heads_(dvs[:, :, rows], group.kv_heads, dv_piece)
 
 
+def regions_forward_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    regions: Sequence[Region],
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float | None,
+    head_offset: int,
+) -> None:
+    """Merge each region's branch over its rows of ``q [B, S, H, D]``, ``k``/``v`` into ``out``/``lse``."""
+    for region in regions:
+        rows = region.rows
+        branch_forward_(
+            q[:, rows], k[:, rows], v[:, rows], region.branch, out[:, rows], lse[:, rows],
+            causal=causal, scale=scale, head_offset=head_offset,
+        )  # fmt: skip
+
+
+def regions_backward_(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    regions: Sequence[Region],
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float | None,
+    head_offset: int,
+) -> None:
+    """Accumulate each region's gradients (shapes as in :func:`branch_backward_`)."""
+    for region in regions:
+        r = region.rows
+        branch_backward_(
+            dout[:, r], q[:, r], k[:, r], v[:, r], out[:, r], lse[:, r], region.branch, dq[:, r], dk[:, r], dv[:, r],
+            causal=causal, scale=scale, head_offset=head_offset,
+        )  # fmt: skip
+
+
 class _DilatedAttention(torch.autograd.Function):
-    """Forward: all branches merged; backward: per-piece flash backward with the final out/lse."""
+    """Forward: all regions merged; backward: per-piece flash backward with the final out/lse."""
 
     @staticmethod
-    def forward(ctx, q, k, v, branches, causal, scale, head_offset):
+    def forward(ctx, q, k, v, regions, causal, scale, head_offset):
         out_acc, lse = new_accumulators(q)
-        for branch in branches:
-            branch_forward_(q, k, v, branch, out_acc, lse, causal=causal, scale=scale, head_offset=head_offset)
+        regions_forward_(q, k, v, regions, out_acc, lse, causal=causal, scale=scale, head_offset=head_offset)
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (branches, causal, scale, head_offset)
+        ctx.args = (regions, causal, scale, head_offset)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        branches, causal, scale, head_offset = ctx.args
+        regions, causal, scale, head_offset = ctx.args
         acc = accum_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         dout = dout.to(q.dtype)
-        for branch in branches:
-            branch_backward_(
-                dout, q, k, v, out, lse, branch, dq, dk, dv, causal=causal, scale=scale, head_offset=head_offset
-            )
+        regions_backward_(
+            dout, q, k, v, out, lse, regions, dq, dk, dv, causal=causal, scale=scale, head_offset=head_offset
+        )
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
@@ -244,6 +292,7 @@ def dilated_attention(
     scale: float | None = None,
     head_offset: int = 0,
     return_lse: bool = False,
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """LongNet dilated attention on one device.
 
@@ -256,6 +305,9 @@ def dilated_attention(
         scale: softmax scale, default ``1/sqrt(head_dim)``.
         head_offset: global index of local head 0; head ``h`` uses offset ``(head_offset + h) % r``.
         return_lse: also return the log-sum-exp.
+        cu_seqlens: document boundaries ``[0, e1, ..., seq]`` of a packed sequence (1-D integers, the same
+            for every batch row): each document is attended as if alone (segments and dilation offsets
+            restart at its first token; a document shorter than a segment clamps it). ``None``: one document.
 
     Returns:
         ``out [batch, seq, heads, head_dim]`` in the input dtype, and with ``return_lse`` also
@@ -263,6 +315,7 @@ def dilated_attention(
         branch covers, whose output is 0). ``lse`` carries no gradient.
     """
     validate_qkv(q, k, v, head_offset)
-    branches = tuple(make_branches(q.shape[1], segment_lengths, dilation_rates))
-    out, lse = _DilatedAttention.apply(q, k, v, branches, causal, scale, head_offset)
+    documents = check_cu_seqlens(cu_seqlens, q.shape[1])
+    regions = document_regions(q.shape[1], segment_lengths, dilation_rates, documents)
+    out, lse = _DilatedAttention.apply(q, k, v, regions, causal, scale, head_offset)
     return (out, lse.transpose(1, 2)) if return_lse else out

@@ -7,18 +7,25 @@ Pure index math shared by the single-process kernel and every distributed strate
 - head ``h`` (global index ``head_offset + h``) keeps, inside each segment, the positions
   ``o, o + r, o + 2r, ...`` with ``o = (head_offset + h) % r``;
 - heads sharing an offset form a *head group*; they are the strided slice ``first::r`` of the
-  local heads, so selecting them is a view, not a copy.
+  local heads, so selecting them is a view, not a copy;
+- a packed sequence (``cu_seqlens``, DESIGN.md §6) restarts segments and offsets at every document's
+  first token, and a document shorter than a segment clamps it to its own length: a *region* is a
+  stretch of rows starting at a segment boundary and holding whole segments of one branch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 
 __all__ = [
     "Branch",
+    "Region",
+    "check_cu_seqlens",
+    "document_regions",
     "HeadGroup",
     "SegmentRun",
     "make_branches",
@@ -37,6 +44,17 @@ class Branch:
 
     segment: int
     rate: int
+
+
+@dataclass(frozen=True)
+class Region:
+    """Rows ``rows`` (contiguous, starting at a segment boundary) made of whole segments of ``branch``.
+
+    Every segment is ``branch.segment`` rows long except possibly the last, which ends its document.
+    """
+
+    rows: slice
+    branch: Branch
 
 
 @dataclass(frozen=True)
@@ -93,6 +111,57 @@ def make_branches(
         if bad:
             raise ValueError(f"{name} must be integers >= 1, got {values} (bad: {bad})")
     return [Branch(min(w, seq_len), r) for w, r in zip(segment_lengths, dilation_rates, strict=True)]
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor | Sequence[int] | None, seq_len: int) -> tuple[int, ...] | None:
+    """Validate document boundaries ``[0, e1, ..., seq_len]`` (flash-attn varlen convention) as a tuple.
+
+    ``None`` (one document) stays ``None``. ``ValueError`` names what is wrong and the fix.
+    """
+    if cu_seqlens is None:
+        return None
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex:
+            raise ValueError(
+                f"cu_seqlens must be a 1-D integer tensor of document boundaries [0, e1, ..., seq_len], got "
+                f"shape {tuple(cu_seqlens.shape)} dtype {cu_seqlens.dtype}; build it with torch.tensor(..., "
+                f"dtype=torch.int32)"
+            )
+        if cu_seqlens.dtype == torch.bool:
+            raise ValueError("cu_seqlens must be an integer tensor, got dtype torch.bool")
+        bounds = cu_seqlens.tolist()
+    else:
+        bounds = list(cu_seqlens)
+        if any(not isinstance(b, int) or isinstance(b, bool) for b in bounds):
+            raise ValueError(f"cu_seqlens must hold integers, got {bounds}")
+    shown = bounds if len(bounds) <= 12 else [*bounds[:5], "...", *bounds[-5:]]
+    if len(bounds) < 2:
+        raise ValueError(f"cu_seqlens must hold at least [0, seq_len], got {shown}")
+    if bounds[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {shown}; boundaries are offsets [0, e1, ..., {seq_len}]")
+    if bounds[-1] != seq_len:
+        raise ValueError(
+            f"cu_seqlens must end at the (global) sequence length {seq_len}, got {shown}; the last document ends "
+            f"where the sequence ends (pad with a document of its own rather than leave tokens out)"
+        )
+    if any(b <= a for a, b in pairwise(bounds)):
+        raise ValueError(f"cu_seqlens must be strictly increasing (no empty documents), got {shown}")
+    return tuple(bounds)
+
+
+def document_regions(
+    seq_len: int,
+    segment_lengths: Sequence[int] | None,
+    dilation_rates: Sequence[int] | None,
+    documents: tuple[int, ...] | None,
+) -> tuple[Region, ...]:
+    """Every branch over every document (``documents``: checked ``cu_seqlens``; ``None``: one document)."""
+    bounds = documents or (0, seq_len)
+    return tuple(
+        Region(slice(start, stop), branch)
+        for start, stop in pairwise(bounds)
+        for branch in make_branches(stop - start, segment_lengths, dilation_rates)
+    )
 
 
 def head_groups(

@@ -33,14 +33,17 @@ KV = tuple[torch.Tensor, torch.Tensor]
 
 
 def pack_block(span: SpanPlan, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """This member's block: kept rows and travelling heads of ``k``/``v`` ``[B, L, Hkv, D]``, flat."""
-    mine = span.held[span.index]
-    parts = [
-        select_heads(x[:, held.rows], travel.select).reshape(-1)
-        for x in (k, v)
-        for held, travel in zip(mine, span.travel, strict=True)
-    ]
-    return torch.cat(parts)
+    """This member's block: kept rows and travelling heads of ``k``/``v`` ``[B, L, Hkv, D]``, flat.
+
+    Per head group the runs are laid side by side along the rows (``[B, count, heads, D]``).
+    """
+    parts = []
+    for x in (k, v):
+        for held, travel in zip(span.held[span.index], span.travel, strict=True):
+            runs = [select_heads(x[:, run.rows], travel.select) for run in held.runs]
+            if runs:
+                parts.append((runs[0] if len(runs) == 1 else torch.cat(runs, dim=1)).reshape(-1))
+    return torch.cat(parts) if parts else k.new_empty(0)
 
 
 def unpack_block(span: SpanPlan, member: int, flat: torch.Tensor, batch: int, head_dim: int) -> list[KV]:
@@ -68,11 +71,9 @@ def _expand(x: torch.Tensor, span: SpanPlan, g: int) -> torch.Tensor:
 
 def block_has_work(span: SpanPlan, member: int, causal: bool) -> bool:
     """Whether this rank's queries attend to any key of member's block."""
-    for g in range(len(span.groups)):
-        mine, theirs = span.held[span.index][g], span.held[member][g]
-        if mine.count and theirs.count and pieces(mine.chunks, theirs.chunks, causal):
-            return True
-    return False
+    return any(
+        pieces(mine, theirs, causal) for mine, theirs in zip(span.held[span.index], span.held[member], strict=True)
+    )
 
 
 def forward_block_(
@@ -88,14 +89,21 @@ def forward_block_(
 ) -> None:
     """Merge attention of local ``q [B, L, H, D]`` over member's block into ``out``/``lse`` (in place)."""
     for g, group in enumerate(span.groups):
-        mine, theirs = span.held[span.index][g], span.held[member][g]
-        if not (mine.count and theirs.count):
+        work = pieces(span.held[span.index][g], span.held[member][g], causal)
+        if not work:
             continue
-        qg = q[:, mine.rows, group.q_heads]
-        outg, lseg = out[:, mine.rows, group.q_heads], lse[:, mine.rows, group.q_heads]
+        heads = group.q_heads
         kg, vg = (_expand(x, span, g) for x in kv[g])
-        for qs, ks, diagonal in pieces(mine.chunks, theirs.chunks, causal):
-            attend_into(qg[:, qs], kg[:, ks], vg[:, ks], outg[:, qs], lseg[:, qs], causal=diagonal, scale=scale)
+        for qs, ks, diagonal in work:
+            attend_into(
+                q[:, qs, heads],
+                kg[:, ks],
+                vg[:, ks],
+                out[:, qs, heads],
+                lse[:, qs, heads],
+                causal=diagonal,
+                scale=scale,
+            )
 
 
 def backward_block_(
@@ -114,20 +122,19 @@ def backward_block_(
 ) -> None:
     """Accumulate the gradient of member's block into ``dq [B, L, H, D]`` and its ``dkv`` views."""
     for g, group in enumerate(span.groups):
-        mine, theirs = span.held[span.index][g], span.held[member][g]
-        if not (mine.count and theirs.count):
+        work = pieces(span.held[span.index][g], span.held[member][g], causal)
+        if not work:
             continue
-        rows, heads = mine.rows, group.q_heads
-        qg, doutg, outg, lseg = q[:, rows, heads], dout[:, rows, heads], out[:, rows, heads], lse[:, rows, heads]
-        dqg = dq[:, rows, heads]
+        h = group.q_heads
         kg, vg = (_expand(x, span, g) for x in kv[g])
         dkg, dvg = dkv[g]
         expand = span.travel[g].expand
-        for qs, ks, diagonal in pieces(mine.chunks, theirs.chunks, causal):
+        for qs, ks, diagonal in work:
             dq_piece, dk_piece, dv_piece = attend_backward(
-                doutg[:, qs], qg[:, qs], kg[:, ks], vg[:, ks], outg[:, qs], lseg[:, qs], causal=diagonal, scale=scale
-            )
-            dqg[:, qs] += dq_piece
+                dout[:, qs, h], q[:, qs, h], kg[:, ks], vg[:, ks], out[:, qs, h], lse[:, qs, h],
+                causal=diagonal, scale=scale,
+            )  # fmt: skip
+            dq[:, qs, h] += dq_piece
             if expand is None:
                 dkg[:, ks] += dk_piece
                 dvg[:, ks] += dv_piece
@@ -139,5 +146,6 @@ def backward_block_(
 def add_home_grads_(span: SpanPlan, dkv: list[KV], dk: torch.Tensor, dv: torch.Tensor) -> None:
     """Add this member's own block gradient (home after its trip) into ``dk``/``dv`` ``[B, L, Hkv, D]``."""
     for held, travel, (dkg, dvg) in zip(span.held[span.index], span.travel, dkv, strict=True):
-        add_heads_(dk[:, held.rows], travel.select, dkg, dim=2)
-        add_heads_(dv[:, held.rows], travel.select, dvg, dim=2)
+        for run in held.runs:
+            add_heads_(dk[:, run.rows], travel.select, dkg[:, run.packed], dim=2)
+            add_heads_(dv[:, run.rows], travel.select, dvg[:, run.packed], dim=2)

@@ -20,7 +20,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from ds_ring.comm.groups import group_rank, group_size
-from ds_ring.kernels.dilation import Branch, make_branches, validate_qkv
+from ds_ring.kernels.dilation import Branch, check_cu_seqlens, make_branches, validate_qkv
 from ds_ring.strategies.plan import plan_shards
 from ds_ring.strategies.sharded import CommSpec, get_exchange, sharded_attention
 from ds_ring.strategies.ulysses import attend_local_heads, check_layout, heads_to_sequence, split_heads, to_heads
@@ -44,6 +44,7 @@ def hybrid_attention(
     head_offset: int = 0,
     return_lse: bool = False,
     timeout_s: float | None = None,
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Dilated (or dense) attention over a sequence sharded across ``ulysses × ring`` ranks.
 
@@ -51,7 +52,6 @@ def hybrid_attention(
         q: local shard ``[batch, seq/p, heads, head_dim]`` with ``heads % U == 0``;
             k, v: ``[batch, seq/p, kv_heads, head_dim]`` (fewer K/V heads than ``U`` are replicated).
         segment_lengths, dilation_rates: LongNet branches over the global sequence; ``None``: dense.
-            With ``R > 1`` a segment must divide the ring shard ``U·seq/p`` or be a multiple of it.
         ulysses_group: the ``U`` ranks of this all-to-all, holding consecutive shards in rank order.
         ring_group: the ``R`` ranks with this ulysses index, in sequence order.
         communication: how K/V move along the ring dimension: ``"ring"`` or ``"allgather"``.
@@ -59,6 +59,7 @@ def hybrid_attention(
         head_offset: global index of local head 0.
         return_lse: also return ``lse [batch, heads, seq/p]`` (float32; float64 for float64 inputs).
         timeout_s: bound on every communication wait (``None``: ``ds_ring.comm`` default).
+        cu_seqlens: document boundaries over the global sequence (see :func:`ds_ring.ring_dilated_attention`).
 
     Returns:
         The local output shard ``[batch, seq/p, heads, head_dim]`` (and the LSE).
@@ -75,6 +76,7 @@ def hybrid_attention(
     block = q.shape[1] * degree
     offset = head_offset + group_rank(ulysses_group) * split.heads
     branches = make_branches(block * ring_size, segment_lengths, dilation_rates)
+    documents = check_cu_seqlens(cu_seqlens, block * ring_size)
     plan = None
     if ring_size > 1:
         if layout == "zigzag" and any(b != Branch(block * ring_size, 1) for b in branches):
@@ -85,13 +87,13 @@ def hybrid_attention(
             )
         plan = plan_shards(
             block, split.heads, split.kv_heads, group_rank(ring_group), ring_size, segment_lengths,
-            dilation_rates, layout=layout, head_offset=offset, device=q.device,
+            dilation_rates, layout=layout, head_offset=offset, device=q.device, causal=causal, documents=documents,
         )  # fmt: skip
     qh, kh, vh = to_heads(q, k, v, split, ulysses_group, layout=layout, timeout_s=timeout_s)
     if plan is None:
         out, lse = attend_local_heads(
             qh, kh, vh, segment_lengths, dilation_rates, causal=causal, scale=scale, head_offset=offset,
-            strategy="hybrid",
+            strategy="hybrid", documents=documents,
         )  # fmt: skip
     else:
         out, lse = sharded_attention(

@@ -1,50 +1,66 @@
-"""Where every branch of a dilated attention lives on sequence shards (DESIGN.md §2, LongNet §3.2).
+"""Where every branch of a dilated attention lives on sequence shards (DESIGN.md §2 and §6, LongNet §3.2).
 
-With ``P`` ranks each holding ``L`` rows (total ``S = P·L``):
+The sequence of ``S = P·L`` rows is held by ``P`` ranks in *pieces*: one per rank (``contiguous``), or
+chunks ``p`` and ``2P-1-p`` of ``2P`` (``zigzag``, dense attention only). A branch ``(w, r)`` cuts every
+document (the whole sequence, or each document of ``cu_seqlens``) into segments of ``min(w, n)`` rows.
 
-- a branch with ``w <= L`` and ``L % w == 0`` is *local*: no communication;
-- a branch with ``w > L`` and ``w % L == 0`` *spans* the ``w / L`` ranks of each segment (the last
-  span may be shorter); only the kept (dilated) K/V rows of a span travel among its members.
+- A segment that lies inside one rank's piece is *local*: computed on the shard, no communication.
+  Consecutive local segments of a document form a :class:`~ds_ring.kernels.dilation.Region`.
+- A segment that crosses a boundary between ranks *spans* them. Ranks linked by spanning segments
+  form a *span* (connected ranks, in rank order = ring order); only the kept (dilated) K/V rows of
+  spanning segments travel among the span's members, and ranks outside every span send nothing.
 
-Dense attention is the branch ``(S, 1)``: one span of all ranks. The ``zigzag`` layout (rank ``p``
-holds chunks ``p`` and ``2P-1-p`` of ``2P``) is supported for dense attention only.
+Dense attention is the branch ``(S, 1)``: one segment per document. Without documents and with
+``w`` dividing ``L`` (or a multiple of it) this is the classic LongNet picture: local branches and
+spans of ``w / L`` ranks.
 
-A member's share of a span is described per head group (heads sharing a dilation offset) by the
-kept rows of its local shard and by *chunks* of those rows with their position in the causal order,
-which decides for every (query chunk, key chunk) pair: full, diagonal (causal) or skipped.
+A member's share of a span is described per head group (heads sharing a dilation offset) by *runs*:
+the kept rows of one spanning segment in one of its pieces, with their place in the member's packed
+block and their causal position, which decides for every (query run, key run) pair of the same
+segment: full, diagonal (causal) or skipped. Runs of different segments (documents) never meet.
 
-Everything here is checked before any communication, and errors say what to change.
+Plans are pure functions of their arguments and cached; everything is checked before any
+communication, and errors say what to change.
 """
 
 from __future__ import annotations
 
+import bisect
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 
-from ds_ring.kernels.dilation import Branch, HeadGroup, head_groups, kept_rows, make_branches
+from ds_ring.kernels.dilation import Branch, HeadGroup, Region, head_groups, make_branches
 
-__all__ = ["Chunk", "Held", "Travel", "SpanPlan", "ShardPlan", "plan_shards", "pieces", "LAYOUTS"]
+__all__ = ["Run", "Held", "Travel", "SpanPlan", "ShardPlan", "plan_shards", "pieces", "LAYOUTS"]
 
 LAYOUTS = ("contiguous", "zigzag")
 
 
 @dataclass(frozen=True)
-class Chunk:
-    """Rows ``rows`` of a member's kept block, at position ``order`` in the causal order."""
+class Run:
+    """Kept rows of one spanning segment in one piece of a member, for one head group.
+
+    ``rows``: the member's local rows (step = rate); ``packed``: their place in the member's packed
+    block of the group; ``segment``: the segment's first global position (its identity);
+    ``position``: the global position where this piece of the segment starts (causal order).
+    """
 
     rows: slice
-    order: int
+    packed: slice
+    segment: int
+    position: int
 
 
 @dataclass(frozen=True)
 class Held:
-    """What one span member holds of one head group: kept rows of its local shard, and chunks of them."""
+    """What one span member holds of one head group: its runs, ``count`` kept rows in all."""
 
-    rows: slice
+    runs: tuple[Run, ...]
     count: int
-    chunks: tuple[Chunk, ...]
 
 
 @dataclass(frozen=True)
@@ -62,10 +78,12 @@ class Travel:
 
 @dataclass(frozen=True)
 class SpanPlan:
-    """One branch whose segments span several ranks, seen from one member of its span.
+    """One branch's spanning segments among the ranks they link, seen from one member.
 
-    ``members`` are group-local ranks in sequence order (= ring order), ``index`` is this rank's
-    position among them, ``held[i][g]`` is member ``i``'s share of head group ``g``.
+    ``members`` are group-local ranks in ring order, ``index`` is this rank's position among them,
+    ``held[i][g]`` is member ``i``'s share of head group ``g``. ``hops``: how far a block must travel
+    forward around the ring so every member that needs it has seen it (``len(members) - 1`` for a
+    full turn; fewer when causality or documents make the far members need nothing).
     """
 
     branch: Branch
@@ -74,6 +92,7 @@ class SpanPlan:
     groups: tuple[HeadGroup, ...]
     travel: tuple[Travel, ...]
     held: tuple[tuple[Held, ...], ...]
+    hops: int
 
     def block_numel(self, member: int, batch: int, head_dim: int) -> int:
         """Elements of member's packed K/V block (K then V, every head group)."""
@@ -83,11 +102,21 @@ class SpanPlan:
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """Branches computed locally and branches spanning ranks, for one rank of the group."""
+    """Regions computed on the shard and spans shared with other ranks, for one rank of the group."""
 
-    local: tuple[Branch, ...]
+    local: tuple[Region, ...]
     spans: tuple[SpanPlan, ...]
     seq_len: int
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Global rows ``[start, stop)`` held by ``rank`` from its local row ``local`` on."""
+
+    start: int
+    stop: int
+    rank: int
+    local: int
 
 
 def _travel(group: HeadGroup, num_heads: int) -> Travel:
@@ -99,29 +128,91 @@ def _travel(group: HeadGroup, num_heads: int) -> Travel:
     return Travel(unique, torch.searchsorted(unique, group.kv_index), unique.numel())
 
 
-def _span_plan(
+def _sequence_pieces(local_len: int, world_size: int, zigzag: bool) -> list[_Piece]:
+    """Every rank's pieces in sequence order; adjacent pieces of one rank merged (zigzag's middle)."""
+    if not zigzag:
+        return [_Piece(r * local_len, (r + 1) * local_len, r, 0) for r in range(world_size)]
+    half = local_len // 2
+    chunks = [(c, c if c < world_size else 2 * world_size - 1 - c) for c in range(2 * world_size)]
+    pieces_: list[_Piece] = []
+    for c, rank in chunks:
+        local = 0 if c < world_size else half
+        if pieces_ and pieces_[-1].rank == rank:
+            last = pieces_[-1]
+            pieces_[-1] = _Piece(last.start, (c + 1) * half, rank, last.local)
+        else:
+            pieces_.append(_Piece(c * half, (c + 1) * half, rank, local))
+    return pieces_
+
+
+def _local_regions(mine: list[_Piece], start: int, stop: int, segment: int, rate: int) -> list[Region]:
+    """Whole segments of document ``[start, stop)`` inside this rank's pieces, as regions of local rows."""
+    regions = []
+    for piece in mine:
+        a, b = max(piece.start, start), min(piece.stop, stop)
+        if a >= b:
+            continue
+        a = start + -(-(a - start) // segment) * segment  # first segment start at or after a
+        if b != stop:
+            b = start + (b - start) // segment * segment  # last segment end at or before b
+        if a < b:
+            regions.append(
+                Region(slice(piece.local + a - piece.start, piece.local + b - piece.start), Branch(segment, rate))
+            )
+    return regions
+
+
+def _spanning_segments(cuts: list[int], start: int, stop: int, segment: int) -> list[tuple[int, int]]:
+    """Segments of document ``[start, stop)`` that contain a cut between two ranks' pieces."""
+    found: list[tuple[int, int]] = []
+    for cut in cuts[bisect.bisect_right(cuts, start) : bisect.bisect_left(cuts, stop)]:
+        if (cut - start) % segment:
+            first = start + (cut - start) // segment * segment
+            if not found or found[-1][0] != first:
+                found.append((first, min(first + segment, stop)))
+    return found
+
+
+def _runs(portions: list[tuple[int, int, int, _Piece]], group: HeadGroup) -> Held:
+    """Kept rows of a member's portions ``(segment, start, stop, piece)`` of spanning segments, packed in order."""
+    runs, count = [], 0
+    for segment, start, stop, piece in portions:
+        first = start + (group.offset - (start - segment)) % group.rate
+        if first >= stop:
+            continue
+        n = (stop - 1 - first) // group.rate + 1
+        row = piece.local + first - piece.start
+        runs.append(Run(slice(row, row + n * group.rate, group.rate), slice(count, count + n), segment, start))
+        count += n
+    return Held(tuple(runs), count)
+
+
+def _needs(mine: tuple[Held, ...], theirs: tuple[Held, ...], causal: bool) -> bool:
+    return any(pieces(a, b, causal) for a, b in zip(mine, theirs, strict=True))
+
+
+def _span(
     branch: Branch,
-    members: tuple[int, ...],
-    index: int,
+    members: list[int],
+    rank: int,
+    portions: dict[int, list[tuple[int, int, int, _Piece]]],
     groups: list[HeadGroup],
     travel: list[Travel],
-    local_len: int,
-    zigzag_world: int | None,
+    causal: bool,
 ) -> SpanPlan:
-    held = []
-    for j, member in enumerate(members):
-        per_group = []
-        for group in groups:
-            if zigzag_world is not None:
-                half = local_len // 2
-                chunks = (Chunk(slice(0, half), member), Chunk(slice(half, local_len), 2 * zigzag_world - 1 - member))
-                per_group.append(Held(slice(0, local_len), local_len, chunks))
-                continue
-            rows = kept_rows(j * local_len, local_len, group.offset, group.rate)
-            count = len(range(rows.start, local_len, rows.step))
-            per_group.append(Held(rows, count, (Chunk(slice(0, count), j),)))
-        held.append(tuple(per_group))
-    return SpanPlan(branch, members, index, tuple(groups), tuple(travel), tuple(held))
+    held = tuple(tuple(_runs(portions.get(m, []), g) for g in groups) for m in members)
+    n = len(members)
+    hops = max(
+        ((j - i) % n for i in range(n) for j in range(n) if i != j and _needs(held[j], held[i], causal)), default=0
+    )
+    return SpanPlan(branch, tuple(members), members.index(rank), tuple(groups), tuple(travel), held, hops)
+
+
+def _branch_specs(seq_len: int, segment_lengths: Sequence[int] | None, dilation_rates: Sequence[int] | None):
+    make_branches(seq_len, segment_lengths, dilation_rates)  # validates the lists
+    if segment_lengths is None:
+        return [(seq_len, 1)]
+    return list(zip(segment_lengths, dilation_rates, strict=True))
 
 
 def plan_shards(
@@ -136,21 +227,48 @@ def plan_shards(
     layout: str = "contiguous",
     head_offset: int = 0,
     device: torch.device | str = "cpu",
+    causal: bool = False,
+    documents: tuple[int, ...] | None = None,
 ) -> ShardPlan:
     """Plan one rank's share of a dilated attention over ``world_size`` equal shards of ``local_len``.
 
+    ``documents``: checked ``cu_seqlens`` over the global sequence (:func:`ds_ring.kernels.dilation.
+    check_cu_seqlens`), ``None`` for one document. ``causal`` only trims how far blocks travel.
+
     Raises:
-        ValueError: a layout, segment or shard combination that cannot be supported, naming the
-            constraint and what would satisfy it.
+        ValueError: a layout or branch combination that cannot be supported, naming the constraint
+            and what would satisfy it.
     """
+    return _plan(
+        local_len, num_heads, num_kv_heads, rank, world_size,
+        None if segment_lengths is None else tuple(segment_lengths),
+        None if dilation_rates is None else tuple(dilation_rates),
+        layout, head_offset, torch.device(device), causal, documents,
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(
+    local_len: int,
+    num_heads: int,
+    num_kv_heads: int,
+    rank: int,
+    world_size: int,
+    segment_lengths: tuple[int, ...] | None,
+    dilation_rates: tuple[int, ...] | None,
+    layout: str,
+    head_offset: int,
+    device: torch.device,
+    causal: bool,
+    documents: tuple[int, ...] | None,
+) -> ShardPlan:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     seq_len = local_len * world_size
-    branches = make_branches(seq_len, segment_lengths, dilation_rates)
-    dense = segment_lengths is None or all(b == Branch(seq_len, 1) for b in branches)
+    specs = _branch_specs(seq_len, segment_lengths, dilation_rates)
     zigzag = layout == "zigzag" and world_size > 1
     if zigzag:
-        if not dense:
+        if any(w < seq_len or r != 1 for w, r in specs):
             raise ValueError(
                 f"layout='zigzag' supports dense attention only, got segment_lengths={list(segment_lengths)} "
                 f"dilation_rates={list(dilation_rates)}; use layout='contiguous' for dilated attention"
@@ -161,46 +279,70 @@ def plan_shards(
                 f"even, got {local_len} (total {seq_len} over {world_size} ranks); make the total sequence "
                 f"a multiple of {2 * world_size}"
             )
-    device = torch.device(device)
-    local, spans = [], []
-    for branch in branches:
-        w = branch.segment
-        if w <= local_len:
-            if local_len % w:
-                raise ValueError(
-                    f"segment length {w} is shorter than the local shard ({local_len} rows = {seq_len} / "
-                    f"{world_size} ranks) but does not divide it, so segments would straddle shards; use a "
-                    f"segment length that divides {local_len} or a multiple of it"
-                )
-            local.append(branch)
+    sequence = _sequence_pieces(local_len, world_size, zigzag)
+    starts = [p.start for p in sequence]
+    cuts = starts[1:]
+    mine = [p for p in sequence if p.rank == rank]
+    bounds = documents or (0, seq_len)
+    local: list[Region] = []
+    spans: list[SpanPlan] = []
+    for w, r in specs:
+        spanning: list[tuple[int, int]] = []
+        for start, stop in pairwise(bounds):
+            segment = min(w, stop - start)
+            local += _local_regions(mine, start, stop, segment, r)
+            spanning += _spanning_segments(cuts, start, stop, segment)
+        span = _span_of(rank, spanning, sequence, starts)
+        if span is None:
             continue
-        if w % local_len:
-            raise ValueError(
-                f"segment length {w} spans several shards of {local_len} rows ({seq_len} / {world_size} "
-                f"ranks) but is not a multiple of the shard length; use a multiple of {local_len} or a "
-                f"divisor of it"
-            )
-        groups = head_groups(num_heads, num_kv_heads, branch.rate, head_offset, device)
+        members, portions = span
+        groups = head_groups(num_heads, num_kv_heads, r, head_offset, device)
         travel = [_travel(g, num_heads) for g in groups]
-        span_ranks = w // local_len
-        first = rank // span_ranks * span_ranks
-        members = tuple(range(first, min(first + span_ranks, world_size)))
-        spans.append(
-            _span_plan(branch, members, rank - first, groups, travel, local_len, world_size if zigzag else None)
-        )
+        spans.append(_span(Branch(min(w, seq_len), r), members, rank, portions, groups, travel, causal))
     return ShardPlan(tuple(local), tuple(spans), seq_len)
 
 
-def pieces(mine: tuple[Chunk, ...], theirs: tuple[Chunk, ...], causal: bool) -> list[tuple[slice, slice, bool]]:
-    """Blocks to compute between my query chunks and a visiting key block's chunks.
+def _span_of(
+    rank: int, spanning: list[tuple[int, int]], sequence: list[_Piece], starts: list[int]
+) -> tuple[list[int], dict[int, list[tuple[int, int, int, _Piece]]]] | None:
+    """The ranks linked to ``rank`` by spanning segments, and each one's portions of them (``None``: none)."""
+    parent = list(range(len({p.rank for p in sequence})))
 
-    Returns ``(query rows, key rows, causal_diagonal)`` triples; future blocks are left out.
+    def root(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    touched = []
+    for first, stop in spanning:
+        lo, hi = bisect.bisect_right(starts, first) - 1, bisect.bisect_left(starts, stop)
+        parts = [(first, max(first, p.start), min(stop, p.stop), p) for p in sequence[lo:hi]]
+        touched.append(parts)
+        for part in parts[1:]:
+            parent[root(part[3].rank)] = root(parts[0][3].rank)
+    mine = root(rank)
+    members = sorted(r for r in range(len(parent)) if root(r) == mine)
+    if len(members) < 2:
+        return None
+    portions: dict[int, list[tuple[int, int, int, _Piece]]] = {}
+    for parts in touched:
+        if root(parts[0][3].rank) == mine:
+            for part in parts:
+                portions.setdefault(part[3].rank, []).append(part)
+    return members, portions
+
+
+def pieces(mine: Held, theirs: Held, causal: bool) -> list[tuple[slice, slice, bool]]:
+    """Blocks to compute between my runs and a visiting block's runs (one head group).
+
+    Returns ``(my local query rows, key rows of the visiting packed block, causal_diagonal)`` triples:
+    runs of one segment only, future blocks left out; the diagonal is a run meeting itself.
     """
-    if not causal:
-        return [(slice(None), slice(None), False)]
     out = []
-    for a in mine:
-        for b in theirs:
-            if a.order >= b.order:
-                out.append((a.rows, b.rows, a.order == b.order))
+    for a in mine.runs:
+        for b in theirs.runs:
+            if a.segment != b.segment or (causal and b.position > a.position):
+                continue
+            out.append((a.rows, b.packed, causal and a.position == b.position))
     return out

@@ -1,13 +1,13 @@
 """Ring exchange: K/V blocks passed rank to rank around each span; dK/dV travel home with them.
 
 Forward: every member posts the transfer of the block it holds to the next member *before*
-computing on it, so the transfer hides behind compute; after ``n - 1`` hops every block has
-visited every member. At most two remote blocks are alive at once (the one being computed on and
-the one arriving).
+computing on it, so the transfer hides behind compute; after ``span.hops`` hops (``n - 1`` for a
+full turn) every block has visited every member that needs it. At most two remote blocks are alive
+at once (the one being computed on and the one arriving).
 
 Backward (a second ring): K/V blocks rotate again, and each block's gradient accumulator travels
-one step behind it, collecting every member's contribution; after a full turn it is home. dQ stays
-local.
+one step behind it, collecting every member's contribution; after the last hop it goes home in one
+transfer (for a full turn that is the next member, so the ring simply closes). dQ stays local.
 """
 
 from __future__ import annotations
@@ -33,11 +33,12 @@ from ds_ring.strategies.sharded import CommSpec, Options, register_exchange
 __all__ = ["RingExchange"]
 
 
-def _ring_comm(span: SpanPlan, comm: CommSpec, op: str) -> RingComm:
+def _ring_comm(span: SpanPlan, comm: CommSpec, op: str, shift: int = 1) -> RingComm:
+    """Send to the member ``shift`` places ahead, receive from the one ``shift`` places behind."""
     n, me = len(span.members), span.index
     ranks = global_ranks(comm.group, span.members)
     return RingComm(
-        comm.group, send_to=ranks[(me + 1) % n], recv_from=ranks[(me - 1) % n], timeout_s=comm.timeout_s, op=op
+        comm.group, send_to=ranks[(me + shift) % n], recv_from=ranks[(me - shift) % n], timeout_s=comm.timeout_s, op=op
     )
 
 
@@ -56,13 +57,13 @@ class RingExchange:
         opts: Options,
         overlap: Callable[[], None] | None,
     ) -> None:
-        n, me = len(span.members), span.index
+        n, me, hops = len(span.members), span.index, span.hops
         batch, head_dim = q.shape[0], q.shape[-1]
         ring = _ring_comm(span, comm, "ring_kv")
         block = pack_block(span, k, v)
-        for step in range(n):
+        for step in range(hops + 1):
             src = (me - step) % n
-            if step + 1 < n:
+            if step < hops:
                 incoming = ring.send_recv(block, recv_shape=(span.block_numel((src - 1) % n, batch, head_dim),))
                 ring.commit(step)
             if step == 0 and overlap is not None:
@@ -70,7 +71,7 @@ class RingExchange:
             if block_has_work(span, src, opts.causal):
                 kv = unpack_block(span, src, block, batch, head_dim)
                 forward_block_(span, src, kv, q, out, lse, causal=opts.causal, scale=opts.scale)
-            if step + 1 < n:
+            if step < hops:
                 ring.wait()
                 block = incoming
 
@@ -89,14 +90,14 @@ class RingExchange:
         comm: CommSpec,
         opts: Options,
     ) -> None:
-        n, me = len(span.members), span.index
+        n, me, hops = len(span.members), span.index, span.hops
         batch, head_dim = q.shape[0], q.shape[-1]
         kv_ring, grad_ring = _ring_comm(span, comm, "ring_kv"), _ring_comm(span, comm, "ring_dkv")
         block = pack_block(span, k, v)
         travelling = None  # the gradient accumulator of the block now held, arriving from the previous member
-        for step in range(n):
+        for step in range(hops + 1):
             src = (me - step) % n
-            if step + 1 < n:
+            if step < hops:
                 incoming = kv_ring.send_recv(block, recv_shape=(span.block_numel((src - 1) % n, batch, head_dim),))
                 kv_ring.commit(step)
             grad = None
@@ -108,14 +109,18 @@ class RingExchange:
             if step > 0:
                 grad_ring.wait()
                 grad = travelling if grad is None else grad.add_(travelling)
-            if step + 1 < n:
+            if step < hops:
                 kv_ring.wait()
                 block = incoming
-            next_numel = span.block_numel((src - 1) % n, batch, head_dim)
-            travelling = grad_ring.send_recv(grad, recv_shape=(next_numel,))
-            grad_ring.commit(step)
-        grad_ring.wait()
-        add_home_grads_(span, unpack_block(span, me, travelling, batch, head_dim), dk, dv)
+                next_numel = span.block_numel((src - 1) % n, batch, head_dim)
+                travelling = grad_ring.send_recv(grad, recv_shape=(next_numel,))
+                grad_ring.commit(step)
+        if hops:  # the accumulator of block me - hops goes home; mine arrives from member me + hops
+            home = grad_ring if hops == n - 1 else _ring_comm(span, comm, "ring_dkv", shift=-hops)
+            grad = home.send_recv(grad, recv_shape=(span.block_numel(me, batch, head_dim),))
+            home.commit(hops)
+            home.wait()
+        add_home_grads_(span, unpack_block(span, me, grad, batch, head_dim), dk, dv)
 
 
 register_exchange("ring", RingExchange())

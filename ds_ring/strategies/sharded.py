@@ -26,7 +26,7 @@ from torch.distributed import ProcessGroup
 
 from ds_ring.comm.groups import group_rank
 from ds_ring.hooks import current_labels, emit_attention, hooks_active, labelled
-from ds_ring.kernels.dilated import branch_backward_, branch_forward_, new_accumulators
+from ds_ring.kernels.dilated import new_accumulators, regions_backward_, regions_forward_
 from ds_ring.kernels.merge import accum_dtype
 from ds_ring.strategies.plan import ShardPlan, SpanPlan
 
@@ -121,13 +121,12 @@ class _ShardedAttention(torch.autograd.Function):
             _attention_event(exchange, "forward", "start")
         out, lse = new_accumulators(q)
 
-        def local_branches() -> None:
-            for branch in plan.local:
-                branch_forward_(
-                    q, k, v, branch, out, lse, causal=opts.causal, scale=opts.scale, head_offset=opts.head_offset
-                )
+        def local_regions() -> None:
+            regions_forward_(
+                q, k, v, plan.local, out, lse, causal=opts.causal, scale=opts.scale, head_offset=opts.head_offset
+            )
 
-        overlap: Callable[[], None] | None = local_branches
+        overlap: Callable[[], None] | None = local_regions
         for span in plan.spans:
             exchange.forward(span, q, k, v, out, lse, comm, opts, overlap)
             overlap = None
@@ -161,11 +160,10 @@ class _ShardedAttention(torch.autograd.Function):
         dout = dout.to(q.dtype)
         for span in plan.spans:
             exchange.backward(span, dout, q, k, v, out, lse, dq, dk, dv, comm, opts)
-        for branch in plan.local:
-            branch_backward_(
-                dout, q, k, v, out, lse, branch, dq, dk, dv,
-                causal=opts.causal, scale=opts.scale, head_offset=opts.head_offset,
-            )  # fmt: skip
+        regions_backward_(
+            dout, q, k, v, out, lse, plan.local, dq, dk, dv,
+            causal=opts.causal, scale=opts.scale, head_offset=opts.head_offset,
+        )  # fmt: skip
         if hooks_active():
             _attention_event(exchange, "backward", "end", started)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None

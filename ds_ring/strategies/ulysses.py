@@ -32,7 +32,7 @@ from ds_ring.comm.collectives import all_to_all
 from ds_ring.comm.groups import group_rank, group_size
 from ds_ring.hooks import emit_attention, hooks_active
 from ds_ring.kernels.dilated import dilated_attention
-from ds_ring.kernels.dilation import make_branches, validate_qkv
+from ds_ring.kernels.dilation import check_cu_seqlens, make_branches, validate_qkv
 from ds_ring.strategies.plan import LAYOUTS
 
 __all__ = [
@@ -187,18 +187,21 @@ def attend_local_heads(
     scale: float | None,
     head_offset: int,
     strategy: str,
+    documents: tuple[int, ...] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dilated attention over the whole sequence on this rank's heads, with attention events.
 
-    ``q [B, S, h, D]``, ``k``/``v`` ``[B, S, hkv, D]`` after the all-to-all; returns ``out [B, S, h, D]``
-    and ``lse [B, S, h]``.
+    ``q [B, S, h, D]``, ``k``/``v`` ``[B, S, hkv, D]`` after the all-to-all (rows in sequence order, so
+    ``documents`` — checked ``cu_seqlens`` — apply as they are); returns ``out [B, S, h, D]`` and
+    ``lse [B, S, h]``.
     """
     rank, started = group_rank(None), time.perf_counter()
     if hooks_active("start"):
         emit_attention(strategy, "forward", "start", rank)
     out, lse = dilated_attention(
-        q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale, head_offset=head_offset, return_lse=True
-    )
+        q, k, v, segment_lengths, dilation_rates,
+        causal=causal, scale=scale, head_offset=head_offset, return_lse=True, cu_seqlens=documents,
+    )  # fmt: skip
     if hooks_active():
         emit_attention(strategy, "forward", "end", rank, started, out=out, lse=lse)
     return out, lse.transpose(1, 2)
@@ -218,6 +221,7 @@ def ulysses_attention(
     head_offset: int = 0,
     return_lse: bool = False,
     timeout_s: float | None = None,
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Dilated (or dense) attention over a sequence sharded across ``group``, by head all-to-all.
 
@@ -231,6 +235,7 @@ def ulysses_attention(
         head_offset: global index of local head 0.
         return_lse: also return ``lse [batch, heads, seq/p]`` (float32; float64 for float64 inputs).
         timeout_s: bound on every communication wait (``None``: ``ds_ring.comm`` default).
+        cu_seqlens: document boundaries over the global sequence (see :func:`ds_ring.ring_dilated_attention`).
 
     Returns:
         The local output shard ``[batch, seq/p, heads, head_dim]`` (and the LSE).
@@ -244,10 +249,11 @@ def ulysses_attention(
     split = split_heads(q.shape[2], k.shape[2], degree, q.device)
     check_layout(layout, q.shape[1])
     make_branches(q.shape[1] * degree, segment_lengths, dilation_rates)
+    documents = check_cu_seqlens(cu_seqlens, q.shape[1] * degree)
     qh, kh, vh = to_heads(q, k, v, split, group, layout=layout, timeout_s=timeout_s)
     out, lse = attend_local_heads(
         qh, kh, vh, segment_lengths, dilation_rates, causal=causal, scale=scale,
-        head_offset=head_offset + group_rank(group) * split.heads, strategy="ulysses",
+        head_offset=head_offset + group_rank(group) * split.heads, strategy="ulysses", documents=documents,
     )  # fmt: skip
     return heads_to_sequence(out, lse, split, group, layout, return_lse, timeout_s)
 
