@@ -1,0 +1,243 @@
+"""Ranks agree on a call before they move data (DESIGN.md §7).
+
+Every transfer assumes all ranks computed the same plan. :func:`agree` checks that with one
+all-gather of a fixed :data:`ROW` of int64 per rank: a marker, the global rank, and 64-bit
+blake2b digests of the agreement point's name, of the field names and of the field values (no
+pickled objects, no salted ``hash()``). When every row matches, the fingerprint is remembered
+for the group and later calls with it make no exchange at all. When rows differ, a few more
+small exchanges, decided from the gathered rows and so the same on every rank, fetch what is
+needed to name each differing field and each rank's value, and every rank raises the same
+``ValueError``::
+
+    ds_ring: the ranks disagree on ring_dilated_attention before moving any data:
+    heads: rank 0 has 4, rank 1 has 2. ...
+
+Limit of the cache: a rank whose call changes to one it has not agreed on, while the others
+repeat one they have, is the only rank that exchanges; it waits (bounded by the timeout) and
+raises a :class:`~ds_ring.comm.errors.CommTimeoutError` that names this possibility.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import numbers
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ds_ring.comm.collectives import all_gather
+from ds_ring.comm.errors import CommError, CommTimeoutError
+from ds_ring.comm.groups import group_rank, group_size
+from ds_ring.comm.spans import group_members
+
+__all__ = ["Value", "agree", "ROW"]
+
+Value = int | float | bool | str | torch.dtype | torch.device | Sequence[int] | torch.Tensor | None
+"""What a field may hold; a tensor counts as the list of its values (e.g. ``cu_seqlens``)."""
+
+Groups = dist.ProcessGroup | None | Sequence[dist.ProcessGroup | None]
+
+ROW = 5
+"""int64 per rank in the one exchange of an agreement: marker, global rank, op, names, values."""
+_MARKER = int.from_bytes(b"ds_ring!", "little", signed=True)
+_MAX_SHOWN = 160  # characters of a value shown in an error before it is abbreviated
+_CACHE_SIZE = 1024  # distinct fingerprints remembered per group (least recently used dropped)
+
+_verified: weakref.WeakKeyDictionary[object, OrderedDict[tuple, None]] = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def agree(
+    fields: Mapping[str, Value],
+    *,
+    group: Groups = None,
+    op: str = "agree",
+    timeout_s: float | None = None,
+) -> None:
+    """Raise ``ValueError`` on every rank of ``group`` unless all of them pass equal ``fields``.
+
+    Args:
+        fields: name → value of everything the plan depends on, same names in the same order on
+            every rank (values compared exactly: ``4`` differs from ``4.0`` and from ``True``;
+            lists and tuples compare alike).
+        group: the ranks that must agree: a process group (``None``: the world), or a sequence of
+            groups that tile the ranks, gathered in turn (e.g. ``(ulysses_group, ring_group)``:
+            every rank then sees the rows of all ``U·R`` ranks); every group of a stage has the
+            same size.
+        op: the agreement point, e.g. ``"ring_dilated_attention"``: named in errors and events
+            (as ``agree:<op>``), and part of the cache key.
+        timeout_s: bound on each wait in seconds (``None``: the ``ds_ring.comm`` default).
+
+    A fingerprint agreed once for ``(group, op)`` is not exchanged again (steady state: only the
+    local digest, microseconds). A world of one, or no process group, agrees with itself.
+
+    Raises:
+        ValueError: on every rank, naming each differing field and every rank's value.
+        CommError: an exchange failed or timed out (a peer is dead, or not at this agreement).
+    """
+    stages = _stages(group)
+    if not dist.is_initialized() or all(group_size(g) == 1 for g in stages):
+        return
+    names = list(fields)
+    texts = [_text(fields[name]) for name in names]
+    row = [
+        _MARKER,
+        group_rank(None),
+        _digest(op),
+        _digest("\0".join(names)),
+        _digest("\0".join(f"{n}={t}" for n, t in zip(names, texts, strict=True))),
+    ]
+    key = (tuple(_name(g) for g in stages[1:]), *row[2:])
+    cache = _cache(stages[0])
+    with _lock:
+        if key in cache:
+            cache.move_to_end(key)
+            return
+    exchange = _Exchange(stages, op, timeout_s)
+    rows = exchange.gather_ints(row)
+    strangers = sum(r[0] != _MARKER for r in rows)
+    if strangers:
+        raise ValueError(
+            f"ds_ring: while the ranks agreed on {op}, {strangers} rank(s) sent something else: they are in "
+            f"another collective of this group; every rank must make the same calls in the same order"
+        )
+    ranks = [r[1] for r in rows]
+    for index, label, mine in ((2, "the agreement point", op), (3, "the checked fields", f"[{', '.join(names)}]")):
+        if len({r[index] for r in rows}) > 1:  # another call site, or another version of ds_ring
+            shown = [texts[0] for texts in exchange.gather_texts([mine])]
+            fix = "every rank must run the same code (and the same ds_ring version) and reach the same agreement"
+            raise ValueError(_message(op, [(label, ranks, shown)], fix))
+    if len({r[4] for r in rows}) > 1:
+        digests = exchange.gather_ints([_digest(t) for t in texts])
+        differing = [i for i in range(len(names)) if len({d[i] for d in digests}) > 1]
+        shown = exchange.gather_texts([_shown(texts[i]) for i in differing])
+        rows_by_field = [(names[i], ranks, [s[j] for s in shown]) for j, i in enumerate(differing)]
+        fix = (
+            "every rank of the group must make the same call with the same shapes; look for configuration that "
+            "differs between nodes, a rank-dependent code path, or a data shard of another shape"
+        )
+        raise ValueError(_message(op, rows_by_field, fix))
+    with _lock:
+        cache[key] = None
+        if len(cache) > _CACHE_SIZE:
+            cache.popitem(last=False)
+
+
+class _Exchange:
+    """All-gathers over the stages of an agreement; every rank gets every rank's values, in one order."""
+
+    def __init__(self, stages: list[dist.ProcessGroup | None], op: str, timeout_s: float | None) -> None:
+        self.stages, self.op, self.timeout_s = stages, f"agree:{op}", timeout_s
+
+    def gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's ``values`` (the same count on every rank), one list per rank."""
+        table = torch.tensor(values, dtype=torch.int64).view(1, -1)
+        for stage in self.stages:
+            table = self._gather(table, stage)
+        return table.tolist()
+
+    def gather_texts(self, texts: list[str]) -> list[list[str]]:
+        """Every rank's ``texts`` (the same count on every rank): lengths first, then padded bytes."""
+        blob = "\0".join(texts).encode()
+        lengths = [row[0] for row in self.gather_ints([len(blob)])]
+        padded = torch.zeros(1, max(1, *lengths), dtype=torch.uint8)
+        if blob:
+            padded[0, : len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        for stage in self.stages:
+            padded = self._gather(padded, stage)
+        rows = padded.tolist()
+        return [
+            bytes(row[:length]).decode(errors="replace").split("\0") for row, length in zip(rows, lengths, strict=True)
+        ]
+
+    def _gather(self, table: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        """``table [n, m]`` of every member of ``group`` stacked: ``[size·n, m]``."""
+        try:
+            parts = all_gather(table.flatten(), group_members(group), group=group, op=self.op, timeout_s=self.timeout_s)
+        except CommTimeoutError as err:
+            raise CommTimeoutError(err.rank, err.peer, err.step, err.op, err.what + _WAIT_HINT, err.timeout_s) from err
+        except CommError as err:
+            raise CommError(err.rank, err.peer, err.step, err.op, err.what + _WAIT_HINT, err.cause) from err
+        return torch.cat([part.view(table.shape) for part in parts])
+
+
+_WAIT_HINT = (
+    " while the ranks agreed on their call (a peer that is not at this agreement: dead, elsewhere, or repeating a "
+    "call it agreed on before while this rank's call changed)"
+)
+
+
+def _stages(group: Groups) -> list[dist.ProcessGroup | None]:
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return [group]
+    stages = list(group)
+    if not stages:
+        raise ValueError("ds_ring: agree needs a process group, or a non-empty sequence of groups")
+    return stages
+
+
+def _name(group: dist.ProcessGroup | None) -> str:
+    return "WORLD" if group is None else group.group_name
+
+
+def _cache(group: dist.ProcessGroup | None) -> OrderedDict[tuple, None]:
+    """The fingerprints verified on ``group``; they go with the group object (a new world starts empty)."""
+    owner = dist.group.WORLD if group is None else group
+    with _lock:
+        return _verified.setdefault(owner, OrderedDict())
+
+
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def _text(value: Value) -> str:
+    """The exact, canonical text of a field value (also what an error shows)."""
+    if value is None or isinstance(value, bool | str):
+        return repr(value)
+    if isinstance(value, torch.dtype | torch.device):
+        return str(value)
+    if isinstance(value, numbers.Integral):
+        return repr(int(value))
+    if isinstance(value, numbers.Real):
+        return repr(float(value))  # repr round-trips a float exactly
+    if isinstance(value, torch.Tensor):
+        return _text(value.tolist())
+    if isinstance(value, Sequence):
+        return "[" + ", ".join(_text(item) for item in value) + "]"
+    raise TypeError(f"ds_ring: agree cannot compare a {type(value).__name__}; pass ints, floats, strings or lists")
+
+
+def _shown(text: str) -> str:
+    """``text``, abbreviated when long (with its digest, so different values never look alike)."""
+    if len(text) <= _MAX_SHOWN:
+        return text
+    return f"{text[:100]} … {text[-40:]} ({len(text)} characters, digest {_digest(text) & 0xFFFFFFFF:08x})"
+
+
+def _message(op: str, fields: list[tuple[str, list[int], list[str]]], fix: str) -> str:
+    """One line per field: ``name: rank 0 has A, ranks 1-3 have B``."""
+    lines = []
+    for name, ranks, values in fields:
+        holders: dict[str, list[int]] = {}
+        for rank, value in sorted(zip(ranks, values, strict=True)):
+            holders.setdefault(value, []).append(rank)
+        said = [f"{_ranks(rs)} {'has' if len(rs) == 1 else 'have'} {value}" for value, rs in holders.items()]
+        lines.append(f"{name}: {', '.join(said)}")
+    return f"ds_ring: the ranks disagree on {op} before moving any data: {'; '.join(lines)}. Fix: {fix}"
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 3`` or ``ranks 0-2, 5``."""
+    spans: list[list[int]] = []
+    for rank in ranks:
+        if spans and rank == spans[-1][1] + 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
