@@ -17,13 +17,14 @@ from deepspeed.accelerator import get_accelerator
 from torch import nn
 
 from ds_ring.attention import MultiheadRingDilatedAttention, RingDilatedAttention
+from ds_ring.comm.agree import agree
 from ds_ring.comm.wait import set_default_timeout
 from ds_ring.config import SECTION, MonitoringConfig, RingAttentionConfig, load_config, read_ds_config
 from ds_ring.launch_env import discover_launch_env
 from ds_ring.monitor import RingMonitor
 from ds_ring.topology import Topology
 
-__all__ = ["initialize", "install", "init_distributed", "attach_monitor"]
+__all__ = ["initialize", "install", "init_distributed", "agree_on_section", "attach_monitor"]
 
 MONITOR_BACKENDS = ("csv_monitor", "tensorboard", "wandb", "comet")
 _attached: RingMonitor | None = None  # the monitor of the last ds_ring.initialize in this process
@@ -62,6 +63,25 @@ def init_distributed(timeout_s: float = 300.0) -> None:
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
+
+
+def agree_on_section(section: RingAttentionConfig, seq_len: int | None = None) -> None:
+    """Collective: ``ValueError`` on every rank unless all pass the same validated section and ``seq_len``.
+
+    Fields are compared after validation (defaults filled in), so a key left at its default on one
+    rank and written out on another agrees; the message names ``ring_attention.<field>`` and each
+    rank's value. One small all-gather, bounded by the section's ``timeout_s``.
+    """
+    fields = {"seq_len": seq_len}
+    for key, value in section.model_dump().items():
+        if isinstance(value, Mapping):
+            fields.update({f"{SECTION}.{key}.{inner}": v for inner, v in value.items()})
+        else:
+            fields[f"{SECTION}.{key}"] = value
+    agree(fields, op="ds_ring.initialize", timeout_s=section.timeout_s, fix=_SAME_SECTION)
+
+
+_SAME_SECTION = f"give every rank the same {SECTION} section (the same ds_config on every node) and the same seq_len"
 
 
 def _attention_modules(model: nn.Module) -> list[RingDilatedAttention]:
@@ -175,9 +195,15 @@ def initialize(
         :class:`ds_ring.monitor.RingMonitor` of the section's ``monitoring`` (the training loop
         calls its ``begin_step`` / ``skip_step`` / ``end_step``).
 
+    The ranks agree on the validated section and ``seq_len`` (:func:`agree_on_section`) before the
+    checks that need the world size or the model, so a section that differs between ranks fails
+    on every rank with each rank's values rather than on some ranks while the others wait.
+
     Raises:
-        ValueError: a malformed section or one inconsistent with the world size, the model's heads,
-            ``seq_len`` or the ds_config's monitors — before any collective.
+        ValueError: a malformed section or one inconsistent with the ds_config's monitors (before
+            ``torch.distributed`` starts); a section or ``seq_len`` that differs between ranks (on
+            every rank); a section inconsistent with the world size, the model's heads or ``seq_len``
+            — all before any data moves.
     """
     if "mpu" in deepspeed_kwargs:
         raise ValueError("ds_ring.initialize builds the mpu from the ds_config; do not pass mpu=")
@@ -185,14 +211,15 @@ def initialize(
     section = load_config(ds_config)
     _check_monitor_backend(section, ds_config)
     discover_launch_env()
-    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    init_distributed(section.timeout_s)
+    agree_on_section(section, seq_len)
+    world_size = dist.get_world_size()
     if section.enabled:
         _check_heads(model, section, world_size, seq_len)
     else:
         section = RingAttentionConfig(
             enabled=False, sequence_parallel_size=1, timeout_s=section.timeout_s, monitoring=section.monitoring
         )
-    init_distributed(section.timeout_s)
     set_default_timeout(section.timeout_s)
     topology = Topology.from_config(section, world_size)
     install(model, section, topology)

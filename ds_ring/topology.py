@@ -24,6 +24,8 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from ds_ring.comm.agree import agree
+
 __all__ = ["RankLayout", "rank_layout", "Topology", "ROLES"]
 
 ROLES = (
@@ -37,6 +39,11 @@ ROLES = (
 """The process groups a topology holds, in the order they are created (the same on every rank)."""
 
 Partition = tuple[tuple[int, ...], ...]
+DEGREE_KEYS = ("ulysses_degree", "ring_degree", "sequence_parallel_size")
+"""The keys of a ``ring_attention`` section that set the degrees."""
+_SAME_DEGREES = (
+    "build the Topology with the same degrees on every rank (the same ds_config and launch arguments on every node)"
+)
 
 
 def _check_degree(name: str, value: object) -> None:
@@ -119,7 +126,7 @@ class RankLayout:
             ValueError: inconsistent degrees, naming every factor.
         """
         _check_degree("world_size", world_size)
-        ulysses, ring, sp = (_read(section, k) for k in ("ulysses_degree", "ring_degree", "sequence_parallel_size"))
+        ulysses, ring, sp = (_read(section, k) for k in DEGREE_KEYS)
         for name, value in (("ulysses_degree", ulysses), ("ring_degree", ring), ("sequence_parallel_size", sp)):
             if value is not None:
                 _check_degree(name, value)
@@ -195,11 +202,14 @@ def _create_groups(layout: RankLayout, rank: int, world: ProcessGroup) -> dict[s
 class Topology:
     """Every process group of ``data_parallel × ulysses × ring`` sequence-parallel training.
 
-    ``Topology(data_parallel=1, ulysses=1, ring=1, group=None)``, after
+    ``Topology(data_parallel=1, ulysses=1, ring=1, group=None, *, timeout_s=None)``, after
     ``torch.distributed.init_process_group``. Every process of the job must construct it with the
     same degrees, in the same order relative to other group creations (``torch.distributed.new_group``
     is collective over the whole job). ``group`` is the group whose ranks the topology divides; it
-    must span every process (default: the world). Degrees are checked before any group is created.
+    must span every process (default: the world). The ranks first agree on the degrees (one small
+    all-gather, :func:`ds_ring.comm.agree`, bounded by ``timeout_s``; ``None``: the ``ds_ring.comm``
+    default): degrees that differ raise a ``ValueError`` on every rank naming each rank's values.
+    Then the degrees are checked, before any group is created.
 
     It is DeepSpeed's ``mpu``: pass it as ``deepspeed.initialize(..., mpu=topology)``. ZeRO then
     reduces gradients over :attr:`sequence_data_parallel_group` (all ``D·U·R`` ranks) and divides by
@@ -230,18 +240,28 @@ class Topology:
     model_parallel_group: ProcessGroup = field(repr=False)
 
     def __init__(
-        self, data_parallel: int = 1, ulysses: int = 1, ring: int = 1, group: ProcessGroup | None = None
+        self,
+        data_parallel: int = 1,
+        ulysses: int = 1,
+        ring: int = 1,
+        group: ProcessGroup | None = None,
+        *,
+        timeout_s: float | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("ds_ring.Topology needs torch.distributed: call init_process_group first")
         world_size = dist.get_world_size(group)
-        layout = rank_layout(world_size, data_parallel=data_parallel, ulysses=ulysses, ring=ring)
         if group is not None and dist.get_process_group_ranks(group) != list(range(dist.get_world_size())):
             raise ValueError(
                 f"group must span every process of the job in rank order (torch.distributed.new_group is "
                 f"collective over the whole job), got ranks {dist.get_process_group_ranks(group)} of "
                 f"{dist.get_world_size()}; build the Topology on the world (group=None)"
             )
+        # Agree before checking: degrees that differ between ranks (some of them maybe invalid) then
+        # fail on every rank with each rank's values, instead of some ranks raising while others wait.
+        agree(dict(data_parallel=data_parallel, ulysses=ulysses, ring=ring), group=group, op="Topology",
+              timeout_s=timeout_s, fix=_SAME_DEGREES)  # fmt: skip
+        layout = rank_layout(world_size, data_parallel=data_parallel, ulysses=ulysses, ring=ring)
         rank = dist.get_rank(group)
         groups = _create_groups(layout, rank, dist.group.WORLD if group is None else group)
         object.__setattr__(self, "layout", layout)
@@ -253,15 +273,22 @@ class Topology:
     def from_config(cls, section: Any, world_size: int) -> Topology:
         """The topology of a ``ring_attention`` config section (see :meth:`RankLayout.from_config`).
 
+        The ranks agree on the section's degrees (and then on the derived ones) before deriving them;
+        waits are bounded by the section's ``timeout_s`` when it has one.
+
         Raises:
-            ValueError: inconsistent degrees, or ``world_size`` differing from torch.distributed's.
+            ValueError: degrees that differ between ranks (on every rank), inconsistent degrees, or
+                ``world_size`` differing from torch.distributed's.
         """
-        layout = RankLayout.from_config(section, world_size)
         if dist.is_initialized() and dist.get_world_size() != world_size:
             raise ValueError(
                 f"world_size {world_size} was given but torch.distributed has {dist.get_world_size()} ranks"
             )
-        return cls(layout.data_parallel, layout.ulysses, layout.ring)
+        timeout_s = _read(section, "timeout_s")
+        degrees = {key: _read(section, key) for key in DEGREE_KEYS}
+        agree(degrees, op="Topology.from_config", timeout_s=timeout_s, fix=_SAME_DEGREES)
+        layout = RankLayout.from_config(section, world_size)
+        return cls(layout.data_parallel, layout.ulysses, layout.ring, timeout_s=timeout_s)
 
     def __copy__(self) -> Topology:
         return self

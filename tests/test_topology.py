@@ -209,22 +209,51 @@ def test_deepspeed_zero_sums_over_sequence_and_averages_over_data_parallel():
 
 def _bad_topology_rank(rank: int, world: int) -> list[str]:
     log = CaseLog()
-    if rank == 0:  # alone: a collective here would hang until the deadline instead of raising
-        for kwargs, message in [
-            (dict(data_parallel=3), r"data_parallel 3 × ulysses 1 × ring 1 = 3 ≠ world size 4"),
-            (dict(ulysses=2, ring=3), r"data_parallel 1 × ulysses 2 × ring 3 = 6 ≠ world size 4"),
-            (dict(ulysses=0, ring=4), r"ulysses must be an integer >= 1, got 0"),
-        ]:
-            with log.case(str(kwargs)), pytest.raises(ValueError, match=message):
-                Topology(**kwargs)
+    for kwargs, message in [
+        (dict(data_parallel=3), r"data_parallel 3 × ulysses 1 × ring 1 = 3 ≠ world size 4"),
+        (dict(ulysses=2, ring=3), r"data_parallel 1 × ulysses 2 × ring 3 = 6 ≠ world size 4"),
+        (dict(ulysses=0, ring=4), r"ulysses must be an integer >= 1, got 0"),
+    ]:
+        with log.case(str(kwargs)), pytest.raises(ValueError, match=message):
+            Topology(**kwargs, timeout_s=10)
+    if rank == 0:  # alone: checked before the ranks agree on the degrees
         with log.case("from_config"), pytest.raises(ValueError, match="world_size 8 was given but"):
             Topology.from_config({"ring_degree": 2}, 8)
     return log.failures
 
 
 @pytest.mark.timeout(60)
-def test_bad_degrees_raise_before_any_collective():
+def test_bad_degrees_raise_on_every_rank_before_any_group_is_made():
     failures = [f for per_rank in run_distributed(_bad_topology_rank, 4, timeout=50) for f in per_rank]
+    assert not failures, "\n".join(failures[:3])
+
+
+def _disagreeing_topology_rank(rank: int, world: int) -> list[str]:
+    """Rank 1 builds other degrees (once valid, once not): every rank raises, naming each rank's values."""
+    log = CaseLog()
+    cases = [
+        (dict(ring=2, ulysses=1) if rank == 1 else dict(ring=1, ulysses=2),
+         ["ulysses: ranks 0, 2, 3 have 2, rank 1 has 1", "ring: ranks 0, 2, 3 have 1, rank 1 has 2", "same degrees"]),
+        (dict(ring=3) if rank == 1 else dict(ring=4), ["ring: ranks 0, 2, 3 have 4, rank 1 has 3"]),
+    ]  # fmt: skip
+    for kwargs, needles in cases:
+        with log.case(f"Topology {kwargs}"), pytest.raises(ValueError, match="disagree on Topology") as caught:
+            Topology(**kwargs, timeout_s=10)
+        for needle in needles:
+            with log.case(f"Topology {kwargs} names {needle!r}"):
+                assert needle in str(caught.value), str(caught.value)
+    with log.case("from_config"), pytest.raises(ValueError, match="disagree on Topology.from_config") as caught:
+        Topology.from_config({"ring_degree": 2 if rank == 1 else 4, "timeout_s": 10}, 4)
+    with log.case("from_config names the field"):
+        assert "ring_degree: ranks 0, 2, 3 have 4, rank 1 has 2" in str(caught.value), str(caught.value)
+    with log.case("agreeing ranks then build it"):
+        assert Topology(ring=4, timeout_s=10).ring == 4
+    return log.failures
+
+
+@pytest.mark.timeout(60)
+def test_ranks_that_build_other_degrees_all_raise():
+    failures = [f for per_rank in run_distributed(_disagreeing_topology_rank, 4, timeout=50) for f in per_rank]
     assert not failures, "\n".join(failures[:3])
 
 

@@ -57,6 +57,7 @@ def agree(
     group: Groups = None,
     op: str = "agree",
     timeout_s: float | None = None,
+    fix: str | None = None,
 ) -> None:
     """Raise ``ValueError`` on every rank of ``group`` unless all of them pass equal ``fields``.
 
@@ -71,6 +72,7 @@ def agree(
         op: the agreement point, e.g. ``"ring_dilated_attention"``: named in errors and events
             (as ``agree:<op>``), and part of the cache key.
         timeout_s: bound on each wait in seconds (``None``: the ``ds_ring.comm`` default).
+        fix: what the error tells the user to change (default: make the same call on every rank).
 
     A fingerprint agreed once for ``(group, op)`` is not exchanged again (steady state: only the
     local digest, microseconds). A world of one, or no process group, agrees with itself.
@@ -116,11 +118,7 @@ def agree(
         differing = [i for i in range(len(names)) if len({d[i] for d in digests}) > 1]
         shown = exchange.gather_texts([_shown(texts[i]) for i in differing])
         rows_by_field = [(names[i], ranks, [s[j] for s in shown]) for j, i in enumerate(differing)]
-        fix = (
-            "every rank of the group must make the same call with the same shapes; look for configuration that "
-            "differs between nodes, a rank-dependent code path, or a data shard of another shape"
-        )
-        raise ValueError(_message(op, rows_by_field, fix))
+        raise ValueError(_message(op, rows_by_field, fix or _SAME_CALL))
     with _lock:
         cache[key] = None
         if len(cache) > _CACHE_SIZE:
@@ -165,6 +163,10 @@ class _Exchange:
         return torch.cat([part.view(table.shape) for part in parts])
 
 
+_SAME_CALL = (
+    "every rank of the group must make the same call with the same shapes; look for configuration that differs "
+    "between nodes, a rank-dependent code path, or a data shard of another shape"
+)
 _WAIT_HINT = (
     " while the ranks agreed on their call (a peer that is not at this agreement: dead, elsewhere, or repeating a "
     "call it agreed on before while this rank's call changed)"
@@ -232,12 +234,12 @@ def _message(op: str, fields: list[tuple[str, list[int], list[str]]], fix: str) 
 
 
 def _ranks(ranks: list[int]) -> str:
-    """``rank 3`` or ``ranks 0-2, 5``."""
+    """``rank 3``, ``ranks 0, 1`` or ``ranks 0-2, 5``."""
     spans: list[list[int]] = []
     for rank in ranks:
         if spans and rank == spans[-1][1] + 1:
             spans[-1][1] = rank
         else:
             spans.append([rank, rank])
-    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    text = ", ".join(f"{a}-{b}" if b > a + 1 else ", ".join(map(str, range(a, b + 1))) for a, b in spans)
     return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
