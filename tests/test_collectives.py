@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
-from ds_ring.comm import all_gather, all_to_all, reduce_scatter, set_default_timeout
+from ds_ring.comm import CommError, all_gather, all_to_all, backends, reduce_scatter, set_default_timeout
 from ds_ring.hooks import Event, register_hook
 from tests.dist import CaseLog, run_distributed
 
@@ -113,22 +115,30 @@ def _reduce_scatter_cases(rank: int, world_size: int) -> list[str]:
     with log.case("reduce_scatter needs one contribution per member"), pytest.raises(ValueError, match="one contri"):
         reduce_scatter([torch.ones(2)] * (world_size + 1), list(range(world_size)))
     if world_size > 1:
-        with log.case("a backend without reduce-scatter falls back to P2P, once detected"):
-            calls = []
-            name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+        name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+        collective, calls = getattr(dist, name), []
 
-            def refuse(*args: object, **kwargs: object) -> None:
-                calls.append(1)
-                raise RuntimeError("ProcessGroupGloo does not support reduce_scatter")
+        def refuse(*args: object, **kwargs: object) -> None:
+            calls.append(1)
+            raise RuntimeError("ProcessGroupGloo does not support reduce_scatter")
 
-            setattr(dist, name, refuse)
-            span = list(range(world_size))
-            for _ in range(2):
-                events.clear()
-                got = reduce_scatter([torch.full((4,), float(rank + t)) for t in span], span)
+        span = list(range(world_size))
+        setattr(dist, name, refuse)
+        try:
+            with log.case("a collective that fails to post raises, never switches path behind the other ranks"):
+                for _ in range(2):  # and nothing is remembered: the next call tries again
+                    with pytest.raises(CommError, match="posting reduce_scatter among ranks .*does not support"):
+                        reduce_scatter([torch.ones(4)] * world_size, span)
+                assert calls == [1, 1]
+            with log.case("a backend the table does not list takes the point-to-point path on every rank"):
+                calls.clear()
+                with mock.patch.dict(backends.COLLECTIVES, clear=True):
+                    events.clear()
+                    got = reduce_scatter([torch.full((4,), float(rank + t)) for t in span], span)
                 assert_close(got, torch.full((4,), float(sum(span) + world_size * rank)))
-                assert events[0].extra["path"] == "p2p"
-            assert calls == [1]
+                assert events[0].extra["path"] == "p2p" and calls == []
+        finally:
+            setattr(dist, name, collective)
     return log.failures
 
 
@@ -181,3 +191,15 @@ def test_single_process_without_process_group() -> None:
     assert_close(part, x)
     assert_close(reduce_scatter([x], [0]), x)
     assert_close(all_to_all(x.view(2, 2)), x.view(2, 2))
+
+
+def test_collective_or_point_to_point_is_decided_from_the_backend_alone() -> None:
+    for backend in ("gloo", "nccl", "NCCL"):
+        for kind in ("all_gather", "reduce_scatter", "all_to_all"):
+            assert backends.runs_collective(backend, kind, torch.bfloat16), (backend, kind)
+    assert backends.runs_collective("mpi", "all_to_all", torch.float32)
+    assert not backends.runs_collective("mpi", "reduce_scatter", torch.float32)
+    assert not backends.runs_collective("mpi", "all_gather", torch.float32)
+    assert not backends.runs_collective("mpi", "all_to_all", torch.bfloat16)  # no MPI datatype for it
+    assert not backends.runs_collective("gloo", "all_gather", torch.float8_e4m3fn)
+    assert not backends.runs_collective("ucc", "all_gather", torch.float32)  # not listed: point-to-point

@@ -3,10 +3,11 @@
 ``all_gather`` and ``reduce_scatter`` work on a *span*: a list of distinct global ranks (a
 caller's sub-ring, e.g. the ranks a dilated segment covers), so no process group has to be
 created at call time; ranks outside the span do not take part. When the span is the whole group
-(in group-rank order) and every member's size is equal, the backend's collective is used; else,
-or with ``force_p2p=True``, one ``batch_isend_irecv`` of the pairwise sends and receives. A
-backend that refuses a collective (old gloo lacks reduce-scatter) is remembered per
-(backend, collective, dtype) and served by the point-to-point path from then on.
+(in group-rank order), every member's size is equal and the backend runs that collective for
+the dtype (:func:`ds_ring.comm.backends.runs_collective`: a table, so every rank decides alike),
+the backend's collective is used; else, or with ``force_p2p=True``, one ``batch_isend_irecv`` of
+the pairwise sends and receives. A collective that fails to post raises :class:`CommError`; it is
+never silently replaced by the other path (another rank may already be in the collective).
 
 No autograd: strategies define their own backward. Each call emits one
 :class:`~ds_ring.hooks.Event` (``kind`` = the collective's name, ``nbytes`` = bytes received,
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ds_ring.comm.backends import runs_collective
 from ds_ring.comm.errors import CommError
 from ds_ring.comm.groups import group_rank
 from ds_ring.comm.spans import group_members, span_position
@@ -32,8 +34,6 @@ from ds_ring.comm.wait import Pending, failed, resolve_timeout, wait_all
 from ds_ring.hooks import Event, emit, hooks_active
 
 __all__ = ["all_gather", "all_reduce", "reduce_scatter", "all_to_all"]
-
-_unsupported: set[tuple[str, str, torch.dtype]] = set()
 
 
 def all_gather(
@@ -70,9 +70,9 @@ def all_gather(
         return parts
     call.begin()
     work = None
-    if not force_p2p and len(set(numels)) == 1 and call.span == group_members(group):
+    if not force_p2p and len(set(numels)) == 1 and call.span == group_members(group) and call.runs(tensor.dtype):
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        work = _try_collective(call, tensor.dtype, lambda: gather(out, tensor, group=group, async_op=True))
+        work = call.post(lambda: gather(out, tensor, group=group, async_op=True))
     if work is None:
         parts[me].copy_(tensor)
         exchange = [(peer, tensor, parts[j]) for j, peer in enumerate(call.span) if j != me]
@@ -124,11 +124,9 @@ def reduce_scatter(
     out = mine.new_empty(mine.numel())
     call.begin()
     work = None
-    if not force_p2p and len(set(sizes)) == 1 and call.span == group_members(group):
+    if not force_p2p and len(set(sizes)) == 1 and call.span == group_members(group) and call.runs(mine.dtype):
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        work = _try_collective(
-            call, mine.dtype, lambda: scatter(out, torch.cat(contributions), group=group, async_op=True)
-        )
+        work = call.post(lambda: scatter(out, torch.cat(contributions), group=group, async_op=True))
     if work is None:
         received = [mine if j == me else mine.new_empty(mine.numel()) for j in range(len(call.span))]
         exchange = [(peer, contributions[j], received[j]) for j, peer in enumerate(call.span) if j != me]
@@ -179,10 +177,8 @@ def all_to_all(
         return out
     call.begin()
     work = None
-    if not force_p2p:
-        work = _try_collective(
-            call, tensor.dtype, lambda: dist.all_to_all_single(out, tensor, group=group, async_op=True)
-        )
+    if not force_p2p and call.runs(tensor.dtype):
+        work = call.post(lambda: dist.all_to_all_single(out, tensor, group=group, async_op=True))
     if work is None:
         rows = tensor.shape[0] // p
         sends = [tensor[i * rows : (i + 1) * rows] for i in range(p)]
@@ -239,28 +235,22 @@ class _Call:
                        extra={"span": self.span}))  # fmt: skip
         self.started = time.perf_counter()
 
+    def runs(self, dtype: torch.dtype) -> bool:
+        """Whether the backend runs this exchange as a collective for ``dtype`` (alike on every rank)."""
+        return runs_collective(dist.get_backend(self.group), self.kind, dtype)
+
+    def post(self, launch: Callable[[], dist.Work]) -> dist.Work:
+        """``launch()``'s work; a backend error while posting becomes a :class:`CommError`."""
+        try:
+            return launch()
+        except (RuntimeError, NotImplementedError) as exc:
+            raise self.post_failed(f"{self.kind} among ranks {self.span}", exc) from exc
+
     def pending(self, work: dist.Work) -> Pending:
         return Pending(work, -1, f"{self.kind} among ranks {self.span}")
 
     def post_failed(self, what: str, exc: RuntimeError) -> CommError:
         return failed(CommError(self.rank, -1, self.step, self.op, f"posting {what}", str(exc)))
-
-
-def _try_collective(call: _Call, dtype: torch.dtype, launch: Callable[[], dist.Work]) -> dist.Work | None:
-    """``launch()``'s work, or ``None`` (remembered) when the backend does not support it.
-
-    Every rank runs the same backend, so all of them fall back together before anything is sent.
-    """
-    key = (str(dist.get_backend(call.group)), call.kind, dtype)
-    if key in _unsupported:
-        return None
-    try:
-        return launch()
-    except (RuntimeError, NotImplementedError) as exc:
-        if "support" not in str(exc).lower():
-            raise call.post_failed(f"{call.kind} among ranks {call.span}", exc) from exc
-        _unsupported.add(key)
-        return None
 
 
 def _post_exchange(call: _Call, exchange: list[tuple[int, torch.Tensor, torch.Tensor]]) -> list[Pending]:
