@@ -3,6 +3,9 @@
 Each rank builds the same full q/k/v (same seed), runs the attention under test on its shard,
 and compares its output, LSE and q/k/v gradients with the shard of the oracle's. A rank function
 runs many cases in one spawn and returns the failures, so one failing case names itself.
+
+A case with ``cu_seqlens`` (packed documents) is checked against the oracle run on each document
+alone (:func:`per_document_reference`), which shares nothing with the packed code path.
 """
 
 from __future__ import annotations
@@ -32,20 +35,38 @@ def full_inputs(case: dict[str, Any]) -> tuple[torch.Tensor, ...]:
     return q, k, v, dout
 
 
+def per_document_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segs, rates, cu_seqlens: list[int], **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The oracle on each document ``[cu[i], cu[i+1])`` alone, outputs and LSEs concatenated (differentiable)."""
+    pieces = [
+        dilated_attention_reference(q[:, a:b], k[:, a:b], v[:, a:b], segs, rates, **kwargs)
+        for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)
+    ]
+    return torch.cat([o for o, _ in pieces], dim=1), torch.cat([lse for _, lse in pieces], dim=2)
+
+
 def check_case(case: dict[str, Any], attention: Callable[..., Any], group=None) -> None:
-    """Run ``attention(q, k, v, segs, rates, causal=..., head_offset=..., return_lse=True)`` on shards."""
+    """Run ``attention(q, k, v, segs, rates, causal=..., head_offset=..., return_lse=True)`` on shards
+    (with ``cu_seqlens=`` when the case packs documents)."""
     dtype, atol = DTYPES[case.get("dtype", "float64")]
     layout = case.get("layout", "contiguous")
     segs, rates = case.get("segments"), case.get("rates")
     head_offset = case.get("head_offset", 0)
+    cu = case.get("cu_seqlens")
+    packed = {} if cu is None else {"cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
     q, k, v, dout = full_inputs(case)
     shard = lambda x: ds_ring.shard_sequence(x, group, layout=layout)  # noqa: E731
     local = [shard(x).requires_grad_() for x in (q, k, v)]
     out, lse = attention(
-        *local, segs, rates, causal=case["causal"], head_offset=head_offset, return_lse=True, layout=layout
+        *local, segs, rates, causal=case["causal"], head_offset=head_offset, return_lse=True, layout=layout, **packed
     )
     full = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    ref_out, ref_lse = dilated_attention_reference(*full, segs, rates, causal=case["causal"], head_offset=head_offset)
+    options = dict(causal=case["causal"], head_offset=head_offset)
+    if cu is None:
+        ref_out, ref_lse = dilated_attention_reference(*full, segs, rates, **options)
+    else:
+        ref_out, ref_lse = per_document_reference(*full, segs, rates, cu, **options)
     ref_grads = torch.autograd.grad(ref_out, full, dout.double())
     grads = torch.autograd.grad(out, local, shard(dout))
     assert out.dtype == dtype and out.shape == local[0].shape

@@ -17,8 +17,10 @@ from ds_ring.comm.groups import global_ranks
 from ds_ring.strategies.blocks import (
     add_home_grads_,
     backward_block_,
+    backward_own_,
     block_has_work,
     forward_block_,
+    forward_own_,
     new_grad_block,
     pack_block,
     unpack_block,
@@ -57,8 +59,9 @@ class AllGatherExchange:
         blocks = _gather_blocks(span, k, v, comm, batch)
         if overlap is not None:
             overlap()
+        forward_own_(span, q, k, v, out, lse, causal=opts.causal, scale=opts.scale)
         for src, block in enumerate(blocks):
-            if block_has_work(span, src, opts.causal):
+            if src != span.index and block_has_work(span, src, opts.causal):
                 kv = unpack_block(span, src, block, batch, head_dim)
                 forward_block_(span, src, kv, q, out, lse, causal=opts.causal, scale=opts.scale)
 
@@ -80,8 +83,9 @@ class AllGatherExchange:
         batch, head_dim = q.shape[0], q.shape[-1]
         blocks = _gather_blocks(span, k, v, comm, batch)
         grads = [new_grad_block(span, i, q, batch, head_dim) for i in range(len(blocks))]
+        backward_own_(span, dout, q, k, v, out, lse, dq, dk, dv, causal=opts.causal, scale=opts.scale)
         for src, block in enumerate(blocks):
-            if block_has_work(span, src, opts.causal):
+            if src != span.index and block_has_work(span, src, opts.causal):
                 kv = unpack_block(span, src, block, batch, head_dim)
                 dkv = unpack_block(span, src, grads[src], batch, head_dim)
                 backward_block_(span, src, kv, dkv, dout, q, out, lse, dq, causal=opts.causal, scale=opts.scale)

@@ -1,10 +1,11 @@
 """K/V blocks of a span: packing for transport, and the compute of one visiting block.
 
-A member's *block* for a spanning branch is its kept (dilated) K/V rows of every head group, with
-only the K/V heads that group needs (GQA heads travel as they are), packed K-then-V into one
-contiguous 1-D buffer so a single send moves it. Sizes differ between members when the dilation
-offsets fall differently on their shards; every member computes every other's size from the plan,
-so nothing is padded.
+A member's *block* for a spanning branch is the kept (dilated) K/V rows of its runs that another
+member attends to, for every head group, with only the K/V heads that group needs (GQA heads travel
+as they are), packed K-then-V into one contiguous 1-D buffer so a single send moves it. Sizes differ
+between members (dilation offsets, documents); every member computes every other's size from the
+plan, so nothing is padded. A rank's own runs meet each other straight from its ``k``/``v``
+(:func:`forward_own_`), never through its block.
 
 The gradient of a block (dK, dV) uses the same packing in the accumulation dtype: the travelling
 accumulator of the ring backward, or a contribution to the all-gather's reduce-scatter.
@@ -25,6 +26,8 @@ __all__ = [
     "new_grad_block",
     "forward_block_",
     "backward_block_",
+    "forward_own_",
+    "backward_own_",
     "add_home_grads_",
     "block_has_work",
 ]
@@ -70,10 +73,9 @@ def _expand(x: torch.Tensor, span: SpanPlan, g: int) -> torch.Tensor:
 
 
 def block_has_work(span: SpanPlan, member: int, causal: bool) -> bool:
-    """Whether this rank's queries attend to any key of member's block."""
-    return any(
-        pieces(mine, theirs, causal) for mine, theirs in zip(span.held[span.index], span.held[member], strict=True)
-    )
+    """Whether this rank's queries attend to any key of member's block (its own runs for itself)."""
+    keys = span.queries if member == span.index else span.held[member]
+    return any(pieces(mine, theirs, causal) for mine, theirs in zip(span.queries, keys, strict=True))
 
 
 def forward_block_(
@@ -87,22 +89,17 @@ def forward_block_(
     causal: bool,
     scale: float | None,
 ) -> None:
-    """Merge attention of local ``q [B, L, H, D]`` over member's block into ``out``/``lse`` (in place)."""
+    """Merge attention of local ``q [B, L, H, D]`` over another member's block into ``out``/``lse`` (in place)."""
     for g, group in enumerate(span.groups):
-        work = pieces(span.held[span.index][g], span.held[member][g], causal)
+        work = pieces(span.queries[g], span.held[member][g], causal)
         if not work:
             continue
-        heads = group.q_heads
+        h = group.q_heads
         kg, vg = (_expand(x, span, g) for x in kv[g])
-        for qs, ks, diagonal in work:
+        for a, b, _ in work:
+            ks = b.packed
             attend_into(
-                q[:, qs, heads],
-                kg[:, ks],
-                vg[:, ks],
-                out[:, qs, heads],
-                lse[:, qs, heads],
-                causal=diagonal,
-                scale=scale,
+                q[:, a.rows, h], kg[:, ks], vg[:, ks], out[:, a.rows, h], lse[:, a.rows, h], causal=False, scale=scale
             )
 
 
@@ -120,19 +117,20 @@ def backward_block_(
     causal: bool,
     scale: float | None,
 ) -> None:
-    """Accumulate the gradient of member's block into ``dq [B, L, H, D]`` and its ``dkv`` views."""
+    """Accumulate the gradient of another member's block into ``dq [B, L, H, D]`` and its ``dkv`` views."""
     for g, group in enumerate(span.groups):
-        work = pieces(span.held[span.index][g], span.held[member][g], causal)
+        work = pieces(span.queries[g], span.held[member][g], causal)
         if not work:
             continue
         h = group.q_heads
         kg, vg = (_expand(x, span, g) for x in kv[g])
         dkg, dvg = dkv[g]
         expand = span.travel[g].expand
-        for qs, ks, diagonal in work:
+        for a, b, _ in work:
+            qs, ks = a.rows, b.packed
             dq_piece, dk_piece, dv_piece = attend_backward(
                 dout[:, qs, h], q[:, qs, h], kg[:, ks], vg[:, ks], out[:, qs, h], lse[:, qs, h],
-                causal=diagonal, scale=scale,
+                causal=False, scale=scale,
             )  # fmt: skip
             dq[:, qs, h] += dq_piece
             if expand is None:
@@ -141,6 +139,56 @@ def backward_block_(
             else:
                 dkg[:, ks].index_add_(2, expand, dk_piece.to(dkg.dtype))
                 dvg[:, ks].index_add_(2, expand, dv_piece.to(dvg.dtype))
+
+
+def forward_own_(
+    span: SpanPlan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float | None,
+) -> None:
+    """Merge attention among this rank's own runs (``q [B, L, H, D]``, ``k``/``v`` ``[B, L, Hkv, D]``)."""
+    for g, group in enumerate(span.groups):
+        h, kv_heads = group.q_heads, group.kv_heads
+        for a, b, diagonal in pieces(span.queries[g], span.queries[g], causal):
+            attend_into(
+                q[:, a.rows, h], select_heads(k[:, b.rows], kv_heads), select_heads(v[:, b.rows], kv_heads),
+                out[:, a.rows, h], lse[:, a.rows, h], causal=diagonal, scale=scale,
+            )  # fmt: skip
+
+
+def backward_own_(
+    span: SpanPlan,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float | None,
+) -> None:
+    """Accumulate the gradients among this rank's own runs straight into ``dq``, ``dk``, ``dv``."""
+    for g, group in enumerate(span.groups):
+        h, kv_heads = group.q_heads, group.kv_heads
+        for a, b, diagonal in pieces(span.queries[g], span.queries[g], causal):
+            qs, ks = a.rows, b.rows
+            dq_piece, dk_piece, dv_piece = attend_backward(
+                dout[:, qs, h], q[:, qs, h], select_heads(k[:, ks], kv_heads), select_heads(v[:, ks], kv_heads),
+                out[:, qs, h], lse[:, qs, h], causal=diagonal, scale=scale,
+            )  # fmt: skip
+            dq[:, qs, h] += dq_piece
+            add_heads_(dk[:, ks], kv_heads, dk_piece)
+            add_heads_(dv[:, ks], kv_heads, dv_piece)
 
 
 def add_home_grads_(span: SpanPlan, dkv: list[KV], dk: torch.Tensor, dv: torch.Tensor) -> None:

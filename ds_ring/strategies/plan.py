@@ -80,10 +80,12 @@ class Travel:
 class SpanPlan:
     """One branch's spanning segments among the ranks they link, seen from one member.
 
-    ``members`` are group-local ranks in ring order, ``index`` is this rank's position among them,
-    ``held[i][g]`` is member ``i``'s share of head group ``g``. ``hops``: how far a block must travel
-    forward around the ring so every member that needs it has seen it (``len(members) - 1`` for a
-    full turn; fewer when causality or documents make the far members need nothing).
+    ``members`` are group-local ranks in ring order, ``index`` is this rank's position among them.
+    ``held[i][g]``: the runs of head group ``g`` that member ``i`` sends (its block: only rows another
+    member attends to); ``queries[g]``: all of this rank's runs (its queries, and its keys for itself).
+    ``hops``: how far a block must travel forward around the ring so every member that needs it has
+    seen it (``len(members) - 1`` for a full turn; fewer when causality or documents make the far
+    members need nothing).
     """
 
     branch: Branch
@@ -92,6 +94,7 @@ class SpanPlan:
     groups: tuple[HeadGroup, ...]
     travel: tuple[Travel, ...]
     held: tuple[tuple[Held, ...], ...]
+    queries: tuple[Held, ...]
     hops: int
 
     def block_numel(self, member: int, batch: int, head_dim: int) -> int:
@@ -173,22 +176,31 @@ def _spanning_segments(cuts: list[int], start: int, stop: int, segment: int) -> 
     return found
 
 
-def _runs(portions: list[tuple[int, int, int, _Piece]], group: HeadGroup) -> Held:
-    """Kept rows of a member's portions ``(segment, start, stop, piece)`` of spanning segments, packed in order."""
-    runs, count = [], 0
+def _runs(portions: list[tuple[int, int, int, _Piece]], group: HeadGroup) -> list[Run]:
+    """Kept rows of a member's portions ``(segment, start, stop, piece)`` of spanning segments."""
+    runs = []
     for segment, start, stop, piece in portions:
         first = start + (group.offset - (start - segment)) % group.rate
         if first >= stop:
             continue
         n = (stop - 1 - first) // group.rate + 1
         row = piece.local + first - piece.start
-        runs.append(Run(slice(row, row + n * group.rate, group.rate), slice(count, count + n), segment, start))
+        runs.append(Run(slice(row, row + n * group.rate, group.rate), slice(0, n), segment, start))
+    return runs
+
+
+def _packed(runs: list[Run]) -> Held:
+    """``runs`` laid side by side in a block, in order."""
+    placed, count = [], 0
+    for run in runs:
+        n = run.packed.stop
+        placed.append(Run(run.rows, slice(count, count + n), run.segment, run.position))
         count += n
-    return Held(tuple(runs), count)
+    return Held(tuple(placed), count)
 
 
-def _needs(mine: tuple[Held, ...], theirs: tuple[Held, ...], causal: bool) -> bool:
-    return any(pieces(a, b, causal) for a, b in zip(mine, theirs, strict=True))
+def _meets(query: Run, key: Run, causal: bool) -> bool:
+    return query.segment == key.segment and not (causal and key.position > query.position)
 
 
 def _span(
@@ -200,12 +212,24 @@ def _span(
     travel: list[Travel],
     causal: bool,
 ) -> SpanPlan:
-    held = tuple(tuple(_runs(portions.get(m, []), g) for g in groups) for m in members)
-    n = len(members)
-    hops = max(
-        ((j - i) % n for i in range(n) for j in range(n) if i != j and _needs(held[j], held[i], causal)), default=0
-    )
-    return SpanPlan(branch, tuple(members), members.index(rank), tuple(groups), tuple(travel), held, hops)
+    """Each member's block holds only the runs another member attends to; hops reach the farthest such member."""
+    runs = [[_runs(portions.get(m, []), g) for g in groups] for m in members]
+    n, hops = len(members), 0
+    held = []
+    for i in range(n):
+        sent = []
+        for g in range(len(groups)):
+            needed = []
+            for key in runs[i][g]:
+                users = [j for j in range(n) if j != i and any(_meets(q, key, causal) for q in runs[j][g])]
+                if users:
+                    needed.append(key)
+                    hops = max([hops] + [(j - i) % n for j in users])
+            sent.append(_packed(needed))
+        held.append(tuple(sent))
+    index = members.index(rank)
+    queries = tuple(_packed(r) for r in runs[index])
+    return SpanPlan(branch, tuple(members), index, tuple(groups), tuple(travel), tuple(held), queries, hops)
 
 
 def _branch_specs(seq_len: int, segment_lengths: Sequence[int] | None, dilation_rates: Sequence[int] | None):
@@ -333,16 +357,11 @@ def _span_of(
     return members, portions
 
 
-def pieces(mine: Held, theirs: Held, causal: bool) -> list[tuple[slice, slice, bool]]:
-    """Blocks to compute between my runs and a visiting block's runs (one head group).
+def pieces(queries: Held, keys: Held, causal: bool) -> list[tuple[Run, Run, bool]]:
+    """The (query run, key run, causal_diagonal) pairs to compute for one head group.
 
-    Returns ``(my local query rows, key rows of the visiting packed block, causal_diagonal)`` triples:
-    runs of one segment only, future blocks left out; the diagonal is a run meeting itself.
+    Runs of one segment only, future blocks left out; the diagonal is a run meeting itself.
     """
-    out = []
-    for a in mine.runs:
-        for b in theirs.runs:
-            if a.segment != b.segment or (causal and b.position > a.position):
-                continue
-            out.append((a.rows, b.packed, causal and a.position == b.position))
-    return out
+    return [
+        (a, b, causal and a.position == b.position) for a in queries.runs for b in keys.runs if _meets(a, b, causal)
+    ]

@@ -21,8 +21,10 @@ from ds_ring.comm.ring import RingComm
 from ds_ring.strategies.blocks import (
     add_home_grads_,
     backward_block_,
+    backward_own_,
     block_has_work,
     forward_block_,
+    forward_own_,
     new_grad_block,
     pack_block,
     unpack_block,
@@ -66,9 +68,11 @@ class RingExchange:
             if step < hops:
                 incoming = ring.send_recv(block, recv_shape=(span.block_numel((src - 1) % n, batch, head_dim),))
                 ring.commit(step)
-            if step == 0 and overlap is not None:
-                overlap()
-            if block_has_work(span, src, opts.causal):
+            if step == 0:
+                if overlap is not None:
+                    overlap()
+                forward_own_(span, q, k, v, out, lse, causal=opts.causal, scale=opts.scale)
+            elif block_has_work(span, src, opts.causal):
                 kv = unpack_block(span, src, block, batch, head_dim)
                 forward_block_(span, src, kv, q, out, lse, causal=opts.causal, scale=opts.scale)
             if step < hops:
@@ -101,7 +105,10 @@ class RingExchange:
                 incoming = kv_ring.send_recv(block, recv_shape=(span.block_numel((src - 1) % n, batch, head_dim),))
                 kv_ring.commit(step)
             grad = None
-            if step == 0 or block_has_work(span, src, opts.causal):
+            if step == 0:  # own runs straight into dk/dv; the accumulator of my block starts empty
+                backward_own_(span, dout, q, k, v, out, lse, dq, dk, dv, causal=opts.causal, scale=opts.scale)
+                grad = new_grad_block(span, src, q, batch, head_dim)
+            elif block_has_work(span, src, opts.causal):
                 grad = new_grad_block(span, src, q, batch, head_dim)
                 kv = unpack_block(span, src, block, batch, head_dim)
                 dkv = unpack_block(span, src, grad, batch, head_dim)
