@@ -1,0 +1,221 @@
+"""The attention function ds_ring puts in transformers' registry, and the model features it refuses.
+
+transformers' attention modules (``LlamaAttention``, ``Qwen2Attention``, ...) project, apply RoPE,
+then call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, q, k, v, mask, dropout=,
+scaling=, **kwargs)`` with ``q [b, heads, s, d]``, ``k, v [b, kv_heads, s, d]`` and expect
+``(out [b, s, heads, d], weights)`` back. Under sequence parallelism ``s`` is this rank's shard and
+:class:`SequenceParallelAttention` answers with ``ds_ring.sequence_parallel_attention``. Nothing
+here imports transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ds_ring.config import SECTION, RingAttentionConfig
+from ds_ring.integrations.packing import document_positions
+from ds_ring.parallel import sequence_parallel_attention
+from ds_ring.sharding import shard_sequence
+from ds_ring.topology import Topology
+
+__all__ = ["SequenceParallelAttention", "check_model_config", "refuse_padding"]
+
+AttentionFunction = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def _text_config(config: Any) -> Any:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _has_sliding_window(config: Any) -> bool:
+    layer_types = getattr(config, "layer_types", None)
+    return getattr(config, "sliding_window", None) is not None and (
+        layer_types is None or "sliding_attention" in layer_types
+    )
+
+
+def check_model_config(config: Any, section: RingAttentionConfig, world_size: int) -> None:
+    """Refuse a model whose attention ds_ring cannot compute exactly, from its (text) config alone.
+
+    Raises:
+        ValueError: a sliding window, logit soft-capping, or heads that the section's strategy
+            cannot split over ``world_size`` ranks — naming the config field and the fix.
+    """
+    config = _text_config(config)
+    name = type(config).__name__
+    if _has_sliding_window(config):
+        raise ValueError(
+            f"{name}.sliding_window = {config.sliding_window}: ds_ring attends over whole sequences (or LongNet's "
+            f"dilated segments) and has no sliding window; set sliding_window=None (Qwen2: use_sliding_window=False)"
+        )
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        raise ValueError(
+            f"{name}.attn_logit_softcapping = {softcap}: ds_ring's kernels do not cap attention logits; set "
+            f"attn_logit_softcapping=None"
+        )
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    try:
+        section.check(world_size=world_size, num_heads=heads, num_kv_heads=kv_heads)
+    except ValueError as err:
+        raise ValueError(f"{name}.num_attention_heads = {heads}: {err}") from None
+
+
+def refuse_padding(attention_mask: torch.Tensor | None) -> None:
+    """``ValueError`` when a 2-D ``attention_mask [batch, seq]`` masks any token (padding)."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError(
+            "attention_mask has zeros (padded tokens): ds_ring attends over whole sequences and ignores the "
+            "mask; pack the documents instead (position_ids restarting at 0 mark where each begins), or keep "
+            "the padding tokens, give them label -100 and drop attention_mask"
+        )
+
+
+class SequenceParallelAttention:
+    """A transformers attention function running ``ds_ring.sequence_parallel_attention`` on shards.
+
+    Called by the model with this rank's shard: ``query [b, heads, s/p, d]``, ``key, value
+    [b, kv_heads, s/p, d]`` (K/V heads are passed on as they are, not repeated), the kwargs the model
+    forwards — ``position_ids [b or 1, s/p]`` (global positions, from ``shard_batch``) and
+    ``cu_seq_lens_q`` (document boundaries ``[0, ..., S]`` over the whole sequence) are required —
+    and returns ``(out [b, s/p, heads, d], None)``. The mask transformers built for the shard is not
+    used: the section's ``causal``, the layout and ``cu_seq_lens_q`` say what attends to what.
+
+    Every refusal is a ``ValueError`` raised before any communication.
+    """
+
+    def __init__(
+        self, section: RingAttentionConfig, topology: Topology, original: AttentionFunction, *, disable_in_eval: bool
+    ) -> None:
+        self.section = section
+        self.topology = topology
+        self.original = original
+        self.disable_in_eval = disable_in_eval
+        self._checked_shapes: set[tuple[int, int, int]] = set()
+        self._expected_positions: tuple[tuple[int, ...], torch.Tensor] | None = None
+
+    def __call__(
+        self,
+        module: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        if self.disable_in_eval and not module.training:
+            return self.original(
+                module, query, key, value, attention_mask,
+                dropout=dropout, scaling=scaling, sliding_window=sliding_window, softcap=softcap, **kwargs,
+            )  # fmt: skip
+        self._refuse_features(module, dropout, sliding_window, softcap, kwargs)
+        bounds = self._document_bounds(kwargs)
+        self._check_shapes(module, query, key, bounds[-1])
+        self._check_positions(kwargs.get("position_ids"), bounds)
+        out = sequence_parallel_attention(
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+            self.section.segment_lengths, self.section.dilation_rates,
+            causal=self.section.causal, scale=scaling, topology=self.topology, strategy=self.section.strategy,
+            communication=self.section.communication, layout=self.section.layout, timeout_s=self.section.timeout_s,
+            **({"cu_seqlens": kwargs["cu_seq_lens_q"]} if len(bounds) > 2 else {}),
+        )  # fmt: skip
+        return out, None
+
+    def _refuse_features(
+        self, module: nn.Module, dropout: float, sliding_window: int | None, softcap: float | None, kwargs: dict
+    ) -> None:
+        name = type(getattr(module, "config", module)).__name__
+        if sliding_window is not None:
+            raise ValueError(
+                f"{name}.sliding_window = {sliding_window}: ds_ring has no sliding window; set sliding_window=None "
+                f"(Qwen2: use_sliding_window=False)"
+            )
+        if softcap is not None:
+            raise ValueError(
+                f"{name}.attn_logit_softcapping = {softcap}: ds_ring does not cap attention logits; set "
+                f"attn_logit_softcapping=None"
+            )
+        if dropout:
+            raise ValueError(
+                f"{name}.attention_dropout = {dropout} in training: ds_ring's attention has no dropout; set "
+                f"attention_dropout=0.0"
+            )
+        if kwargs.get("s_aux") is not None:
+            raise ValueError(f"{type(module).__name__} uses attention sinks (s_aux), which ds_ring does not compute")
+        causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
+        if causal != self.section.causal:
+            raise ValueError(
+                f"{type(module).__name__} attends {'causally' if causal else 'bidirectionally'} but {SECTION}.causal "
+                f"is {self.section.causal}; set causal to {str(bool(causal)).lower()}"
+            )
+
+    def _document_bounds(self, kwargs: dict) -> list[int]:
+        if kwargs.get("position_ids") is None:
+            raise ValueError(
+                "the model passed no position_ids to its attention: ds_ring needs every token's global position "
+                "(each rank holds a slice of the sequence); call the model with position_ids from "
+                "ds_ring.integrations.hf.shard_batch"
+            )
+        cu = kwargs.get("cu_seq_lens_q")
+        if cu is None:
+            raise ValueError(
+                "the model was called without cu_seq_lens_q, so the attention cannot tell a sharded sequence "
+                "from a whole one; call it with every entry of shard_batch(batch, topology) (model(**batch), "
+                "shift_labels aside)"
+            )
+        other = kwargs.get("cu_seq_lens_k")
+        if other is not None and not torch.equal(other, cu):
+            raise ValueError("cu_seq_lens_k differs from cu_seq_lens_q; self-attention needs one set of documents")
+        return cu.tolist()
+
+    def _check_shapes(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, seq_len: int) -> None:
+        heads, kv_heads = query.shape[1], key.shape[1]
+        if (heads, kv_heads, seq_len) in self._checked_shapes:
+            return
+        sp = self.topology.get_sequence_parallel_world_size()
+        if query.shape[2] * sp != seq_len:
+            raise ValueError(
+                f"this rank holds {query.shape[2]} tokens, which is not 1/{sp} of the {seq_len} tokens that "
+                f"cu_seq_lens_q ends at; pass the batch shard_batch made for this topology"
+            )
+        name = type(getattr(module, "config", module)).__name__
+        try:
+            self.section.check(
+                world_size=self.topology.world_size, num_heads=heads, num_kv_heads=kv_heads, seq_len=seq_len
+            )
+        except ValueError as err:
+            raise ValueError(f"{name}.num_attention_heads = {heads}, sequence length {seq_len}: {err}") from None
+        self._checked_shapes.add((heads, kv_heads, seq_len))
+
+    def _check_positions(self, position_ids: torch.Tensor, bounds: list[int]) -> None:
+        """The model's RoPE used ``position_ids``: they must be this rank's tokens' positions in their documents.
+
+        A model called without them makes ``arange(s/p)`` on every rank, right for rank 0 only.
+        """
+        key = tuple(bounds)
+        if self._expected_positions is None or self._expected_positions[0] != key:
+            tokens = shard_sequence(
+                torch.arange(bounds[-1]), self.topology.sequence_parallel_group, layout=self.section.layout, dim=0
+            )
+            self._expected_positions = key, document_positions(bounds, tokens)
+        expected = self._expected_positions[1].to(position_ids.device)
+        if not bool((position_ids == expected).all()):
+            raise ValueError(
+                f"position_ids on sequence-parallel rank {self.topology.get_sequence_parallel_rank()} are not the "
+                f"positions of its tokens (expected {_show(expected)}, got {_show(position_ids[0])}); call the "
+                f"model with position_ids from ds_ring.integrations.hf.shard_batch"
+            )
+
+
+def _show(positions: torch.Tensor) -> str:
+    values = positions.tolist()
+    return str(values) if len(values) <= 8 else f"[{', '.join(map(str, values[:4]))}, ..., {values[-1]}]"

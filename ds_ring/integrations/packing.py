@@ -1,0 +1,66 @@
+"""Documents of a packed batch, from its position ids (pure tensor functions, no communication).
+
+A packed row holds several documents one after another; its ``position_ids`` count ``0, 1, 2, ...``
+inside each document and restart at 0 where the next one begins (what transformers'
+``DataCollatorWithFlattening`` makes). ds_ring takes the boundaries as ``cu_seqlens``
+``[0, e1, ..., S]`` over the whole sequence, the same for every row (DESIGN.md §6).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["IGNORE_INDEX", "document_bounds", "document_positions", "shift_labels"]
+
+IGNORE_INDEX = -100
+"""Label of a token that is not counted (transformers' and PyTorch's convention)."""
+
+
+def document_bounds(position_ids: torch.Tensor) -> list[int]:
+    """Document boundaries ``[0, e1, ..., S]`` of full-sequence ``position_ids [batch, S]``.
+
+    Raises:
+        ValueError: positions that do not count ``0, 1, 2, ...`` within each document (a reset to 0
+            starts the next one), or rows whose documents start at different places.
+    """
+    starts = position_ids == 0
+    counting = position_ids[:, 1:] == position_ids[:, :-1] + 1
+    valid = torch.cat([starts[:, :1], counting | starts[:, 1:]], dim=1)
+    if not bool(valid.all()):
+        row, index = (int(i) for i in (~valid).nonzero()[0])
+        before = f" after {int(position_ids[row, index - 1])}" if index else ""
+        raise ValueError(
+            f"position_ids must count 0, 1, 2, ... within each document and restart at 0 where the next "
+            f"document begins; row {row} has {int(position_ids[row, index])} at index {index}{before}. Build them "
+            f"per document (torch.arange(len(doc))), or leave position_ids out for one document per row"
+        )
+    differs = (starts != starts[:1]).any(dim=1)
+    if bool(differs.any()):
+        row = int(differs.nonzero()[0])
+        first, other = (starts[r].nonzero().flatten().tolist() for r in (0, row))
+        raise ValueError(
+            f"every row of a batch must hold its documents at the same places (ds_ring's cu_seqlens is shared by "
+            f"the rows); documents start at {first} in row 0 but at {other} in row {row}. Pack every row alike, "
+            f"or use batch size 1 per sequence-parallel group"
+        )
+    return [*starts[0].nonzero().flatten().tolist(), position_ids.shape[1]]
+
+
+def document_positions(bounds: Sequence[int], indices: torch.Tensor) -> torch.Tensor:
+    """The position within its document of every token index in ``indices`` (any shape)."""
+    starts = torch.tensor(bounds[:-1], dtype=indices.dtype, device=indices.device)
+    return indices - starts[torch.searchsorted(starts, indices, right=True) - 1]
+
+
+def shift_labels(labels: torch.Tensor, bounds: Sequence[int], ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """``labels [batch, S]`` moved left by one: token ``i`` is labelled with token ``i + 1``'s label.
+
+    The last token of every document (the sequence's last token included) has no next token in its
+    document and gets ``ignore_index``.
+    """
+    shifted = torch.full_like(labels, ignore_index)
+    shifted[:, :-1] = labels[:, 1:]
+    shifted[:, [end - 1 for end in bounds[1:]]] = ignore_index
+    return shifted
