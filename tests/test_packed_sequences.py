@@ -183,3 +183,15 @@ def _traffic_rank(rank: int, world: int) -> list[str]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_packed_traffic_follows_the_documents(world):
     assert_no_failures(run_distributed(_traffic_rank, world, timeout=90))
+
+
+def test_attention_module_passes_documents():
+    """``MultiheadRingDilatedAttention(..., cu_seqlens=)`` equals the module on each document alone."""
+    torch.manual_seed(0)
+    attn = ds_ring.MultiheadRingDilatedAttention(16, 4, 2, segment_lengths=[4, 8], dilation_rates=[1, 2], causal=True)
+    attn = attn.double()
+    x = torch.randn(2, 20, 16, dtype=torch.float64)
+    cu = [0, 6, 7, 20]
+    packed, _ = attn(x, cu_seqlens=torch.tensor(cu))
+    alone = torch.cat([attn(x[:, a:b])[0] for a, b in itertools.pairwise(cu)], dim=1)
+    torch.testing.assert_close(packed, alone, rtol=0, atol=1e-12)
