@@ -9,6 +9,7 @@ from importlib import import_module
 from typing import Any
 
 from ds_ring.attention import MultiheadRingDilatedAttention, RingDilatedAttention
+from ds_ring.checkpoint import load_checkpoint, save_checkpoint
 from ds_ring.functional import ring_dilated_attention
 from ds_ring.hooks import Event, register_hook
 from ds_ring.kernels import dilated_attention, merge
@@ -37,11 +38,13 @@ __all__ = [
     "dilated_attention_reference",
     "gather_sequence",
     "initialize",
+    "load_checkpoint",
     "load_config",
     "merge",
     "register_hook",
     "ring_dilated_attention",
     "run_main",
+    "save_checkpoint",
     "sequence_parallel_attention",
     "sequence_parallel_cross_entropy",
     "shard_sequence",

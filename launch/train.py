@@ -20,14 +20,18 @@ code 1 after logging it, never a hang.
 
 Fault injection, for the recovery tests: ``DS_RING_FAULT="kill:rank=1:step=5"`` SIGKILLs rank 1
 when training step 5 (1-based) posts its first ring transfer; ``"sleep:rank=1:step=3:seconds=60"``
-makes it stop answering for 60 s there instead. It fires only in a run that started from scratch
-and is not a torchrun restart (``TORCHELASTIC_RESTART_COUNT`` unset or 0), so a restarted or
-re-run job resumes and finishes.
+makes it stop answering for 60 s there instead; ``"kill_in_save:rank=1:step=6"`` and
+``"sleep_in_save:rank=1:step=6:seconds=60"`` strike while the rank writes its first checkpoint file
+of step 6, after writing half of it. It fires only in a run that started from scratch and is not a
+torchrun restart (``TORCHELASTIC_RESTART_COUNT`` unset or 0), so a restarted or re-run job resumes
+and finishes. Checkpoints are published atomically (``ds_ring.save_checkpoint``): a save cut short
+leaves the job to resume from the previous one.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import signal
@@ -35,6 +39,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -77,7 +82,9 @@ MONITORS_WITH_OUTPUT_PATH = ("csv_monitor", "tensorboard")
 
 @dataclass(frozen=True)
 class Fault:
-    """A fault to inject (tests): ``action`` ("kill" or "sleep") on ``rank`` in training step ``step``."""
+    """A fault to inject (tests): ``action`` (one of :data:`ACTIONS`) on ``rank`` in training step ``step``."""
+
+    ACTIONS = ("kill", "sleep", "kill_in_save", "sleep_in_save")
 
     action: str
     rank: int
@@ -86,22 +93,28 @@ class Fault:
 
     @classmethod
     def parse(cls, spec: str) -> Fault:
-        """``"kill:rank=R:step=S"`` or ``"sleep:rank=R:step=S:seconds=X"``; ``ValueError`` naming what is wrong."""
+        """``"ACTION:rank=R:step=S"``, with ``:seconds=X`` for the sleeps; ``ValueError`` naming what is wrong."""
         action, *fields = spec.split(":")
         try:
             values = dict(field.split("=", 1) for field in fields)
             fault = cls(action, int(values.pop("rank")), int(values.pop("step")), float(values.pop("seconds", 0)))
-            if action not in ("kill", "sleep") or values or (action == "sleep") != (fault.seconds > 0):
+            sleeps = action.startswith("sleep")
+            if action not in cls.ACTIONS or values or sleeps != (fault.seconds > 0):
                 raise ValueError(f"unknown action or fields {sorted(values)}")
         except (KeyError, ValueError) as err:
             raise ValueError(
-                f"DS_RING_FAULT={spec!r}: expected 'kill:rank=R:step=S' or 'sleep:rank=R:step=S:seconds=X' ({err})"
+                f"DS_RING_FAULT={spec!r}: expected ACTION:rank=R:step=S (ACTION one of {list(cls.ACTIONS)}), with "
+                f":seconds=X for the sleeps ({err})"
             ) from None
         return fault
 
-    def install(self, rank: int, current_step: list[int]) -> HookHandle | None:
-        """On ``rank``, fire when training step ``current_step[0] == step`` starts its first ring step."""
+    def install(self, rank: int, current_step: list[int], engine: Any) -> HookHandle | None:
+        """On ``rank``, fire when training step ``current_step[0] == step`` starts its first ring step
+        (``kill``, ``sleep``) or writes its first checkpoint file (``*_in_save``)."""
         if rank != self.rank:
+            return None
+        if self.action.endswith("_in_save"):
+            self._strike_in_save(rank, current_step, engine)
             return None
 
         def fire(event: Event) -> None:
@@ -116,6 +129,24 @@ class Fault:
             time.sleep(self.seconds)
 
         return register_hook(fire, phases=("start",))
+
+    def _strike_in_save(self, rank: int, current_step: list[int], engine: Any) -> None:
+        """Make the engine's next checkpoint file of step ``step`` half-written, then kill or stall the rank."""
+        save = engine.checkpoint_engine.save
+
+        def half_then_strike(state_dict: dict, path: str) -> None:
+            if current_step[0] != self.step:
+                return save(state_dict, path)
+            buffer = io.BytesIO()
+            torch.save(state_dict, buffer)
+            Path(path).write_bytes(buffer.getbuffer()[: buffer.tell() // 2])
+            print(f"ds_ring fault injection: rank {rank} {self.action} after writing half of {Path(path).name} in "
+                  f"training step {self.step} (unix time {time.time():.3f})", file=sys.stderr, flush=True)  # fmt: skip
+            if self.action == "kill_in_save":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(self.seconds)
+
+        engine.checkpoint_engine.save = half_then_strike
 
 
 def ds_config_for(path: str, save_dir: Path) -> dict:
@@ -175,16 +206,16 @@ def main(argv: list[str] | None = None) -> dict:
     positions = ds_ring.shard_sequence(torch.arange(args.seq), group, dim=0)
 
     start_step = 0
-    if (save_dir / "latest").exists():
-        tag = (save_dir / "latest").read_text().strip()
-        _, client_state = engine.load_checkpoint(str(save_dir))
+    resumed = ds_ring.load_checkpoint(engine, save_dir)
+    if resumed is not None:
+        tag, client_state = resumed
         start_step = client_state["step"]
         if rank == 0:
             print(f"resumed from checkpoint {tag} at step {start_step}", flush=True)
     current_step = [0]  # read by the fault hook
     first_attempt = start_step == 0 and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
     if fault is not None and first_attempt:
-        fault.install(rank, current_step)
+        fault.install(rank, current_step, engine)
 
     losses: list[float] = []
     tokens_per_step = micro * replicas * args.seq
@@ -203,7 +234,7 @@ def main(argv: list[str] | None = None) -> dict:
         losses.append(loss.item())
         progress.set_postfix(loss=f"{losses[-1]:.3f}")
         if args.save_every and (step + 1) % args.save_every == 0:
-            engine.save_checkpoint(str(save_dir), tag=f"step{step + 1}", client_state={"step": step + 1})
+            ds_ring.save_checkpoint(engine, save_dir, f"step{step + 1}", {"step": step + 1})
         metrics = monitor.end_step(loss=losses[-1])
         if args.metrics_log and rank == 0:
             with open(args.metrics_log, "a") as handle:

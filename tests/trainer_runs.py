@@ -31,9 +31,11 @@ def free_port() -> int:
 
 
 def write_config(path: Path, *, sequence_parallel: int = 2, dense: bool = False, timeout_s: float = 120,
-                 **monitoring: object) -> Path:  # fmt: skip
-    """``ds_configs/cpu_default.json`` with the given ring size, wait bound and monitoring settings."""
+                 zero_stage: int | None = None, **monitoring: object) -> Path:  # fmt: skip
+    """``ds_configs/cpu_default.json`` with the given ring size, wait bound, ZeRO stage and monitoring settings."""
     config = json.loads((ROOT / "ds_configs" / "cpu_default.json").read_text())
+    if zero_stage is not None:
+        config["zero_optimization"] = {"stage": zero_stage}
     section = config["ring_attention"]
     section.update(sequence_parallel_size=sequence_parallel, timeout_s=timeout_s)
     section["monitoring"] = {**section.get("monitoring", {}), **monitoring}
