@@ -19,6 +19,10 @@ from ds_ring.integrations.hf import causal_lm_loss, shard_batch
 
 VOCAB, SEQ, BATCH = 64, 32, 2
 DILATED = {"segment_lengths": [8, SEQ], "dilation_rates": [1, 2]}
+_SIZES = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+    max_position_embeddings=4 * SEQ, attn_implementation="sdpa", use_cache=False,
+)  # fmt: skip
 REFERENCE_DILATED = "ds_ring_dilated_reference"
 """Registered name of the whole-sequence dilated attention the dilated cases are compared with."""
 
@@ -27,11 +31,7 @@ def llama(dtype: torch.dtype = torch.float64, **overrides: Any) -> torch.nn.Modu
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=4, max_position_embeddings=4 * SEQ, attn_implementation="sdpa", use_cache=False,
-        **overrides,
-    )  # fmt: skip
+    config = LlamaConfig(**{**_SIZES, "num_key_value_heads": 4, **overrides})
     return LlamaForCausalLM(config).to(dtype)
 
 
@@ -39,11 +39,7 @@ def qwen2(dtype: torch.dtype = torch.float64, **overrides: Any) -> torch.nn.Modu
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=2, max_position_embeddings=4 * SEQ, attn_implementation="sdpa", use_cache=False,
-        **overrides,
-    )  # fmt: skip
+    config = Qwen2Config(**{**_SIZES, "num_key_value_heads": 2, **overrides})
     return Qwen2ForCausalLM(config).to(dtype)
 
 

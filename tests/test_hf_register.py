@@ -1,0 +1,240 @@
+"""Registration, refusals and batches of ``ds_ring.integrations.hf`` on 2 gloo ranks.
+
+- register → unregister leaves transformers' attention and mask registries exactly as they were
+  (also over an entry someone else replaced first, as ALST does); a refused registration changes nothing;
+- every refusal raises a ValueError naming the field on every rank, before any communication:
+  eager, a padding mask, a sliding window, logit soft-capping, attention dropout in training,
+  heads the strategy cannot split, missing position_ids / cu_seq_lens_q, a length that does not
+  split, rows packed differently, a topology of other degrees;
+- ``pad_to_multiple`` pads with label -100 and keeps the whole model's loss; ``disable_in_eval``
+  runs the original attention on whole sequences in eval; ``shard_batch`` makes global zigzag
+  positions and labels shifted before sharding; ``SequenceParallelDataLoader`` keeps ``len()``.
+"""
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ds_ring
+from ds_ring.integrations.hf import (
+    SequenceParallelDataLoader,
+    causal_lm_loss,
+    register_with_transformers,
+    shard_batch,
+    unregister_from_transformers,
+)
+from tests.dist import CaseLog, run_distributed
+from tests.hf_cases import SEQ, VOCAB, assert_same, ds_config, full_batch, llama, qwen2, sequence_parallel, whole_model
+
+
+def _registries() -> list[dict]:
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    return [
+        dict(mapping)
+        for mapping in (
+            ALL_ATTENTION_FUNCTIONS._local_mapping,
+            AttentionInterface._global_mapping,
+            ALL_MASK_ATTENTION_FUNCTIONS._local_mapping,
+            AttentionMaskInterface._global_mapping,
+        )
+    ]
+
+
+def _refused(log: CaseLog, name: str, match: str, call) -> None:
+    """``call()`` must raise a ValueError matching ``match`` and leave the registries as they were."""
+    with log.case(f"refuses {name}"):
+        before = _registries()
+        try:
+            call()
+        except ValueError as err:
+            assert re.search(match, str(err)), f"the ValueError does not name {match!r}: {err}"
+        else:
+            raise AssertionError("no ValueError")
+        assert _registries() == before, "a refused call changed transformers' registries"
+
+
+def _check_registry(log: CaseLog, topology: ds_ring.Topology) -> None:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    with log.case("register -> unregister restores the registries"):
+        before = _registries()
+        register_with_transformers(config=ds_config(strategy="ring"), topology=topology)
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not before[1]["sdpa"]
+        register_with_transformers(config=ds_config(strategy="ring"), topology=topology, disable_in_eval=True)
+        register_with_transformers(core_attn_implementation="flash_attention_2", topology=topology)
+        unregister_from_transformers()
+        unregister_from_transformers()
+        assert _registries() == before
+    with log.case("an entry replaced before (ALST-style) is put back"):
+
+        def alst(*args, **kwargs):  # a stand-in for ALST's wrapper
+            raise AssertionError("not called")
+
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = alst
+        before = _registries()
+        register_with_transformers(topology=topology)
+        unregister_from_transformers()
+        assert _registries() == before and ALL_ATTENTION_FUNCTIONS["sdpa"] is alst
+        del ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+
+def _check_refusals(log: CaseLog, world: int, topology: ds_ring.Topology) -> None:
+    from transformers import LlamaConfig, Qwen2Config
+
+    ring = ds_config(strategy="ring")
+    batch = full_batch()
+    small = {"vocab_size": VOCAB, "hidden_size": 48, "intermediate_size": 64, "num_hidden_layers": 1}
+    sliding = Qwen2Config(
+        **small, num_attention_heads=4, use_sliding_window=True, sliding_window=16, max_window_layers=0
+    )
+    softcapped = LlamaConfig(**small, num_attention_heads=4)
+    softcapped.attn_logit_softcapping = 30.0
+    three_heads = LlamaConfig(**small, num_attention_heads=3)
+    ulysses = ds_config(strategy="ulysses")
+    # at registration, from the model's config
+    _refused(log, "eager", "eager", lambda: register_with_transformers(core_attn_implementation="eager", config=ring))
+    _refused(log, "unknown implementation", "not one of", lambda: register_with_transformers(
+        core_attn_implementation="sdpa2", config=ring))  # fmt: skip
+    _refused(log, "a model built eager", "_attn_implementation", lambda: register_with_transformers(
+        llama(attn_implementation="eager"), config=ring, topology=topology))  # fmt: skip
+    _refused(log, "sliding window (config)", "sliding_window", lambda: register_with_transformers(
+        sliding, config=ring, topology=topology))  # fmt: skip
+    _refused(log, "softcap (config)", "attn_logit_softcapping", lambda: register_with_transformers(
+        softcapped, config=ring, topology=topology))  # fmt: skip
+    _refused(log, "heads (config)", "num_attention_heads = 3", lambda: register_with_transformers(
+        three_heads, config=ulysses, topology=topology))  # fmt: skip
+    _refused(log, "other degrees", "topology has", lambda: register_with_transformers(
+        config=ds_config(strategy="ring", sequence_parallel_size=1), topology=topology))  # fmt: skip
+    _refused(log, "the section alone", "whole ds_config", lambda: register_with_transformers(
+        config={"strategy": "ring"}, topology=topology))  # fmt: skip
+    # in the batch
+    _refused(log, "padding mask (batch)", "attention_mask", lambda: shard_batch(
+        {**batch, "attention_mask": (torch.arange(SEQ) < SEQ - 3).expand(2, -1)}, topology))  # fmt: skip
+    _refused(log, "a length that does not split", f"multiple of {world}", lambda: shard_batch(
+        full_batch(SEQ - 1), topology))  # fmt: skip
+    _refused(log, "positions not counting up", "count 0, 1, 2", lambda: shard_batch(
+        {**batch, "position_ids": torch.arange(SEQ).flip(0)[None]}, topology))  # fmt: skip
+    packed = torch.stack([torch.cat([torch.arange(10), torch.arange(SEQ - 10)]), torch.arange(SEQ)])
+    _refused(log, "rows packed differently", "same places", lambda: shard_batch(
+        {**batch, "position_ids": packed}, topology))  # fmt: skip
+    _refused(log, "a tensor of another length", "labels", lambda: shard_batch(
+        {**batch, "labels": batch["labels"][:, :-1]}, topology))  # fmt: skip
+
+    # at the call, on every rank before any communication
+    def forward(model, config, drop=(), **extra):
+        register_with_transformers(config=config, topology=topology)
+        try:
+            sharded = shard_batch(batch, topology)
+            inputs = {k: v for k, v in sharded.items() if k != "shift_labels" and k not in drop}
+            return model(**inputs, **extra)
+        finally:
+            unregister_from_transformers()
+
+    sliding_model = qwen2(use_sliding_window=True, sliding_window=16, max_window_layers=0)
+    _refused(log, "sliding window (call)", "sliding_window", lambda: forward(sliding_model, ring))
+    _refused(log, "attention dropout in training", "attention_dropout", lambda: forward(
+        llama(attention_dropout=0.1).train(), ring))  # fmt: skip
+    _refused(log, "heads (call)", "num_attention_heads = 3", lambda: forward(
+        llama(hidden_size=48, num_attention_heads=3, num_key_value_heads=3), ulysses))  # fmt: skip
+    zigzag_ring = ds_config(strategy="ring", layout="zigzag")
+    _refused(log, "missing position_ids", "position_ids", lambda: forward(
+        llama(), zigzag_ring, drop=("position_ids",)))  # fmt: skip
+    _refused(log, "missing cu_seq_lens_q", "cu_seq_lens_q", lambda: forward(
+        llama(), ring, drop=("cu_seq_lens_q", "cu_seq_lens_k")))  # fmt: skip
+    _refused(log, "padding mask (call)", "attention_mask", lambda: forward(
+        llama(), ring, attention_mask=torch.zeros(2, SEQ // world, dtype=torch.long)))  # fmt: skip
+    with log.case("softcap (call)"):
+        model = llama()
+        register_with_transformers(config=ring, topology=topology)
+        try:
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+            q = torch.zeros(2, 8, SEQ // world, 8, dtype=torch.float64)
+            attention = model.model.layers[0].self_attn
+            _refused(log, "softcap (call)", "attn_logit_softcapping", lambda: ALL_ATTENTION_FUNCTIONS["sdpa"](
+                attention, q, q[:, :4], q[:, :4], None, softcap=5.0))  # fmt: skip
+        finally:
+            unregister_from_transformers()
+    with log.case("attention dropout is allowed in eval"):
+        model = llama(attention_dropout=0.1).eval()
+        register_with_transformers(config=ring, topology=topology)
+        try:
+            sharded = shard_batch(batch, topology)
+            model(**{k: v for k, v in sharded.items() if k != "shift_labels"})
+        finally:
+            unregister_from_transformers()
+
+
+def _check_batches(log: CaseLog, rank: int, world: int, topology: ds_ring.Topology) -> None:
+    batch = full_batch()
+    with log.case("shard_batch: zigzag positions, labels shifted before sharding, one document"):
+        register_with_transformers(config=ds_config(strategy="ring", layout="zigzag"), topology=topology)
+        try:
+            sharded = shard_batch(batch, topology)
+        finally:
+            unregister_from_transformers()
+        chunk = SEQ // (2 * world)
+        tokens = torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in (rank, 2 * world - 1 - rank)])
+        assert torch.equal(sharded["position_ids"], tokens.expand(2, -1))
+        assert torch.equal(sharded["input_ids"], batch["input_ids"][:, tokens])
+        shifted = F.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
+        assert torch.equal(sharded["shift_labels"], shifted[:, tokens])
+        assert sharded["cu_seq_lens_q"].tolist() == [0, SEQ] and sharded["cu_seq_lens_q"].dtype == torch.int32
+        assert "labels" not in sharded and "attention_mask" not in sharded
+    with log.case("pad_to_multiple: pads get label -100; the loss is the whole model's"):
+        model = llama()
+        short = full_batch(SEQ - 1)
+        expected = whole_model(model, short)
+        register_with_transformers(model, config=ds_config(strategy="ring"), topology=topology)
+        try:
+            sharded = shard_batch({**short, "attention_mask": torch.ones_like(short["input_ids"])}, topology,
+                                  pad_to_multiple=True)  # fmt: skip
+            assert sharded["input_ids"].shape == (2, SEQ // world)
+            assert sharded["cu_seq_lens_q"].tolist() == [0, SEQ]
+            logits = model(**{k: v for k, v in sharded.items() if k != "shift_labels"}).logits
+            loss = causal_lm_loss(logits, sharded["shift_labels"], topology)
+        finally:
+            unregister_from_transformers()
+        if rank == world - 1:
+            assert (sharded["shift_labels"][:, -2:] == -100).all()
+            assert sharded["position_ids"][0, -1].item() == SEQ - 1
+        torch.testing.assert_close(loss, expected.loss.double(), rtol=1e-6, atol=0)
+    with log.case("disable_in_eval: eval runs the original attention on the whole sequence"):
+        model = llama()
+        expected = whole_model(model, batch)
+        register_with_transformers(model, config=ds_config(strategy="ring"), topology=topology, disable_in_eval=True)
+        try:
+            with torch.no_grad():
+                logits = model.eval()(input_ids=batch["input_ids"]).logits
+            got = sequence_parallel(model.train(), batch, topology, "contiguous")
+        finally:
+            unregister_from_transformers()
+        torch.testing.assert_close(logits, expected.logits, rtol=1e-7, atol=1e-9)
+        assert_same(got, expected)
+    with log.case("SequenceParallelDataLoader: len() kept, shard_batch of each batch"):
+        loader = torch.utils.data.DataLoader([full_batch(seed=s) for s in range(3)], batch_size=None)
+        wrapped = SequenceParallelDataLoader(loader, topology)
+        assert len(wrapped) == 3
+        for got, full in zip(wrapped, loader, strict=True):
+            want = shard_batch(full, topology)
+            assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def _rank(rank: int, world: int) -> list[str]:
+    log = CaseLog()
+    topology = ds_ring.Topology(ring=world)
+    _check_registry(log, topology)
+    _check_refusals(log, world, topology)
+    _check_batches(log, rank, world, topology)
+    return log.failures
+
+
+@pytest.mark.timeout(150)
+def test_register_refusals_and_batches():
+    results = run_distributed(_rank, 2, timeout=120)
+    failures = [f for per_rank in results for f in per_rank]
+    assert not failures, f"{len(failures)} failures; first:\n" + "\n".join(failures[:3])

@@ -1,0 +1,109 @@
+"""A Hugging Face model trained through ``ds_ring.initialize`` + ``ds_ring.integrations.hf`` = one process.
+
+2 gloo ranks, one sequence-parallel group (ring, dense), fp32: 3 SGD steps with ZeRO 0, 2 and 3
+give the parameters one process gets training the whole model on the full sequences. And with
+``model.gradient_checkpointing_enable()`` (attention recomputed in the backward, communication
+included) the gradients summed over the group are the whole model's, float64.
+"""
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ds_ring
+from ds_ring.integrations.hf import (
+    causal_lm_loss,
+    register_with_transformers,
+    shard_batch,
+    unregister_from_transformers,
+)
+from tests.dist import CaseLog, run_distributed
+from tests.hf_cases import BATCH, assert_same, full_batch, llama, sequence_parallel, shifted, whole_model
+
+STEPS = 3
+
+
+def _config(stage: int) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,  # DeepSpeed 0.19 clips at norm 1.0 unless told otherwise
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "ring_attention": {"strategy": "ring", "timeout_s": 60},
+    }
+
+
+def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+
+
+def _one_process_parameters(batch: dict) -> list[torch.Tensor]:
+    model = llama(torch.float32)
+    optimizer = _optimizer(model)
+    labels = shifted(batch["labels"])
+    for _ in range(STEPS):
+        logits = model(input_ids=batch["input_ids"]).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def _train(stage: int, batch: dict) -> list[torch.Tensor]:
+    import deepspeed
+
+    model = llama(torch.float32)
+    engine, *_ = ds_ring.initialize(model=model, config=_config(stage), optimizer=_optimizer(model))
+    topology = register_with_transformers(model, config=_config(stage), topology=engine.mpu)
+    try:
+        sharded = shard_batch(batch, topology)
+        inputs = {k: v for k, v in sharded.items() if k != "shift_labels"}
+        for _ in range(STEPS):
+            loss = causal_lm_loss(engine(**inputs).logits, sharded["shift_labels"], topology)
+            engine.backward(loss)
+            engine.step()
+    finally:
+        unregister_from_transformers()
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
+        got = [copy.deepcopy(p.detach()) for p in params]
+    engine.destroy()
+    return got
+
+
+def _rank(rank: int, world: int, stages: list[int]) -> list[str]:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    log = CaseLog()
+    batch = full_batch()
+    names = [name for name, _ in llama(torch.float32).named_parameters()]
+    expected = _one_process_parameters(batch)
+    for stage in stages:
+        with log.case(f"zero stage {stage}"):
+            for name, got, want in zip(names, _train(stage, batch), expected, strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    with log.case("gradient checkpointing"):
+        model = llama()
+        reference = whole_model(model, batch)
+        model.gradient_checkpointing_enable()
+        model.train()
+        topology = ds_ring.Topology(ring=world)
+        register_with_transformers(model, config=_config(0), topology=topology)
+        try:
+            got = sequence_parallel(model, batch, topology, "contiguous")
+        finally:
+            unregister_from_transformers()
+        assert_same(got, reference)
+    return log.failures
+
+
+@pytest.mark.timeout(240)
+def test_zero_stages_and_checkpointing_match_one_process():
+    results = run_distributed(_rank, 2, timeout=200, stages=[0, 2, 3])
+    failures = [f for per_rank in results for f in per_rank]
+    assert not failures, f"{len(failures)} failures; first:\n" + "\n".join(failures[:2])
