@@ -6,8 +6,9 @@ the sequence-data-parallel group; attach the monitoring hooks the section switch
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
+from functools import partial
 from os import PathLike
 from typing import Any
 
@@ -21,13 +22,14 @@ from ds_ring.comm.agree import agree
 from ds_ring.comm.wait import set_default_timeout
 from ds_ring.config import SECTION, MonitoringConfig, RingAttentionConfig, load_config, read_ds_config
 from ds_ring.launch_env import discover_launch_env
-from ds_ring.monitor import RingMonitor
+from ds_ring.monitor import RingMonitor, at_clean_exit, flush_writer
 from ds_ring.topology import Topology
 
 __all__ = ["initialize", "install", "init_distributed", "agree_on_section", "attach_monitor"]
 
 MONITOR_BACKENDS = ("csv_monitor", "tensorboard", "wandb", "comet")
 _attached: RingMonitor | None = None  # the monitor of the last ds_ring.initialize in this process
+_forget_flush: Callable[[], None] | None = None  # undoes the exit flush of that engine's monitor
 
 
 def _restart_safe_store(timeout: timedelta) -> dist.Store | None:
@@ -153,10 +155,15 @@ def _check_monitor_backend(section: RingAttentionConfig, ds_config: Mapping[str,
 
 def attach_monitor(engine: Any, model: nn.Module, monitoring: MonitoringConfig) -> RingMonitor:
     """Attach the section's monitoring hooks to ``engine`` as ``engine.ring_monitor`` (metrics go to
-    ``engine.monitor``). The monitor of an earlier ``ds_ring.initialize`` in this process is closed."""
-    global _attached
+    ``engine.monitor``, whose buffering backends :func:`ds_ring.run_main` flushes before the process
+    ends). The monitor of an earlier ``ds_ring.initialize`` in this process is closed."""
+    global _attached, _forget_flush
     if _attached is not None:
         _attached.close()
+    if _forget_flush is not None:
+        _forget_flush()
+    writer = getattr(engine, "monitor", None)
+    _forget_flush = at_clean_exit(partial(flush_writer, writer)) if writer is not None else None
     _attached = RingMonitor(
         metrics=monitoring.metrics,
         watchdog=monitoring.watchdog,

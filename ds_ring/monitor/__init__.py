@@ -11,10 +11,12 @@ metrics through any object with DeepSpeed's ``write_events`` and does not import
 - :class:`Watchdog`: communication errors logged where they happen, optional step deadline;
 - :class:`NumericsGuard`, :class:`NumericsError`: NaN / Inf in attention outputs or LSE;
 - :func:`label_layers`: events inside an attention module carry its name;
-- :func:`run_main`: run a training entry point and exit 0, or non-zero after logging the error.
+- :func:`run_main`: run a training entry point and exit 0, or non-zero after logging the error,
+  after the flushes registered with :func:`at_clean_exit` (e.g. :func:`flush_writer` of W&B / Comet).
 """
 
-from ds_ring.monitor.exit import run_main
+from ds_ring.monitor.exit import at_clean_exit, run_main
+from ds_ring.monitor.flush import flush_writer
 from ds_ring.monitor.guard import GUARD_MODES, NumericsError, NumericsGuard
 from ds_ring.monitor.layers import label_layers
 from ds_ring.monitor.metrics import METRICS, MetricsReporter
@@ -32,6 +34,8 @@ __all__ = [
     "RingMonitor",
     "StepTimeline",
     "Watchdog",
+    "at_clean_exit",
+    "flush_writer",
     "label_layers",
     "run_main",
 ]

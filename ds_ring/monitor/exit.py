@@ -5,6 +5,11 @@ At interpreter exit DeepSpeed and gloo intermittently abort in C++ static destru
 group cannot be torn down (that would wait on the dead peer). So :func:`run_main` ends the process
 with ``os._exit`` once output is flushed: 0 when ``main`` returned, the ``SystemExit`` code it
 raised, or 1 after logging any other error with the rank that raised it.
+
+``os._exit`` skips ``atexit`` handlers, so whatever buffers output for later (W&B, Comet: see
+:mod:`ds_ring.monitor.flush`) registers a flush with :func:`at_clean_exit`; :func:`run_main` runs
+them first, on every path, each failure logged and all of them together bounded by
+``flush_timeout_s`` (a flush stuck on a network never keeps the process alive).
 """
 
 from __future__ import annotations
@@ -12,13 +17,41 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-__all__ = ["run_main"]
+__all__ = ["run_main", "at_clean_exit"]
 
 logger = logging.getLogger("ds_ring.monitor")
+_flushes: dict[int, Callable[[], Any]] = {}
+
+
+def at_clean_exit(flush: Callable[[], Any]) -> Callable[[], None]:
+    """Have :func:`run_main` call ``flush()`` before it ends the process; returns a function undoing that."""
+    key = id(flush)
+    _flushes[key] = flush
+    return lambda: _flushes.pop(key, None)
+
+
+def _run_flushes(timeout_s: float) -> None:
+    """Call every registered flush in registration order, in a daemon thread given ``timeout_s`` seconds."""
+
+    def run() -> None:
+        for flush in list(_flushes.values()):
+            try:
+                flush()
+            except Exception as exc:  # noqa: BLE001 - one failed flush must not stop the others or the exit
+                logger.error("ds_ring: rank %s: flushing %r at exit failed: %s", _rank(), flush, exc)
+
+    if not _flushes:
+        return
+    worker = threading.Thread(target=run, name="ds_ring-exit-flush", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        logger.error("ds_ring: rank %s: monitor flush still running after %s s; exiting without it", _rank(), timeout_s)
 
 
 def _rank() -> str:
@@ -28,8 +61,9 @@ def _rank() -> str:
     return os.environ.get("RANK", "?")
 
 
-def run_main(main: Callable[[], Any]) -> NoReturn:
-    """Run ``main()``, then end the process with ``os._exit`` (after ``MPI_Finalize`` on success under mpirun)."""
+def run_main(main: Callable[[], Any], *, flush_timeout_s: float = 120.0) -> NoReturn:
+    """Run ``main()``, run the :func:`at_clean_exit` flushes (bounded by ``flush_timeout_s`` seconds),
+    then end the process with ``os._exit`` (after ``MPI_Finalize`` on success under mpirun)."""
     code = 0
     try:
         main()
@@ -39,6 +73,7 @@ def run_main(main: Callable[[], Any]) -> NoReturn:
         code = 1
         traceback.print_exc()
         logger.error("ds_ring: rank %s exiting with code 1 after %s: %s", _rank(), type(exc).__name__, exc)
+    _run_flushes(flush_timeout_s)
     # A rank that skips MPI_Finalize is reported as crashed by mpirun: right after a failure only.
     if code == 0 and "mpi4py.MPI" in sys.modules:
         sys.modules["mpi4py.MPI"].Finalize()
