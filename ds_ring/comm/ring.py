@@ -41,6 +41,8 @@ __all__ = ["RingComm"]
 class _Transfer:
     send: torch.Tensor
     recv: torch.Tensor
+    allocated: bool
+    """Whether ``send_recv`` allocated the receive tensor (no ``recv_buffer`` given)."""
 
 
 class _LiveBlocks:
@@ -91,7 +93,9 @@ class RingComm:
 
     Every transfer emits a ``send`` and a ``recv`` :class:`~ds_ring.hooks.Event` when hooks are
     registered; ``recv`` events carry ``extra["live_remote_blocks"]``: how many blocks received by
-    this ring (including the one just received) are still referenced anywhere. Each step also
+    this ring (including the one just received) are still referenced anywhere, ``extra["recv_allocated"]``:
+    whether ``send_recv`` allocated the receive tensor (no ``recv_buffer`` given), and
+    ``extra["recv_storage"]``: the address of the receive tensor's storage (a reused buffer keeps it). Each step also
     emits a ``ring_step`` start event in ``commit`` (before posting) and a ``ring_step`` end event
     in ``wait``: ``nbytes`` sent, ``seconds`` in flight (commit to completion),
     ``extra["received_bytes"]`` and ``extra["wait_s"]`` (the part of it spent blocked in ``wait``:
@@ -172,7 +176,7 @@ class RingComm:
             recv.copy_(to_send)
         else:
             self._live.add(self._commits, recv)
-        self._queued.append(_Transfer(to_send, recv))
+        self._queued.append(_Transfer(to_send, recv, recv_buffer is None))
         return recv
 
     def commit(self, step: int) -> None:
@@ -261,7 +265,11 @@ class RingComm:
                     peer=self.recv_from,
                     nbytes=received.numel() * received.element_size(),
                     seconds=seconds,
-                    extra={"live_remote_blocks": live},
+                    extra={
+                        "live_remote_blocks": live,
+                        "recv_allocated": transfer.allocated,
+                        "recv_storage": received.untyped_storage().data_ptr(),
+                    },
                 )
             )
             sent_total += sent.numel() * sent.element_size()

@@ -42,7 +42,7 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
     block_lse = block_lse.to(lse.dtype)
     new_lse = torch.logaddexp(lse, block_lse)
     out.mul_(_weights(lse, new_lse).unsqueeze(-1))
-    out.add_(block_out.to(out.dtype) * _weights(block_lse, new_lse).unsqueeze(-1))
+    out.addcmul_(block_out, _weights(block_lse, new_lse).unsqueeze(-1))  # no output-sized temporary
     lse.copy_(new_lse)
 
 

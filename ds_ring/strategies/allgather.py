@@ -26,7 +26,7 @@ from ds_ring.strategies.blocks import (
     unpack_block,
 )
 from ds_ring.strategies.plan import SpanPlan
-from ds_ring.strategies.sharded import CommSpec, Options, register_exchange
+from ds_ring.strategies.sharded import CommSpec, KVGrads, Options, register_exchange
 
 __all__ = ["AllGatherExchange"]
 
@@ -75,23 +75,40 @@ class AllGatherExchange:
         out: torch.Tensor,
         lse: torch.Tensor,
         dq: torch.Tensor,
-        dk: torch.Tensor,
-        dv: torch.Tensor,
+        kv_grads: KVGrads,
         comm: CommSpec,
         opts: Options,
     ) -> None:
         batch, head_dim = q.shape[0], q.shape[-1]
+        mine = self._reduce_block_grads(span, dout, q, k, v, out, lse, dq, comm, opts)
+        dk, dv = kv_grads()
+        backward_own_(span, dout, q, k, v, out, lse, dq, dk, dv, causal=opts.causal, scale=opts.scale)
+        add_home_grads_(span, unpack_block(span, span.index, mine, batch, head_dim), dk, dv)
+
+    def _reduce_block_grads(
+        self,
+        span: SpanPlan,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        dq: torch.Tensor,
+        comm: CommSpec,
+        opts: Options,
+    ) -> torch.Tensor:
+        """Gradients of the other members' blocks (into ``dq`` and reduce-scattered); returns my block's, flat."""
+        batch, head_dim = q.shape[0], q.shape[-1]
         blocks = _gather_blocks(span, k, v, comm, batch)
         grads = [new_grad_block(span, i, q, batch, head_dim) for i in range(len(blocks))]
-        backward_own_(span, dout, q, k, v, out, lse, dq, dk, dv, causal=opts.causal, scale=opts.scale)
         for src, block in enumerate(blocks):
             if src != span.index and block_has_work(span, src, opts.causal):
                 kv = unpack_block(span, src, block, batch, head_dim)
                 dkv = unpack_block(span, src, grads[src], batch, head_dim)
                 backward_block_(span, src, kv, dkv, dout, q, out, lse, dq, causal=opts.causal, scale=opts.scale)
         ranks = global_ranks(comm.group, span.members)
-        mine = reduce_scatter(grads, ranks, group=comm.group, op="allgather_dkv", timeout_s=comm.timeout_s)
-        add_home_grads_(span, unpack_block(span, span.index, mine, batch, head_dim), dk, dv)
+        return reduce_scatter(grads, ranks, group=comm.group, op="allgather_dkv", timeout_s=comm.timeout_s)
 
 
 register_exchange("allgather", AllGatherExchange())

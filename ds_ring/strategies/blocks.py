@@ -8,7 +8,8 @@ plan, so nothing is padded. A rank's own runs meet each other straight from its 
 (:func:`forward_own_`), never through its block.
 
 The gradient of a block (dK, dV) uses the same packing in the accumulation dtype: the travelling
-accumulator of the ring backward, or a contribution to the all-gather's reduce-scatter.
+accumulator of the ring backward, or a contribution to the all-gather's reduce-scatter. The ring keeps
+its blocks in :class:`BlockBuffers`, allocated once per call and reused every step.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import torch
 from ds_ring.kernels.dilated import attend_backward, attend_into
 from ds_ring.kernels.dilation import add_heads_, select_heads
 from ds_ring.kernels.merge import accum_dtype
-from ds_ring.strategies.plan import SpanPlan, pieces
+from ds_ring.strategies.plan import Run, SpanPlan, pieces
 
 __all__ = [
+    "BlockBuffers",
     "pack_block",
     "unpack_block",
     "new_grad_block",
@@ -30,23 +32,46 @@ __all__ = [
     "backward_own_",
     "add_home_grads_",
     "block_has_work",
+    "block_grad",
 ]
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
 
-def pack_block(span: SpanPlan, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+class BlockBuffers:
+    """``count`` flat buffers, each as large as the span's largest block, allocated on first use.
+
+    Blocks differ in size between members, so a step uses a 1-D prefix view (:meth:`view`) of a
+    buffer: receive buffers are allocated once per call, never per step.
+    """
+
+    def __init__(self, span: SpanPlan, batch: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self._numel = max(span.block_numel(m, batch, head_dim) for m in range(len(span.members)))
+        self._dtype, self._device = dtype, device
+        self._buffers: dict[int, torch.Tensor] = {}
+
+    def view(self, index: int, numel: int) -> torch.Tensor:
+        """The first ``numel`` elements of buffer ``index`` (contiguous, 1-D)."""
+        if index not in self._buffers:
+            self._buffers[index] = torch.empty(self._numel, dtype=self._dtype, device=self._device)
+        return self._buffers[index][:numel]
+
+
+def pack_block(span: SpanPlan, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """This member's block: kept rows and travelling heads of ``k``/``v`` ``[B, L, Hkv, D]``, flat.
 
-    Per head group the runs are laid side by side along the rows (``[B, count, heads, D]``).
+    Per head group the runs are laid side by side along the rows (``[B, count, heads, D]``). Written
+    into ``out`` (1-D, ``block_numel`` elements) when given, else into a new tensor.
     """
-    parts = []
-    for x in (k, v):
-        for held, travel in zip(span.held[span.index], span.travel, strict=True):
-            runs = [select_heads(x[:, run.rows], travel.select) for run in held.runs]
-            if runs:
-                parts.append((runs[0] if len(runs) == 1 else torch.cat(runs, dim=1)).reshape(-1))
-    return torch.cat(parts) if parts else k.new_empty(0)
+    batch, head_dim = k.shape[0], k.shape[-1]
+    if out is None:
+        out = k.new_empty(span.block_numel(span.index, batch, head_dim))
+    blocks = unpack_block(span, span.index, out, batch, head_dim)
+    for held, travel, kv in zip(span.held[span.index], span.travel, blocks, strict=True):
+        for x, packed in zip((k, v), kv, strict=True):
+            for run in held.runs:
+                packed[:, run.packed].copy_(select_heads(x[:, run.rows], travel.select))
+    return out
 
 
 def unpack_block(span: SpanPlan, member: int, flat: torch.Tensor, batch: int, head_dim: int) -> list[KV]:
@@ -59,6 +84,56 @@ def unpack_block(span: SpanPlan, member: int, flat: torch.Tensor, batch: int, he
     parts = flat.split(sizes + sizes)
     n = len(shapes)
     return [(parts[g].view(shapes[g]), parts[n + g].view(shapes[g])) for g in range(n)]
+
+
+def _whole_piece(span: SpanPlan, member: int, causal: bool) -> Run | None:
+    """The query run of the one kernel call that meets all of member's block, if there is one.
+
+    Then that call's dK/dV, ``[B, count, heads, D]`` contiguous, are the block's gradient as it is packed.
+    """
+    if len(span.groups) != 1 or span.travel[0].expand is not None:
+        return None
+    work = pieces(span.queries[0], span.held[member][0], causal)
+    if len(work) != 1:
+        return None
+    a, b, _ = work[0]
+    whole = b.packed.start in (0, None) and b.packed.stop == span.held[member][0].count and b.packed.step in (1, None)
+    return a if whole else None
+
+
+def block_grad(
+    span: SpanPlan,
+    member: int,
+    kv: list[KV],
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dq: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's gradient of member's block, as its flat (dK, dV) halves in the accumulation dtype.
+
+    Accumulates into ``dq [B, L, H, D]``. When one kernel call meets the whole block (dense
+    attention) its dK/dV are returned as they are: no zero block, no copy.
+    """
+    batch, head_dim = q.shape[0], q.shape[-1]
+    run = _whole_piece(span, member, causal)
+    if run is not None and kv[0][0].dtype == accum_dtype(q.dtype):
+        (kb, vb), qs, h = kv[0], run.rows, span.groups[0].q_heads
+        dq_piece, dk_piece, dv_piece = attend_backward(
+            dout[:, qs, h], q[:, qs, h], kb, vb, out[:, qs, h], lse[:, qs, h], causal=False, scale=scale
+        )
+        dq[:, qs, h] += dq_piece
+        return dk_piece.reshape(-1), dv_piece.reshape(-1)
+    grad = new_grad_block(span, member, q, batch, head_dim)
+    if block_has_work(span, member, causal):
+        dkv = unpack_block(span, member, grad, batch, head_dim)
+        backward_block_(span, member, kv, dkv, dout, q, out, lse, dq, causal=causal, scale=scale)
+    half = grad.numel() // 2
+    return grad[:half], grad[half:]
 
 
 def new_grad_block(span: SpanPlan, member: int, like: torch.Tensor, batch: int, head_dim: int) -> torch.Tensor:

@@ -30,7 +30,7 @@ from ds_ring.kernels.dilated import new_accumulators, regions_backward_, regions
 from ds_ring.kernels.merge import accum_dtype
 from ds_ring.strategies.plan import ShardPlan, SpanPlan
 
-__all__ = ["Exchange", "CommSpec", "register_exchange", "get_exchange", "exchanges", "sharded_attention"]
+__all__ = ["Exchange", "CommSpec", "KVGrads", "register_exchange", "get_exchange", "exchanges", "sharded_attention"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,23 @@ class Options:
     causal: bool
     scale: float | None
     head_offset: int
+
+
+class KVGrads:
+    """dK and dV of the local shard (``k``/``v`` shape, accumulation dtype), zeroed on the first call.
+
+    Exchanges call it only once their own buffers are released, so the shard's gradients and a
+    ring's blocks are never held at the same time.
+    """
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._like = (k, v)
+        self._grads: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._grads is None:
+            self._grads = tuple(torch.zeros(x.shape, dtype=accum_dtype(x.dtype), device=x.device) for x in self._like)
+        return self._grads
 
 
 class Exchange(Protocol):
@@ -76,12 +93,11 @@ class Exchange(Protocol):
         out: torch.Tensor,
         lse: torch.Tensor,
         dq: torch.Tensor,
-        dk: torch.Tensor,
-        dv: torch.Tensor,
+        kv_grads: KVGrads,
         comm: CommSpec,
         opts: Options,
     ) -> None:
-        """Accumulate into ``dq`` and, once every member's contribution is home, ``dk``/``dv``."""
+        """Accumulate into ``dq`` and, once every member's contribution is home, into ``kv_grads()``."""
 
 
 _EXCHANGES: dict[str, Exchange] = {}
@@ -155,11 +171,11 @@ class _ShardedAttention(torch.autograd.Function):
             _attention_event(exchange, "backward", "start")
         acc = accum_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        kv_grads = KVGrads(k, v)
         dout = dout.to(q.dtype)
         for span in plan.spans:
-            exchange.backward(span, dout, q, k, v, out, lse, dq, dk, dv, comm, opts)
+            exchange.backward(span, dout, q, k, v, out, lse, dq, kv_grads, comm, opts)
+        dk, dv = kv_grads()
         regions_backward_(
             dout, q, k, v, out, lse, plan.local, dq, dk, dv,
             causal=opts.causal, scale=opts.scale, head_offset=opts.head_offset,

@@ -1,0 +1,202 @@
+"""Activation memory per rank of one forward+backward, as a slope in q-shards plus a fixed cost.
+
+For every (call, ranks) the benchmark runs two sequence lengths, each in fresh rank processes
+(:func:`ds_ring.testing.spawn_ranks`, 1 torch thread per rank, fp32, 8 heads × 64, causal). A rank
+creates its shards of q, k, v and dout, returns freed heap to the OS, reads its resident memory
+(the *baseline*), resets its high-water mark (``/proc/self/clear_refs``), runs one forward+backward
+and reads the high-water mark again: *extra* = peak − baseline, the max over ranks. With ``b`` the
+bytes of one rank's q shard at each length::
+
+    slope (q-shards) = (extra₂ − extra₁) / (b₂ − b₁)        fixed (MiB) = extra₁ − slope · b₁
+
+so a per-process cost that does not grow with the sequence does not count in the slope. On CUDA the
+allocator's peak (``torch.cuda.max_memory_allocated``) replaces the RSS. Results (and the time of the
+call, wall seconds of the slowest rank) go to ``DIR/memory.json`` after every configuration, with a
+plot ``DIR/memory.png``.
+
+    python -m benchmarks.memory                       # every call, p = 1, 2, 4, 8
+    python -m benchmarks.memory --ranks 1 2 4 --calls dense_ring dilated_ring --label before
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ds_ring.testing import rank_results, spawn_ranks
+
+HEADS, HEAD_DIM = 8, 64
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Call:
+    """One attention call: its strategy, K/V exchange, layout and branches (fractions of the sequence)."""
+
+    strategy: str
+    communication: str = "ring"
+    layout: str = "contiguous"
+    segments: tuple[float, ...] | None = None
+    rates: tuple[int, ...] | None = None
+    tokens_per_rank: tuple[int, int] = (2048, 4096)
+    """The two local lengths (rows of one rank's shard) the slope is taken between."""
+
+
+CALLS = {
+    "dense_ring": Call("ring"),
+    "dense_ring_zigzag": Call("ring", layout="zigzag"),
+    "dense_allgather": Call("allgather", communication="allgather"),
+    "dense_ulysses": Call("ulysses"),
+    "dense_hybrid": Call("hybrid"),
+    "dilated_ring": Call("ring", segments=(1 / 32, 1 / 4, 1), rates=(1, 4, 16), tokens_per_rank=(8192, 16384)),
+    "dilated_allgather": Call(
+        "allgather", "allgather", segments=(1 / 32, 1 / 4, 1), rates=(1, 4, 16), tokens_per_rank=(8192, 16384)
+    ),
+}
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MIB
+
+
+def _hwm_mib() -> float:
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1024
+
+
+def _topology(strategy: str, world: int):
+    import ds_ring
+
+    ulysses = 2 if strategy == "hybrid" and world > 1 else (world if strategy == "ulysses" else 1)
+    return ds_ring.Topology(ulysses=ulysses, ring=world // ulysses)
+
+
+def _measure(rank: int, world: int, call: Call, local_len: int, device: str) -> dict:
+    """One rank: fwd+bwd of ``call`` on a ``local_len``-row shard; extra memory in MiB and seconds."""
+    import torch
+
+    import ds_ring
+
+    seq = local_len * world
+    segments = None if call.segments is None else [max(1, int(seq * f)) for f in call.segments]
+    rates = None if call.rates is None else list(call.rates)
+    topology = _topology(call.strategy, world)
+    g = torch.Generator().manual_seed(rank)
+    shape = (1, local_len, HEADS, HEAD_DIM)
+    q, k, v, dout = (torch.randn(shape, generator=g).to(device) for _ in range(4))
+    for x in (q, k, v):
+        x.requires_grad_()
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() / MIB
+    else:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        base = _rss_mib()
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    start = time.perf_counter()
+    out = ds_ring.sequence_parallel_attention(
+        q, k, v, segments, rates, causal=True, topology=topology, strategy=call.strategy,
+        communication=call.communication, layout=call.layout,
+    )  # fmt: skip
+    out.backward(dout)
+    seconds = time.perf_counter() - start
+    if device == "cuda":
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() / MIB
+    else:
+        peak = _hwm_mib()
+    return {"extra_mib": peak - base, "seconds": seconds, "q_shard_mib": q.numel() * q.element_size() / MIB}
+
+
+@dataclass(frozen=True)
+class Result:
+    call: str
+    ranks: int
+    tokens_per_rank: tuple[int, int]
+    extra_mib: tuple[float, float]
+    """Max over ranks of the peak extra memory, MiB, at each length."""
+    seconds: tuple[float, float]
+    slope_q_shards: float
+    fixed_mib: float
+
+
+def measure(name: str, world: int, device: str, timeout_s: float) -> Result:
+    """Both lengths of one call on ``world`` ranks, each in fresh processes."""
+    call = CALLS[name]
+    points = []
+    for local_len in call.tokens_per_rank:
+        values = rank_results(
+            spawn_ranks(_measure, world, timeout_s=timeout_s, args=(call, local_len, device), preload=("torch",))
+        )
+        points.append(
+            (max(v["extra_mib"] for v in values), max(v["seconds"] for v in values), values[0]["q_shard_mib"])
+        )
+    (e1, t1, b1), (e2, t2, b2) = points
+    slope = (e2 - e1) / (b2 - b1)
+    return Result(name, world, call.tokens_per_rank, (e1, e2), (t1, t2), slope, e1 - slope * b1)
+
+
+def _plot(results: dict[str, list[dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for label, rows in results.items():
+        for name in sorted({r["call"] for r in rows}):
+            mine = sorted((r for r in rows if r["call"] == name), key=lambda r: r["ranks"])
+            style = "--" if label == "before" else "-"
+            ranks = [r["ranks"] for r in mine]
+            axes[0].plot(ranks, [r["slope_q_shards"] for r in mine], style, marker="o", label=f"{name} ({label})")
+            axes[1].plot(ranks, [r["fixed_mib"] for r in mine], style, marker="o", label=f"{name} ({label})")
+    axes[0].set(xlabel="ranks", ylabel="slope (q-shards per rank)", xscale="log", title="activation memory slope")
+    axes[1].set(xlabel="ranks", ylabel="fixed MiB per rank", xscale="log", title="fixed cost")
+    for ax in axes:
+        ax.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
+    axes[0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", nargs="+", choices=sorted(CALLS), default=list(CALLS))
+    parser.add_argument("--ranks", nargs="+", type=int, default=[1, 2, 4, 8])
+    parser.add_argument("--label", default="after", help="key of this run in the JSON (e.g. before / after)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: p = 1 only (gloo ranks)")
+    parser.add_argument("--timeout-s", type=float, default=600)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "memory.json"
+    results = json.loads(path.read_text()) if path.exists() else {}
+    rows = [r for r in results.get(args.label, []) if not (r["call"] in args.calls and r["ranks"] in args.ranks)]
+    for world in args.ranks:
+        for name in args.calls:
+            if CALLS[name].strategy == "hybrid" and world % 2:
+                continue  # hybrid needs a ulysses degree of 2 here
+            r = measure(name, world, args.device, args.timeout_s)
+            print(
+                f"{name:18s} p={world}  slope {r.slope_q_shards:5.2f} q-shards  fixed {r.fixed_mib:6.1f} MiB  "
+                f"extra {r.extra_mib[0]:.0f}/{r.extra_mib[1]:.0f} MiB  time {r.seconds[0]:.2f}/{r.seconds[1]:.2f} s",
+                flush=True,
+            )
+            rows.append(asdict(r))
+            results[args.label] = rows
+            path.write_text(json.dumps(results, indent=1))
+    _plot(results, args.out / "memory.png")
+
+
+if __name__ == "__main__":
+    main()
