@@ -1,4 +1,5 @@
-"""Benchmarks for ds_ring: each configuration runs in a fresh subprocess (see ``harness``).
+"""Benchmarks for ds_ring: every configuration in fresh rank processes (:mod:`benchmarks.driver`).
 
-Run a benchmark as a module from the repository root, e.g. ``python -m benchmarks.dilated --quick``.
+Run one from the repository root, e.g. ``python -m benchmarks.dilated --quick``; ``python -m benchmarks``
+runs the suite; ``benchmarks/README.md`` says what each measures and how to add one.
 """

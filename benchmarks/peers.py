@@ -1,0 +1,180 @@
+"""The libraries the benchmarks compare against: pinned versions, their explicit install, how each is called.
+
+    python -m benchmarks install-peers
+
+installs them into this interpreter with ``--no-deps`` plus their light pure-Python needs:
+dilated-attention-pytorch declares xformers (no CPU path; it would also pull a CUDA torch), which
+:func:`dap_attention` replaces with PyTorch SDPA at run time instead. A benchmark never installs
+anything: a case whose peer is missing is recorded as skipped, with this command in its notes.
+DeepSpeed and PyTorch's ``context_parallel`` come with ds_ring's own dependencies.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
+from benchmarks.driver import AttentionFn, Case, Skip, causal_pairs, kept_positions, useful_gflop
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+__all__ = [
+    "PEERS",
+    "RAP",
+    "DAP",
+    "EFFICIENCY",
+    "dap_attention",
+    "deepspeed_attention",
+    "flop",
+    "install",
+    "rap_attention",
+    "torch_cp_attention",
+]
+
+RAP = "ring-attention-pytorch==0.5.20"
+DAP = "dilated-attention-pytorch==0.2.0"
+PEERS = [RAP, DAP, "einops>=0.8.0", "beartype", "jaxtyping"]
+"""Pip requirements installed by :func:`install` (``--no-deps``)."""
+EFFICIENCY = {"rap": 0.05}
+"""Assumed useful GFLOP/s per core as a fraction of matmul before a peer is measured (ds_ring: 0.35)."""
+RAP_BUCKET = 1024
+"""``bucket_size`` passed to ring-attention-pytorch (``ring_flash_attn``'s default)."""
+
+
+def install() -> int:
+    """``pip install --no-deps`` every requirement of :data:`PEERS` into this interpreter; pip's exit status."""
+    print(f"benchmarks: installing {' '.join(PEERS)} (--no-deps)", flush=True)
+    return subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", *PEERS], check=False).returncode
+
+
+def _dense_only(case: Case, why: str) -> None:
+    if case.segment_lengths is not None:
+        raise Skip(why)
+
+
+def missing(requirement: str, exc: ImportError) -> Skip:
+    return Skip(f"{requirement} is not installed ({exc}): run `python -m benchmarks install-peers`")
+
+
+def rap_attention(case: Case) -> AttentionFn:
+    """ring-attention-pytorch's pure-PyTorch ring path (what ``RingAttention(use_cuda_kernel=False)`` calls)
+    on contiguous shards: ``ring_flash_attn(q, k, v, None, causal, bucket, ring_reduce_col=p > 1, False,
+    None, p)``. It computes every bucket × bucket block, masked ones included, with a barrier per hop."""
+    _dense_only(case, "ring-attention-pytorch has no dilated attention")
+    try:
+        from ring_attention_pytorch import ring_flash_attn
+    except ImportError as exc:
+        raise missing(RAP, exc) from exc
+
+    def attn(q: Tensor, k: Tensor, v: Tensor, segs: Any, rates: Any) -> Tensor:
+        bucket = min(RAP_BUCKET, q.shape[1])
+        return ring_flash_attn(q, k, v, None, case.causal, bucket, case.world > 1, False, None, case.world)
+
+    return attn
+
+
+def torch_cp_attention(case: Case) -> AttentionFn:
+    """PyTorch context parallelism around SDPA: it takes whole-sequence buffers and shards them itself, so
+    the shards are gathered first. On CPU it fails in its first call (no sharding strategy for the CPU
+    flash kernel); the row records the error."""
+    _dense_only(case, "context_parallel runs SDPA: no dilated attention")
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    import ds_ring
+
+    mesh = init_device_mesh("cpu", (case.world,))
+
+    def attn(q: Tensor, k: Tensor, v: Tensor, segs: Any, rates: Any) -> Tensor:
+        full = [ds_ring.gather_sequence(t.detach()).transpose(1, 2).contiguous() for t in (q, k, v)]
+        with context_parallel(mesh, buffers=full, buffer_seq_dims=[2, 2, 2], no_restore_buffers=set(full)):
+            out = F.scaled_dot_product_attention(*(t.requires_grad_() for t in full), is_causal=case.causal)
+        return out.transpose(1, 2)
+
+    return attn
+
+
+def deepspeed_attention(case: Case, rank: int, group: Any) -> AttentionFn:
+    """DeepSpeed's Ulysses, ``deepspeed.sequence.layer.DistributedAttention`` (three all-to-alls in, one
+    out) over ``group``, with SDPA as its local attention; batch-first: scatter heads, gather sequence."""
+    _dense_only(case, "SDPA, DistributedAttention's local attention here, has no dilation")
+    import os
+
+    import deepspeed
+    import torch.nn.functional as F
+    from deepspeed.sequence.layer import DistributedAttention
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    deepspeed.init_distributed(dist_backend="gloo")
+
+    def sdpa(q: Tensor, k: Tensor, v: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=case.causal
+        )
+        return out.transpose(1, 2)
+
+    ds_attn = DistributedAttention(sdpa, group, scatter_idx=2, gather_idx=1)
+    return lambda q, k, v, segs, rates: ds_attn(q, k, v, 0)
+
+
+def dap_attention(case: Case) -> AttentionFn:
+    """dilated-attention-pytorch's ``DilatedAttention``: the heads are *split* among the branches (head
+    group i computes branch i only), so it does ~1/len(branches) of ds_ring's work (:func:`flop`). Its
+    only kernel, ``xformers.ops.memory_efficient_attention``, has no CPU path: a stand-in ``xformers.ops``
+    in this process maps it to SDPA; the package's segmenting, dilation and merge code runs unchanged."""
+    segs = case.segment_lengths or ()
+    if any(case.seq % w for w in segs):
+        raise Skip(f"dilated-attention-pytorch needs seq % w == 0 for every w in {list(segs)}")
+    _install_fake_xformers()
+    try:
+        from dilated_attention_pytorch.dilated_attention import DilatedAttention
+    except ImportError as exc:
+        raise missing(DAP, exc) from exc
+    module = DilatedAttention(segment_lengths=list(segs), dilation_rates=list(case.dilation_rates or ()))
+    return lambda q, k, v, segs, rates: module(q, k, v, is_causal=case.causal)
+
+
+def flop(case: Case) -> float:
+    """Useful forward+backward GFLOP of one call, dilated-attention-pytorch's split heads included: head
+    group i (``heads // n`` heads, the first ``heads % n`` one more) runs branch i at offset i % r."""
+    if case.impl != "dap":
+        return useful_gflop(case)
+    n = len(case.dilation_rates or ())
+    pairs = sum(
+        (case.heads // n + (i < case.heads % n))
+        * (case.seq // w)
+        * causal_pairs(kept_positions(w, i % r, r), case.causal)
+        for i, (w, r) in enumerate(zip(case.segment_lengths or (), case.dilation_rates or (), strict=True))
+    )
+    return useful_gflop(case, pairs)
+
+
+def _install_fake_xformers() -> None:
+    """A CPU stand-in for ``xformers.ops`` in ``sys.modules`` (this process only):
+    ``memory_efficient_attention(q, k, v, attn_bias=None | LowerTriangularMask, p=0.0, scale=None)`` on
+    ``[B, S, H, D]`` runs SDPA (top-left aligned causal mask, as in xformers); anything else raises."""
+    import torch.nn.functional as F
+
+    class LowerTriangularMask:
+        """Marker for a causal bias, as ``xformers.ops.LowerTriangularMask``."""
+
+    class AttentionOp:
+        """Placeholder for the ``xformers.ops.AttentionOp`` type used in signatures."""
+
+    def memory_efficient_attention(query, key, value, attn_bias=None, p=0.0, scale=None, *, op=None):
+        if p or (attn_bias is not None and not isinstance(attn_bias, LowerTriangularMask)):
+            raise NotImplementedError(f"fake xformers: dropout {p} / attn_bias {type(attn_bias).__name__}")
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=attn_bias is not None, scale=scale).transpose(1, 2)
+
+    ops = types.ModuleType("xformers.ops")
+    ops.LowerTriangularMask, ops.AttentionOp = LowerTriangularMask, AttentionOp
+    ops.memory_efficient_attention = memory_efficient_attention
+    pkg = types.ModuleType("xformers")
+    pkg.__path__ = []  # a package, so that "import xformers.ops" resolves
+    pkg.ops = ops
+    sys.modules.update({"xformers": pkg, "xformers.ops": ops})
