@@ -50,7 +50,7 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike, tag: str, client_s
     """
     save_dir, tag = Path(save_dir), str(tag)
     published = _read_latest(save_dir)
-    agree({"tag": tag, "latest": published}, op="save_checkpoint", fix=_SAME_DIRECTORY)
+    agree({"tag": tag, "latest": published}, op="save_checkpoint", fix=_SAME_DIRECTORY, cache=False)
     if tag == published:
         raise ValueError(
             f"ds_ring: checkpoint tag {tag!r} is the one {save_dir / LATEST} names; saving over it would leave no "
@@ -85,7 +85,7 @@ def load_checkpoint(engine: Any, save_dir: str | os.PathLike) -> tuple[str, dict
     """
     save_dir = Path(save_dir)
     tag = _read_latest(save_dir)
-    agree({"latest": tag}, op="load_checkpoint", fix=_SAME_DIRECTORY)
+    agree({"latest": tag}, op="load_checkpoint", fix=_SAME_DIRECTORY, cache=False)
     if tag is None:
         return None
     problem = _incomplete(save_dir / tag)

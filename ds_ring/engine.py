@@ -80,7 +80,7 @@ def agree_on_section(section: RingAttentionConfig, seq_len: int | None = None) -
             fields.update({f"{SECTION}.{key}.{inner}": v for inner, v in value.items()})
         else:
             fields[f"{SECTION}.{key}"] = value
-    agree(fields, op="ds_ring.initialize", timeout_s=section.timeout_s, fix=_SAME_SECTION)
+    agree(fields, op="ds_ring.initialize", timeout_s=section.timeout_s, fix=_SAME_SECTION, cache=False)
 
 
 _SAME_SECTION = f"give every rank the same {SECTION} section (the same ds_config on every node) and the same seq_len"

@@ -10,6 +10,7 @@ from torch.distributed import ProcessGroup
 from ds_ring.comm.groups import group_rank, group_size
 from ds_ring.kernels.dilation import check_cu_seqlens, validate_qkv
 from ds_ring.strategies import CommSpec, get_exchange, plan_shards, sharded_attention
+from ds_ring.strategies.fingerprint import agree_on_call
 
 __all__ = ["ring_dilated_attention"]
 
@@ -54,10 +55,16 @@ def ring_dilated_attention(
         The local output shard ``[batch, seq/p, heads, head_dim]`` (and the LSE).
 
     Raises:
-        ValueError: bad shapes or an unsupported layout / segment / shard combination, before any
-            communication.
+        ValueError: bad shapes (on this rank, before any communication); ranks whose calls differ
+            (on every rank, after one small exchange on a plan's first call); an unsupported layout /
+            segment / shard combination — all before any data moves.
     """
     validate_qkv(q, k, v, head_offset)
+    agree_on_call(
+        "ring_dilated_attention", group, q, k, v, timeout_s=timeout_s, segment_lengths=segment_lengths,
+        dilation_rates=dilation_rates, causal=causal, scale=scale, communication=communication, layout=layout,
+        head_offset=head_offset, return_lse=return_lse, cu_seqlens=cu_seqlens,
+    )  # fmt: skip
     exchange = get_exchange(communication)
     world = group_size(group)
     plan = plan_shards(

@@ -24,7 +24,9 @@ from typing import Any
 import torch
 
 from ds_ring.functional import ring_dilated_attention
+from ds_ring.kernels.dilation import validate_qkv
 from ds_ring.strategies import get_exchange
+from ds_ring.strategies.fingerprint import agree_on_call
 from ds_ring.strategies.hybrid import hybrid_attention
 from ds_ring.strategies.ulysses import ulysses_attention
 from ds_ring.topology import Topology
@@ -138,10 +140,19 @@ def sequence_parallel_attention(
         The local output shard ``[batch, seq/p, heads, head_dim]`` in the input dtype (and the LSE).
 
     Raises:
-        ValueError: an unknown strategy or communication, or anything the strategy cannot do
-            (heads not divisible by the all-to-all degree, unsupported branches or layout), before
-            any communication.
+        ValueError: bad shapes (on this rank, before any communication); ranks whose calls differ in
+            anything (on every rank, naming the field and each rank's value, after one small exchange
+            on a plan's first call); an unknown strategy or communication, or anything the strategy
+            cannot do (heads not divisible by the all-to-all degree, unsupported branches or layout)
+            — all before any data moves.
     """
+    validate_qkv(q, k, v, head_offset)
+    agree_on_call(
+        "sequence_parallel_attention", topology.sequence_parallel_group, q, k, v, timeout_s=timeout_s,
+        strategy=strategy, communication=communication, segment_lengths=segment_lengths,
+        dilation_rates=dilation_rates, causal=causal, scale=scale, layout=layout, head_offset=head_offset,
+        return_lse=return_lse, cu_seqlens=cu_seqlens,
+    )  # fmt: skip
     run = get_strategy(strategy)
     get_exchange(communication)
     call = AttentionCall(

@@ -260,7 +260,7 @@ class Topology:
         # Agree before checking: degrees that differ between ranks (some of them maybe invalid) then
         # fail on every rank with each rank's values, instead of some ranks raising while others wait.
         agree(dict(data_parallel=data_parallel, ulysses=ulysses, ring=ring), group=group, op="Topology",
-              timeout_s=timeout_s, fix=_SAME_DEGREES)  # fmt: skip
+              timeout_s=timeout_s, fix=_SAME_DEGREES, cache=False)  # fmt: skip
         layout = rank_layout(world_size, data_parallel=data_parallel, ulysses=ulysses, ring=ring)
         rank = dist.get_rank(group)
         groups = _create_groups(layout, rank, dist.group.WORLD if group is None else group)
@@ -286,7 +286,7 @@ class Topology:
             )
         timeout_s = _read(section, "timeout_s")
         degrees = {key: _read(section, key) for key in DEGREE_KEYS}
-        agree(degrees, op="Topology.from_config", timeout_s=timeout_s, fix=_SAME_DEGREES)
+        agree(degrees, op="Topology.from_config", timeout_s=timeout_s, fix=_SAME_DEGREES, cache=False)
         layout = RankLayout.from_config(section, world_size)
         return cls(layout.data_parallel, layout.ulysses, layout.ring, timeout_s=timeout_s)
 

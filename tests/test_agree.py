@@ -68,6 +68,12 @@ def _two_ranks(rank: int, world: int) -> list[str]:
         _raises({"heads": 4}, f"point_{rank}", ["the agreement point: rank 0 has point_0, rank 1 has point_1"])
     with log.case("after a disagreement the group still works"):
         agree(base, op="after", timeout_s=TIMEOUT_S)
+    with log.case("cache=False exchanges every time, so a rank whose call changed is caught on every rank"):
+        events.clear()
+        agree({"ring": 2}, op="uncached", timeout_s=TIMEOUT_S, cache=False)
+        agree({"ring": 2}, op="uncached", timeout_s=TIMEOUT_S, cache=False)
+        assert len(events) == 2
+        _raises({"ring": 2 - rank}, "uncached", ["ring: rank 0 has 2, rank 1 has 1"], cache=False)
     with log.case("a group of one agrees without exchanging"):
         alone = [dist.new_group([r]) for r in range(world)][rank]
         events.clear()

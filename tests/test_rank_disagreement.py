@@ -1,19 +1,102 @@
 """Ranks that disagree get one clear ValueError on every rank, naming the field and each rank's value.
 
-Two gloo ranks; rank 1 differs from rank 0 in one thing per case. Every case must raise on both
-ranks (a rank that raised while the other hung would fail the run at its short deadline).
+Two gloo ranks; rank 1 differs from rank 0 in one thing per case (each alone a valid call): sequence
+length, heads, head_dim, segment_lengths, dilation_rates, dtype, causal, communication, layout,
+strategy, cu_seqlens, and more; the Topology's degrees; the ds_config section of ``ds_ring.initialize``.
+Four ranks for the staged agreement of ``hybrid`` (ulysses 2 × ring 2). Every case must raise on
+every rank (a rank that raised while another hung would fail the run at its deadline); the seconds
+to the error are printed, not asserted.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import pytest
+import torch
 
 import ds_ring
+from ds_ring.strategies.hybrid import hybrid_attention
+from ds_ring.strategies.ulysses import ulysses_attention
 from tests.dist import CaseLog, run_distributed
 
 TIMEOUT_S = 10.0
+L, H, KV, D = 32, 4, 2, 8  # rows per rank, heads, K/V heads, head_dim
+BASE = dict(rows=L, heads=H, head_dim=D, dtype=torch.float32, segment_lengths=[16, 2 * L], dilation_rates=[1, 2],
+            causal=True, communication="ring", layout="contiguous", strategy="ring", cu_seqlens=None,
+            backward=False)  # fmt: skip
+# field → (rank 1's value, the message's line for it); each alone is a call that runs.
+DIFFERS = {
+    "sequence length": (dict(rows=48), "rows: rank 0 has 32, rank 1 has 48"),
+    "heads": (dict(heads=2), "heads: rank 0 has 4, rank 1 has 2"),
+    "head_dim": (dict(head_dim=16), "head_dim: rank 0 has 8, rank 1 has 16"),
+    "segment_lengths": (dict(segment_lengths=[32, 64]), "segment_lengths: rank 0 has [16, 64], rank 1 has [32, 64]"),
+    "dilation_rates": (dict(dilation_rates=[1, 4]), "dilation_rates: rank 0 has [1, 2], rank 1 has [1, 4]"),
+    "dtype": (dict(dtype=torch.float64), "dtype: rank 0 has torch.float32, rank 1 has torch.float64"),
+    "causal": (dict(causal=False), "causal: rank 0 has True, rank 1 has False"),
+    "communication": (dict(communication="allgather"), "communication: rank 0 has 'ring', rank 1 has 'allgather'"),
+    "layout": (dict(layout="zigzag", segment_lengths=None, dilation_rates=None),
+               "layout: rank 0 has 'contiguous', rank 1 has 'zigzag'"),
+    "strategy": (dict(strategy="ulysses"), "strategy: rank 0 has 'ring', rank 1 has 'ulysses'"),
+    "cu_seqlens": (dict(cu_seqlens=torch.tensor([0, 40, 64])), "cu_seqlens: rank 0 has None, rank 1 has [0, 40, 64]"),
+    "backward": (dict(backward=True), "backward: rank 0 has False, rank 1 has True"),
+}  # fmt: skip
+
+
+def _inputs(rows: int, heads: int, head_dim: int, dtype: torch.dtype, backward: bool, **_: object) -> list:
+    g = torch.Generator().manual_seed(0)
+    shapes = [(1, rows, heads, head_dim), (1, rows, KV, head_dim), (1, rows, KV, head_dim)]
+    return [torch.randn(shape, generator=g, dtype=dtype, requires_grad=backward) for shape in shapes]
+
+
+def _options(call: dict, keys: tuple[str, ...]) -> dict:
+    return {key: call[key] for key in keys}
+
+
+def _expect_disagreement(log: CaseLog, seconds: dict, name: str, needles: list[str], run: Callable[[], object]) -> None:
+    started = time.perf_counter()
+    with log.case(name), pytest.raises(ValueError, match="disagree on") as caught:
+        run()
+    seconds[name] = time.perf_counter() - started
+    for needle in needles:
+        with log.case(f"{name} names {needle!r}"):
+            assert needle in str(caught.value), str(caught.value)
+
+
+def _attention_rank(rank: int, world: int) -> tuple[list[str], dict[str, float]]:
+    """sequence_parallel_attention over Topology(ring=2), one differing field per case, then each entry point."""
+    log, seconds = CaseLog(), {}
+    topology = ds_ring.Topology(ring=2, timeout_s=TIMEOUT_S)
+    calls = ("segment_lengths", "dilation_rates", "causal", "communication", "layout", "strategy", "cu_seqlens")
+    for name, (rank1, line) in DIFFERS.items():
+        call = {**BASE, **(rank1 if rank == 1 else {})}
+        q, k, v = _inputs(**call)
+        _expect_disagreement(log, seconds, name, [line, "disagree on sequence_parallel_attention", "Fix:"],
+                             lambda q=q, k=k, v=v, call=call: ds_ring.sequence_parallel_attention(
+                                 q, k, v, topology=topology, timeout_s=TIMEOUT_S, **_options(call, calls)))  # fmt: skip
+    heads = {**BASE, **(DIFFERS["heads"][0] if rank == 1 else {})}
+    q, k, v = _inputs(**heads)
+    alone = [torch.distributed.new_group([r]) for r in range(world)][rank]  # hybrid's ring of one
+    for op, run in [
+        ("ring_dilated_attention", lambda: ds_ring.ring_dilated_attention(q, k, v, timeout_s=TIMEOUT_S)),
+        ("ulysses_attention", lambda: ulysses_attention(q, k, v, timeout_s=TIMEOUT_S)),
+        ("hybrid_attention", lambda: hybrid_attention(q, k, v, ulysses_group=None, ring_group=alone,
+                                                      timeout_s=TIMEOUT_S)),
+    ]:  # fmt: skip
+        _expect_disagreement(log, seconds, f"{op}: heads", [f"disagree on {op}", DIFFERS["heads"][1]], run)
+    _expect_disagreement(log, seconds, "Topology degrees", ["ring: rank 0 has 2, rank 1 has 1", "same degrees"],
+                         lambda: ds_ring.Topology(ulysses=1 + rank, ring=2 - rank, timeout_s=TIMEOUT_S))  # fmt: skip
+    with log.case("a repeated call is agreed once: the second makes no exchange"):
+        events: list = []
+        q, k, v = _inputs(**BASE)
+        with ds_ring.register_hook(events.append):
+            for _ in range(2):
+                before = len(events)
+                ds_ring.sequence_parallel_attention(q, k, v, topology=topology, timeout_s=TIMEOUT_S)
+                agreements = [e for e in events[before:] if e.op.startswith("agree:")]
+                assert len(agreements) == (2 if _ == 0 else 0), agreements  # outer call and ring_dilated_attention
+    return log.failures, seconds
 
 
 def _section(rank: int, **rank1: object) -> dict:
@@ -51,7 +134,37 @@ def _initialize_rank(rank: int, world: int) -> tuple[list[str], dict[str, float]
 
 @pytest.mark.timeout(120)
 def test_initialize_with_sections_that_differ_raises_on_every_rank() -> None:
-    results = run_distributed(_initialize_rank, 2, timeout=90)
+    _report(run_distributed(_initialize_rank, 2, timeout=90))
+
+
+def _staged_rank(rank: int, world: int) -> tuple[list[str], dict[str, float]]:
+    """ulysses 2 × ring 2: rank 3 differs; ranks sharing no group with it raise as well."""
+    log, seconds = CaseLog(), {}
+    topology = ds_ring.Topology(ulysses=2, ring=2, timeout_s=TIMEOUT_S)
+    segments = [32, 2 * L] if rank == 3 else [16, 2 * L]
+    q, k, v = _inputs(**BASE)
+    needles = ["segment_lengths: ranks 0-2 have [16, 64], rank 3 has [32, 64]"]
+    hybrid = dict(topology=topology, strategy="hybrid", timeout_s=TIMEOUT_S)
+    _expect_disagreement(log, seconds, "hybrid via sequence_parallel_attention", needles,
+                         lambda: ds_ring.sequence_parallel_attention(q, k, v, segments, [1, 2], **hybrid))  # fmt: skip
+    _expect_disagreement(log, seconds, "hybrid_attention over (ulysses, ring) groups", needles,
+                         lambda: hybrid_attention(q, k, v, segments, [1, 2], ulysses_group=topology.ulysses_group,
+                                                  ring_group=topology.ring_group, timeout_s=TIMEOUT_S))  # fmt: skip
+    return log.failures, seconds
+
+
+def _report(results: list[tuple[list[str], dict[str, float]]]) -> None:
     assert not any(failures for failures, _ in results), "\n".join(f for failures, _ in results for f in failures)
-    for name, seconds in results[0][1].items():
-        print(f"{name}: ValueError on every rank after {seconds * 1e3:.0f} ms")
+    for name in results[0][1]:
+        slowest = max(seconds[name] for _, seconds in results)
+        print(f"{name}: ValueError on every rank, the last after {slowest * 1e3:.0f} ms")
+
+
+@pytest.mark.timeout(120)
+def test_attention_calls_that_differ_raise_on_every_rank() -> None:
+    _report(run_distributed(_attention_rank, 2, timeout=90))
+
+
+@pytest.mark.timeout(120)
+def test_staged_agreement_of_hybrid_reaches_every_rank() -> None:
+    _report(run_distributed(_staged_rank, 4, timeout=90))

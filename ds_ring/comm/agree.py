@@ -14,7 +14,9 @@ needed to name each differing field and each rank's value, and every rank raises
 
 Limit of the cache: a rank whose call changes to one it has not agreed on, while the others
 repeat one they have, is the only rank that exchanges; it waits (bounded by the timeout) and
-raises a :class:`~ds_ring.comm.errors.CommTimeoutError` that names this possibility.
+raises a :class:`~ds_ring.comm.errors.CommTimeoutError` that names this possibility. Agreements
+that are rare and must always hold (a Topology, a config section, a checkpoint) pass
+``cache=False`` and exchange every time.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def agree(
     op: str = "agree",
     timeout_s: float | None = None,
     fix: str | None = None,
+    cache: bool = True,
 ) -> None:
     """Raise ``ValueError`` on every rank of ``group`` unless all of them pass equal ``fields``.
 
@@ -73,9 +76,11 @@ def agree(
             (as ``agree:<op>``), and part of the cache key.
         timeout_s: bound on each wait in seconds (``None``: the ``ds_ring.comm`` default).
         fix: what the error tells the user to change (default: make the same call on every rank).
+        cache: skip the exchange for a fingerprint already agreed for ``(group, op)`` (steady state:
+            only the local digest, microseconds). ``False`` for rare calls that must always be
+            checked (see the cache's limit in the module docstring): a topology, a config, a checkpoint.
 
-    A fingerprint agreed once for ``(group, op)`` is not exchanged again (steady state: only the
-    local digest, microseconds). A world of one, or no process group, agrees with itself.
+    A world of one, or no process group, agrees with itself.
 
     Raises:
         ValueError: on every rank, naming each differing field and every rank's value.
@@ -94,11 +99,12 @@ def agree(
         _digest("\0".join(f"{n}={t}" for n, t in zip(names, texts, strict=True))),
     ]
     key = (tuple(_name(g) for g in stages[1:]), *row[2:])
-    cache = _cache(stages[0])
-    with _lock:
-        if key in cache:
-            cache.move_to_end(key)
-            return
+    verified = _cache(stages[0]) if cache else None
+    if verified is not None:
+        with _lock:
+            if key in verified:
+                verified.move_to_end(key)
+                return
     exchange = _Exchange(stages, op, timeout_s)
     rows = exchange.gather_ints(row)
     strangers = sum(r[0] != _MARKER for r in rows)
@@ -119,10 +125,11 @@ def agree(
         shown = exchange.gather_texts([_shown(texts[i]) for i in differing])
         rows_by_field = [(names[i], ranks, [s[j] for s in shown]) for j, i in enumerate(differing)]
         raise ValueError(_message(op, rows_by_field, fix or _SAME_CALL))
-    with _lock:
-        cache[key] = None
-        if len(cache) > _CACHE_SIZE:
-            cache.popitem(last=False)
+    if verified is not None:
+        with _lock:
+            verified[key] = None
+            if len(verified) > _CACHE_SIZE:
+                verified.popitem(last=False)
 
 
 class _Exchange:

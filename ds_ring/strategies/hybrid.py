@@ -21,6 +21,7 @@ from torch.distributed import ProcessGroup
 
 from ds_ring.comm.groups import group_rank, group_size
 from ds_ring.kernels.dilation import Branch, check_cu_seqlens, make_branches, validate_qkv
+from ds_ring.strategies.fingerprint import agree_on_call
 from ds_ring.strategies.plan import plan_shards
 from ds_ring.strategies.sharded import CommSpec, get_exchange, sharded_attention
 from ds_ring.strategies.ulysses import attend_local_heads, check_layout, heads_to_sequence, split_heads, to_heads
@@ -65,10 +66,18 @@ def hybrid_attention(
         The local output shard ``[batch, seq/p, heads, head_dim]`` (and the LSE).
 
     Raises:
-        ValueError: bad shapes, heads not divisible by ``U``, an unknown communication, or a
-            branch / layout the ring dimension cannot shard, before any communication.
+        ValueError: bad shapes (on this rank, before any communication); ranks whose calls differ
+            (on every rank of ``ulysses × ring``, naming the field and each rank's value); heads not
+            divisible by ``U``, an unknown communication, or a branch / layout the ring dimension
+            cannot shard — all before any data moves.
     """
     validate_qkv(q, k, v, head_offset)
+    agree_on_call(
+        "hybrid_attention", (ulysses_group, ring_group), q, k, v, timeout_s=timeout_s,
+        segment_lengths=segment_lengths, dilation_rates=dilation_rates, causal=causal, scale=scale,
+        communication=communication, layout=layout, head_offset=head_offset, return_lse=return_lse,
+        cu_seqlens=cu_seqlens,
+    )  # fmt: skip
     exchange = get_exchange(communication)
     degree, ring_size = group_size(ulysses_group), group_size(ring_group)
     split = split_heads(q.shape[2], k.shape[2], degree, q.device)

@@ -33,6 +33,7 @@ from ds_ring.comm.groups import group_rank, group_size
 from ds_ring.hooks import emit_attention, hooks_active
 from ds_ring.kernels.dilated import dilated_attention
 from ds_ring.kernels.dilation import check_cu_seqlens, make_branches, validate_qkv
+from ds_ring.strategies.fingerprint import agree_on_call
 from ds_ring.strategies.plan import LAYOUTS
 
 __all__ = [
@@ -241,10 +242,16 @@ def ulysses_attention(
         The local output shard ``[batch, seq/p, heads, head_dim]`` (and the LSE).
 
     Raises:
-        ValueError: bad shapes, heads not divisible by the group size, bad branches or layout,
-            before any communication.
+        ValueError: bad shapes (on this rank, before any communication); ranks whose calls differ
+            (on every rank, naming the field and each rank's value); heads not divisible by the group
+            size, bad branches or layout — all before any data moves.
     """
     validate_qkv(q, k, v, head_offset)
+    agree_on_call(
+        "ulysses_attention", group, q, k, v, timeout_s=timeout_s, segment_lengths=segment_lengths,
+        dilation_rates=dilation_rates, causal=causal, scale=scale, layout=layout, head_offset=head_offset,
+        return_lse=return_lse, cu_seqlens=cu_seqlens,
+    )  # fmt: skip
     degree = group_size(group)
     split = split_heads(q.shape[2], k.shape[2], degree, q.device)
     check_layout(layout, q.shape[1])
