@@ -6,6 +6,11 @@ the time and the peak resident memory. Each rank creates only its own shard, so 
 is what a rank needs. With ``--check`` every rank also builds the full sequence and rank 0 compares
 the gathered output with single-process ``ds_ring.dilated_attention``.
 
+Before it starts, the demo prints the memory it predicts per rank — the process, plus
+``(4 + E) × q-shard + fixed`` with ``E`` and ``fixed`` measured by ``benchmarks/memory.py`` — and
+refuses a run whose ranks together would not fit the machine's available memory, naming the
+longest sequence that would.
+
     python launch/demo.py --seq 65536 --ranks 2 --check
 """
 
@@ -23,6 +28,58 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import ds_ring
+
+MIB = 2**20
+PROCESS_MIB = 260.0
+"""Resident memory of a rank after importing torch and ds_ring and joining gloo, MiB."""
+ACTIVATIONS = {"dilated": (7.7, 41.0), "dense": (14.0, 44.0)}
+"""Per kind of attention: the slope ``E`` (q-shards) and the fixed MiB of one fwd+bwd per rank, measured
+by ``python -m benchmarks.memory`` at 4 ranks (``benchmarks/results/memory.json``)."""
+
+
+def predicted_rank_mib(args: argparse.Namespace, seq: int) -> float:
+    """Peak resident MiB of one rank: the process, q/k/v/dout (4 q-shards), ``E`` q-shards and the fixed part.
+
+    With ``--check`` each rank also holds the full q, k and v (``3 × ranks`` q-shards).
+    """
+    dense = all(r == 1 for r in args.rates) and max(args.segments) >= seq
+    slope, fixed = ACTIVATIONS["dense" if dense else "dilated"]
+    shard_mib = seq // args.ranks * args.heads * args.head_dim * 4 / MIB  # fp32
+    shards = 4 + slope + (3 * args.ranks if args.check else 0)
+    return PROCESS_MIB + shards * shard_mib + fixed
+
+
+def _available_mib() -> float:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) / 1024
+
+
+def _longest_fitting(args: argparse.Namespace, budget_mib: float) -> int:
+    """The longest sequence, a multiple of ``1024 × ranks`` tokens, whose ranks together fit ``budget_mib``."""
+    step = 1024 * args.ranks
+    low, high = 0, 1
+    while args.ranks * predicted_rank_mib(args, high * step) <= budget_mib:
+        low, high = high, 2 * high
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if args.ranks * predicted_rank_mib(args, mid * step) <= budget_mib else (low, mid)
+    return low * step
+
+
+def check_memory(args: argparse.Namespace) -> None:
+    """Print the prediction; exit with a message when ``ranks ×`` the per-rank peak exceeds the available memory."""
+    per_rank = predicted_rank_mib(args, args.seq)
+    total, available = args.ranks * per_rank / 1024, _available_mib()
+    print(
+        f"predicted peak per rank: {per_rank / 1024:.2f} GiB ({args.ranks} ranks: {total:.1f} GiB; "
+        f"available: {available / 1024:.1f} GiB)"
+    )
+    if args.ranks * per_rank > available:
+        raise SystemExit(
+            f"launch/demo.py: {args.seq} tokens over {args.ranks} ranks needs about {total:.1f} GiB "
+            f"but {available / 1024:.1f} GiB is available; the kernel would kill a rank for memory. "
+            f"Use --seq {_longest_fitting(args, available)} or less (or more memory)."
+        )
 
 
 def _peak_rss_mib() -> float:
@@ -80,6 +137,7 @@ def main() -> None:
     parser.add_argument("--communication", choices=["ring", "allgather"], default="ring")
     parser.add_argument("--check", action="store_true", help="compare with single-process attention")
     args = parser.parse_args()
+    check_memory(args)
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_rank, args=(args, os.path.join(tmp, "rendezvous")), nprocs=args.ranks, join=True)
 
