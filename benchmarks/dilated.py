@@ -18,21 +18,8 @@ import dataclasses
 import sys
 from typing import TYPE_CHECKING, Any
 
-from benchmarks import peers
-from benchmarks.driver import (
-    AttentionFn,
-    Benchmark,
-    Case,
-    Column,
-    Row,
-    Session,
-    find,
-    fmt_seq,
-    main,
-    markdown_table,
-    plot_rows,
-    ratio,
-)
+from benchmarks import driver, peers
+from benchmarks.driver import Case, Column, Row, Session, find, fmt_seq, ratio
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -44,7 +31,7 @@ MATMUL_N = 4096
 """The ``% matmul`` ceiling: fp32 ``n×n`` matmul with the cases' threads, best of the start and end of the run."""
 
 
-def build(case: Case, rank: int, timeout_s: float) -> AttentionFn:
+def build(case: Case, rank: int, timeout_s: float) -> driver.AttentionFn:
     """``ds_ring``, ``dense`` or ``dap`` in this process (no process group); also the suite's single-process rows."""
     if case.impl == "dap":
         return peers.dap_attention(case)
@@ -106,19 +93,21 @@ def report(session: Session) -> str:
         Column("other load %", lambda r: r.other_cpu_pct, "{:.0f}"),
         Column("notes", lambda r: "; ".join(r.notes)),
     ]
-    return f"{threads} threads, fp32 matmul {MATMUL_N}²: {ceiling:.1f} GFLOP/s.\n\n" + markdown_table(rows, columns)
+    return f"{threads} threads, fp32 matmul {MATMUL_N}²: {ceiling:.1f} GFLOP/s.\n\n" + driver.markdown_table(
+        rows, columns
+    )
 
 
 def plots(session: Session) -> None:
     branches = f"w={list(SEGMENT_LENGTHS)} r={list(DILATION_RATES)}"
     title = f"dilated attention, B1 H8 D64 fp32, {session.args.threads} threads, {branches}"
-    panel = lambda r: "causal" if r.case.causal else "non-causal"  # noqa: E731
+    panel = lambda r: "causal" if r.case.causal else "non-causal"
     for name, ylabel, fwdbwd, fwd in (
         ("time", "time per call (s)", lambda r: r.fwdbwd_s, lambda r: r.fwd_s),
         ("memory", "peak RSS above baseline (MiB)", lambda r: r.first_extra_mib, lambda r: r.fwd_first_extra_mib),
     ):
         phases = (("fwd+bwd", fwdbwd, "-o"), ("fwd", fwd, "--^"))
-        plot_rows(
+        driver.plot_rows(
             session.out / f"dilated_{name}.png", session.rows, panel=panel, ylabel=ylabel, title=title, phases=phases
         )
 
@@ -129,7 +118,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch threads of the process (default 2)")
 
 
-BENCHMARK = Benchmark(
+BENCHMARK = driver.Benchmark(
     name="dilated", module="benchmarks.dilated", title="single-process dilated attention (issue 2)",
     plan=plan, build=build, report=report, plots=plots, add_args=add_args,
     label=lambda case: LABELS[case.impl], flop=peers.flop, packages=("dilated-attention-pytorch", "deepspeed"),
@@ -139,4 +128,4 @@ BENCHMARK = Benchmark(
 )  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main(BENCHMARK))
+    sys.exit(driver.main(BENCHMARK))

@@ -47,30 +47,10 @@ from ds_ring.testing import PRELOAD as RUNNER_PRELOAD
 from ds_ring.testing import RankOutcome, spawn_ranks
 
 __all__ = [
-    "AttentionFn",
-    "Benchmark",
-    "Case",
-    "causal_pairs",
-    "Column",
-    "OTHER_CPU_WARN",
-    "Row",
-    "Series",
-    "Session",
-    "Skip",
-    "Target",
-    "find",
-    "fmt_seq",
-    "format_targets",
-    "kept_positions",
-    "main",
-    "markdown_table",
-    "pairs_dense",
-    "pairs_dilated",
-    "plot_panels",
-    "plot_rows",
-    "ratio",
-    "useful_gflop",
-]
+    "AttentionFn", "Benchmark", "Case", "causal_pairs", "Column", "OTHER_CPU_WARN", "Row", "Series", "Session",
+    "Skip", "Target", "find", "fmt_seq", "format_targets", "kept_positions", "main", "markdown_table", "pairs_dense",
+    "pairs_dilated", "plot_panels", "plot_rows", "ratio", "useful_gflop"
+]  # fmt: skip
 
 MIB = float(2**20)
 OTHER_CPU_WARN = 0.10
@@ -130,11 +110,6 @@ class Case:
         return cls(**{**data, **branches})
 
 
-# --------------------------------------------------------------------------------------
-# Useful work
-# --------------------------------------------------------------------------------------
-
-
 def kept_positions(seg_len: int, offset: int, rate: int) -> int:
     """Positions ``offset, offset + rate, ...`` inside a segment of ``seg_len``."""
     return 0 if seg_len <= offset else (seg_len - offset + rate - 1) // rate
@@ -174,11 +149,6 @@ def useful_gflop(case: Case, pairs: int | None = None) -> float:
             else pairs_dilated(case.seq, case.heads, segs, rates or (), case.causal)
         )
     return (1.0 + BWD_FLOP_FACTOR) * 4.0 * case.head_dim * case.batch * pairs / 1e9
-
-
-# --------------------------------------------------------------------------------------
-# Rank side: timing and measured memory in each rank's own process
-# --------------------------------------------------------------------------------------
 
 
 def current_rss_bytes() -> int:
@@ -232,11 +202,12 @@ class RssSampler:
         self.maxrss_after = max_rss_bytes()
         os.close(self._fd)
 
-    def extra(self, maxrss: int | None = None) -> tuple[int, int]:
-        """(sampled, high-water-mark) peak above the baseline so far, bytes."""
-        maxrss = max_rss_bytes() if maxrss is None else maxrss
+    def extra(self) -> tuple[int, int]:
+        """(sampled, high-water-mark) peak above the baseline so far (or, after exit, in the region), bytes."""
+        running = self._thread.is_alive()
+        peak, maxrss = (max(self.peak, self._read()), max_rss_bytes()) if running else (self.peak, self.maxrss_after)
         grown = maxrss - self.baseline if maxrss > self.maxrss_before else 0
-        return max(0, self.peak - self.baseline), max(0, grown)
+        return max(0, peak - self.baseline), max(0, grown)
 
 
 @dataclass
@@ -293,7 +264,7 @@ def measure(
                 budget_s is None or time.perf_counter() - start + (times or [first])[-1] <= budget_s
             ):
                 times.append(timed())
-    sampled, maxrss = rss.extra(rss.maxrss_after)
+    sampled, maxrss = rss.extra()
     warm = budget_s is not None and bool(times)
     return Timing(
         times or [first], first, warm, rss.baseline / MIB, first_extra / MIB, max(sampled, maxrss) / MIB,
@@ -419,11 +390,6 @@ def _matmul_rank(rank: int, world: int, n: int) -> float:
     return 2.0 * n**3 / min(times) / 1e9
 
 
-# --------------------------------------------------------------------------------------
-# Driver side: the machine, idle detection, estimates
-# --------------------------------------------------------------------------------------
-
-
 def cpu_jiffies() -> tuple[int, int]:
     """(busy, total) clock ticks of all CPUs since boot, from the first line of ``/proc/stat``."""
     with open("/proc/stat") as f:
@@ -520,11 +486,6 @@ class Throughput:
         cores = self.busy_cores(case)
         seconds = gflop / (rate * cores)
         return seconds, f"{gflop / 1e3:.2f} TFLOP useful at {how} × {cores} cores = {seconds:.0f} s"
-
-
-# --------------------------------------------------------------------------------------
-# Rows and the run
-# --------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -858,11 +819,6 @@ def _reusable(paths: Sequence[str], digest: str) -> dict[Case, Row]:
                 row.reused_from = row.reused_from or f"{path} ({old['machine']['date_utc']})"
                 best[row.case] = row
     return best
-
-
-# --------------------------------------------------------------------------------------
-# Output: tables, targets, plots
-# --------------------------------------------------------------------------------------
 
 
 def fmt_seq(n: int) -> str:

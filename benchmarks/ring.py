@@ -15,23 +15,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchmarks import peers, strategies
-from benchmarks.driver import (
-    AttentionFn,
-    Benchmark,
-    Case,
-    Column,
-    Row,
-    Session,
-    Target,
-    find,
-    fmt_seq,
-    format_targets,
-    main,
-    markdown_table,
-    plot_rows,
-    ratio,
-)
+from benchmarks import driver, peers, strategies
+from benchmarks.driver import Case, Column, Row, Session, Target, find, fmt_seq, ratio
 
 IMPLS = {"ring": ("ring", "contiguous"), "ring_zigzag": ("ring", "zigzag"), "allgather": ("allgather", "contiguous"),
          "rap": ("rap", "contiguous"), "torch_cp": ("torch_cp", "contiguous")}  # fmt: skip
@@ -48,7 +33,7 @@ def label(case: Case) -> str:
     return LABELS.get(case.impl) or f"ds_ring ring ({case.layout})"
 
 
-def build(case: Case, rank: int, timeout_s: float) -> AttentionFn:
+def build(case: Case, rank: int, timeout_s: float) -> driver.AttentionFn:
     """ring-attention-pytorch, ``context_parallel``, or ds_ring (:func:`benchmarks.strategies.build`)."""
     if case.impl == "rap":
         return peers.rap_attention(case)
@@ -134,18 +119,18 @@ def report(session: Session) -> str:
         *TAIL,
     ]
     session.targets = targets(rows, session.cores)
-    return markdown_table(rows, columns) + "\n\n" + format_targets(session.targets)
+    return driver.markdown_table(rows, columns) + "\n\n" + driver.format_targets(session.targets)
 
 
 def plot_by_world(session: Session, title: str) -> None:
     """``<name>_time.png`` and ``<name>_memory.png``: one panel per rank count, one line per implementation."""
-    panel = lambda r: f"p = {r.case.world} rank{'s' if r.case.world > 1 else ''} × 1 thread"  # noqa: E731
+    panel = lambda r: f"p = {r.case.world} rank{'s' if r.case.world > 1 else ''} × 1 thread"
     for name, ylabel, y in (
         ("time", "fwd+bwd time per call, slowest rank (s)", lambda r: r.fwdbwd_s),
         ("memory", "peak working memory, largest rank (MiB)", lambda r: r.peak_mib),
     ):
         path = session.out / f"{session.bench.name}_{name}.png"
-        plot_rows(path, session.rows, panel=panel, ylabel=ylabel, title=title, phases=(("", y, "-o"),))
+        driver.plot_rows(path, session.rows, panel=panel, ylabel=ylabel, title=title, phases=(("", y, "-o"),))
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -154,7 +139,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--impls", nargs="+", choices=list(IMPLS), help="implementations (default all)")
 
 
-BENCHMARK = Benchmark(
+BENCHMARK = driver.Benchmark(
     name="ring", module="benchmarks.ring", title="dense causal ring attention (issue 3)",
     plan=plan, build=build, report=report, add_args=add_args, label=label,
     plots=lambda s: plot_by_world(s, "dense causal ring attention, B1 H8 D64 fp32, 1 thread per rank"),
@@ -162,4 +147,4 @@ BENCHMARK = Benchmark(
 )  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main(BENCHMARK))
+    sys.exit(driver.main(BENCHMARK))

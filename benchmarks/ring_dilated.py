@@ -16,22 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchmarks import dilated, ring, strategies
-from benchmarks.driver import (
-    AttentionFn,
-    Benchmark,
-    Case,
-    Column,
-    Row,
-    Session,
-    Target,
-    find,
-    fmt_seq,
-    format_targets,
-    main,
-    markdown_table,
-    ratio,
-)
+from benchmarks import dilated, driver, ring, strategies
+from benchmarks.driver import Case, Column, Row, Session, Target, find, fmt_seq, ratio
 
 IMPLS = ["ring_dilated", "dense_ring", "single_1t", "single_2t"]
 
@@ -52,7 +38,7 @@ def label(case: Case) -> str:
     return "ds_ring ring dilated" if case.segment_lengths else "ds_ring dense ring (zigzag)"
 
 
-def build(case: Case, rank: int, timeout_s: float) -> AttentionFn:
+def build(case: Case, rank: int, timeout_s: float) -> driver.AttentionFn:
     return strategies.build(case, rank, timeout_s) if case.group else dilated.build(case, rank, timeout_s)
 
 
@@ -64,58 +50,54 @@ def plan(session: Session) -> None:
                 session.run(case_of(name, seq, p))
 
 
+class Refs:
+    """The rows a ring dilated row is compared with: its p = 1 row, dense ring and one process × 2 threads."""
+
+    def __init__(self, rows: list[Row]) -> None:
+        self.rows = rows
+
+    def p1(self, r: Row) -> Row | None:
+        case = r.case
+        return find(self.rows, impl=case.impl, seq=case.seq, layout=case.layout, world=1, threads=case.threads)
+
+    def dense(self, r: Row) -> Row | None:
+        return find(self.rows, seq=r.case.seq, world=r.case.world, layout="zigzag") if self.ring_dilated(r) else None
+
+    def single(self, r: Row) -> Row | None:
+        return find(self.rows, seq=r.case.seq, group=False, threads=2) if self.ring_dilated(r) else None
+
+    @staticmethod
+    def ring_dilated(r: Row) -> bool:
+        return r.case.group and r.case.segment_lengths is not None
+
+
+def branches_text(r: Row) -> str:
+    segs, rates = r.case.segment_lengths, r.case.dilation_rates
+    return f"[{', '.join(map(fmt_seq, segs))}] / {list(rates)}" if segs else "dense"
+
+
 def report(session: Session) -> str:
-    rows = session.rows
-    same = lambda r, **kw: find(rows, seq=r.case.seq, **kw) if r.case.segment_lengths and r.case.group else None  # noqa: E731
-    dense = lambda r: same(r, world=r.case.world, layout="zigzag")  # noqa: E731
-    p1 = lambda r: find(rows, impl=r.case.impl, seq=r.case.seq, layout=r.case.layout, world=1, threads=r.case.threads)  # noqa: E731
+    rows, ref = session.rows, Refs(session.rows)
     columns = [
         *ring.COLUMNS,
-        Column(
-            "w / r",
-            lambda r: (
-                f"{[fmt_seq(w) for w in r.case.segment_lengths]} / {list(r.case.dilation_rates)}".replace("'", "")
-                if r.case.segment_lengths
-                else "dense"
-            ),
-        ),
-        Column("mem ÷ p=1", lambda r: ratio(r, p1(r), "peak_mib"), "{:.2f}"),
-        Column("speed-up vs p=1", lambda r: ratio(p1(r), r), "{:.2f}"),
-        Column("× faster than dense ring", lambda r: ratio(dense(r), r), "{:.1f}"),
-        Column("mem ÷ dense ring", lambda r: ratio(r, dense(r), "peak_mib"), "{:.2f}"),
-        Column("× faster than 1 proc × 2 thr", lambda r: ratio(same(r, group=False, threads=2), r), "{:.2f}"),
+        Column("w / r", branches_text),
+        Column("mem ÷ p=1", lambda r: ratio(r, ref.p1(r), "peak_mib"), "{:.2f}"),
+        Column("speed-up vs p=1", lambda r: ratio(ref.p1(r), r), "{:.2f}"),
+        Column("× faster than dense ring", lambda r: ratio(ref.dense(r), r), "{:.1f}"),
+        Column("mem ÷ dense ring", lambda r: ratio(r, ref.dense(r), "peak_mib"), "{:.2f}"),
+        Column("× faster than 1 proc × 2 thr", lambda r: ratio(ref.single(r), r), "{:.2f}"),
         *ring.TAIL,
     ]
-    session.targets = summary(rows, p1, dense)
-    return markdown_table(rows, columns) + "\n\n" + format_targets(session.targets)
-
-
-def summary(rows: list[Row], p1, dense) -> list[Target]:
-    """Issue 4's headline ratios (it set no numeric targets: all 'info')."""
-    out = []
-    for r in rows:
-        if not (r.case.group and r.case.segment_lengths):
-            continue
+    session.targets = []  # issue 4 set no numeric targets: its headline ratios, for information
+    for r in filter(Refs.ring_dilated, rows):
         at = f"{fmt_seq(r.case.seq)} p={r.case.world}"
-        if r.case.world > 1 and (mem := ratio(r, p1(r), "peak_mib")) is not None:
-            out.append(
-                Target(
-                    f"ring dilated memory per rank ÷ p=1, {at}",
-                    mem,
-                    None,
-                    f"{r.peak_mib:.0f} MiB vs {r.peak_mib / mem:.0f} MiB",
-                )
-            )
-        if (x := ratio(dense(r), r)) is not None:
-            out.append(
-                Target(
-                    f"ring dilated × faster than dense ring, {at}",
-                    x,
-                    None,
-                    f"{r.fwdbwd_s:.2f} s vs {r.fwdbwd_s * x:.2f} s",
-                )
-            )
-    return out
+        if r.case.world > 1 and (mem := ratio(r, ref.p1(r), "peak_mib")) is not None:
+            detail = f"{r.peak_mib:.0f} MiB vs {r.peak_mib / mem:.0f} MiB"
+            session.targets.append(Target(f"ring dilated memory per rank ÷ p=1, {at}", mem, None, detail))
+        if (x := ratio(ref.dense(r), r)) is not None:
+            detail = f"{r.fwdbwd_s:.2f} s vs {r.fwdbwd_s * x:.2f} s"
+            session.targets.append(Target(f"ring dilated × faster than dense ring, {at}", x, None, detail))
+    return driver.markdown_table(rows, columns) + "\n\n" + driver.format_targets(session.targets)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -124,11 +106,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--impls", nargs="+", choices=IMPLS, help="rows (default all)")
 
 
-BENCHMARK = Benchmark(
+BENCHMARK = driver.Benchmark(
     name="ring_dilated", module="benchmarks.ring_dilated", title="ring dilated attention (issue 4)",
     plan=plan, build=build, report=report, add_args=add_args, label=label,
     plots=lambda s: ring.plot_by_world(s, "ring dilated attention (w=[2K,8K,S], r=[1,4,16]), causal, B1 H8 D64 fp32"),
 )  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main(BENCHMARK))
+    sys.exit(driver.main(BENCHMARK))

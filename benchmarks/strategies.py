@@ -16,20 +16,8 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-from benchmarks import peers
-from benchmarks.driver import (
-    AttentionFn,
-    Benchmark,
-    Case,
-    Column,
-    Session,
-    find,
-    fmt_seq,
-    main,
-    markdown_table,
-    plot_rows,
-    ratio,
-)
+from benchmarks import driver, peers
+from benchmarks.driver import Case, Column, Session, find, fmt_seq, ratio
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -45,7 +33,7 @@ LABELS = {
 }
 
 
-def build(case: Case, rank: int, timeout_s: float) -> AttentionFn:
+def build(case: Case, rank: int, timeout_s: float) -> driver.AttentionFn:
     """``ds_ring.sequence_parallel_attention`` with strategy ``case.impl`` over a Topology of ``case.ulysses``
     × ``world / ulysses`` ranks, or DeepSpeed's Ulysses over its sequence-parallel group."""
     import ds_ring
@@ -95,18 +83,20 @@ def report(session: Session) -> str:
         Column("other load %", lambda r: r.other_cpu_pct, "{:.0f}"),
         Column("notes", lambda r: "; ".join(r.notes)),
     ]
-    return markdown_table(rows, columns)
+    return driver.markdown_table(rows, columns)
 
 
 def plots(session: Session) -> None:
     title = "p=4 (4 processes × 1 thread), U2×R2, B1 H8 D64 fp32"
-    panel = lambda r: f"{r.case.tag}, {'causal' if r.case.causal else 'non-causal'}"  # noqa: E731
+    panel = lambda r: f"{r.case.tag}, {'causal' if r.case.causal else 'non-causal'}"
     for name, ylabel, y in (
         ("time", "fwd+bwd time per call, slowest rank (s)", lambda r: r.fwdbwd_s),
         ("memory", "fwd+bwd peak working memory, largest rank (MiB)", lambda r: r.peak_mib),
     ):
         path = session.out / f"strategies_{name}.png"
-        plot_rows(path, session.rows, panel=panel, ylabel=ylabel, title=title, phases=(("", y, "-o"),), logy=False)
+        driver.plot_rows(
+            path, session.rows, panel=panel, ylabel=ylabel, title=title, phases=(("", y, "-o"),), logy=False
+        )
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -116,11 +106,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--impls", nargs="+", choices=IMPLS, help="implementations (default all)")
 
 
-BENCHMARK = Benchmark(
+BENCHMARK = driver.Benchmark(
     name="strategies", module="benchmarks.strategies", title="sequence-parallel strategies, p = 4, Ulysses 2 × ring 2",
     plan=plan, build=build, report=report, plots=plots, add_args=add_args, label=lambda case: LABELS[case.impl],
     packages=("deepspeed",), calls=3,
 )  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main(BENCHMARK))
+    sys.exit(driver.main(BENCHMARK))

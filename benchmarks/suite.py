@@ -22,24 +22,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks import dilated, peers, ring
-from benchmarks.driver import (
-    AttentionFn,
-    Benchmark,
-    Case,
-    Column,
-    Row,
-    Series,
-    Session,
-    Target,
-    find,
-    fmt_seq,
-    format_targets,
-    markdown_table,
-    pairs_dilated,
-    plot_panels,
-    ratio,
-)
+from benchmarks import dilated, driver, peers, ring
+from benchmarks.driver import Case, Column, Row, Session, Target, find, fmt_seq, ratio
 
 STRATEGIES = ["ring", "allgather", "ulysses", "hybrid"]
 RATES = (1, 2, 4)
@@ -63,7 +47,7 @@ def label(case: Case) -> str:
     return f"ds_ring {NAMES[case.impl]} ({case.layout})" if case.impl in STRATEGIES else NAMES[case.impl]
 
 
-def build(case: Case, rank: int, timeout_s: float) -> AttentionFn:
+def build(case: Case, rank: int, timeout_s: float) -> driver.AttentionFn:
     return ring.build(case, rank, timeout_s) if case.group else dilated.build(case, rank, timeout_s)
 
 
@@ -181,7 +165,7 @@ def targets(rows: list[Row], seq: int, cores: int) -> list[Target]:
         target = f"2 ranks on 2 cores ≥ 1.7× faster than 1 rank on 1 core, {at}"
         out.append(Target(target, speed, speed >= 1.7 if cores >= 2 else None, detail))
     segs = [seq // 16, seq // 8, seq // 4]
-    pairs = pairs_dilated(seq, 8, segs, RATES, True)
+    pairs = driver.pairs_dilated(seq, 8, segs, RATES, True)
     detail = (
         f"the useful-work ratio caps it at {seq * (seq + 1) // 2 * 8 / pairs:.1f}× (every head computes every branch: "
         f"{pairs / (8 * seq):.0f} key pairs per query vs {(seq + 1) / 2:.0f} dense)"
@@ -249,13 +233,15 @@ def report(session: Session) -> str:
     return "\n\n".join(
         [
             f"**Scaling, overlap, strong scaling**: dense causal, S = {seq} total tokens, zigzag shards:",
-            markdown_table(scaling, [*first, mem, mem_vs, speed, *ring.TAIL]),
+            driver.markdown_table(scaling, [*first, mem, mem_vs, speed, *ring.TAIL]),
             f"**Single process and existing libraries**: S = {seq}, same shapes:",
-            markdown_table([r for r in rows if r.case.tag != "scaling"], [*first, gflops, mem, speed, *ring.TAIL[1:]]),
+            driver.markdown_table(
+                [r for r in rows if r.case.tag != "scaling"], [*first, gflops, mem, speed, *ring.TAIL[1:]]
+            ),
             f"**Largest total length within {m['budget_mib']:.0f} MiB of working memory per rank**, p = {FIT_WORLD}, "
             f"dense causal (multiples of {m['fit_step']} tokens):",
-            markdown_table(session.extra["fit"], fit_columns),
-            format_targets(session.targets),
+            driver.markdown_table(session.extra["fit"], fit_columns),
+            driver.format_targets(session.targets),
         ]
     )
 
@@ -273,13 +259,13 @@ def plots(session: Session) -> None:
         for impl in STRATEGIES:
             points = {r.case.world: getattr(r, attr) for r in scaling if (r.case.impl == impl or r is ref)}
             if points := {p: v for p, v in points.items() if v}:
-                series.append(Series(f"ds_ring {NAMES[impl]}", list(points), list(points.values())))
+                series.append(driver.Series(f"ds_ring {NAMES[impl]}", list(points), list(points.values())))
         if ref and getattr(ref, attr):
             ideal = [getattr(ref, attr) / p for p in m["worlds"]]
-            series.append(Series("ideal: p=1 value ÷ p", m["worlds"], ideal, "--", {"color": "gray"}))
+            series.append(driver.Series("ideal: p=1 value ÷ p", m["worlds"], ideal, "--", {"color": "gray"}))
         if series:
             path = session.out / f"suite_{name}.png"
-            plot_panels(path, [("", series)], xlabel="ranks p", ylabel=ylabel, title=title, xticks=m["worlds"])
+            driver.plot_panels(path, [("", series)], xlabel="ranks p", ylabel=ylabel, title=title, xticks=m["worlds"])
     bars(session, m)
 
 
@@ -310,7 +296,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-mib", type=float, help="per-rank memory budget of the fit search (MiB)")
 
 
-BENCHMARK = Benchmark(
+BENCHMARK = driver.Benchmark(
     name="suite", module="benchmarks", title="ds_ring benchmark suite", plan=plan, build=build, report=report,
     plots=plots, add_args=add_args, label=label, flop=peers.flop, efficiency=peers.EFFICIENCY,
     packages=("ring-attention-pytorch", "dilated-attention-pytorch", "deepspeed"),
