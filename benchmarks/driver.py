@@ -957,26 +957,18 @@ def main(bench: Benchmark, argv: list[str] | None = None) -> int:
         p.add_argument(
             "--budget-s",
             type=float,
-            help=f"seconds per phase (default {bench.budget_s[0]:.0f}, quick {bench.budget_s[1]:.0f})",
+            help=f"s per phase (default {bench.budget_s[0]:.0f}, quick {bench.budget_s[1]:.0f})",
         )
-    p.add_argument(
-        "--single-call-above-s", type=float, default=120.0, help="one timed call when a call is estimated above this"
-    )
-    p.add_argument("--timeout-s", type=float, default=600.0, help="bound on every communication wait, s")
-    p.add_argument(
-        "--wait-idle-s", type=float, default=0.0, help="before each case wait up to this many s for idle CPUs"
-    )
-    p.add_argument(
-        "--idle-threshold", type=float, default=0.15, help="'idle': at most this share (0..1) of the CPUs busy"
-    )
-    p.add_argument("--retries", type=int, default=0, help="re-run a case disturbed by other processes up to N times")
-    p.add_argument(
-        "--reuse", nargs="+", metavar="JSON", help="take undisturbed rows of earlier runs (same ds_ring code)"
-    )
-    p.add_argument(
-        "--malloc-mmap-threshold", type=int,
-        help="ranks run with glibc's MALLOC_MMAP_THRESHOLD_=N: large tensors always mmap'ed and returned when freed",
-    )  # fmt: skip
+    for flag, kind, default, text in (
+        ("--single-call-above-s", float, 120.0, "one timed call when a call is estimated above this many s"),
+        ("--timeout-s", float, 600.0, "bound on every communication wait, s"),
+        ("--wait-idle-s", float, 0.0, "before each case wait up to this many s for idle CPUs"),
+        ("--idle-threshold", float, 0.15, "'idle': at most this share (0..1) of the CPUs busy"),
+        ("--retries", int, 0, "re-run a case disturbed by other processes up to this many times"),
+        ("--malloc-mmap-threshold", int, None, "glibc's MALLOC_MMAP_THRESHOLD_ for the ranks: large tensors mmap'ed"),
+    ):
+        p.add_argument(flag, type=kind, default=default, help=text)
+    p.add_argument("--reuse", nargs="+", metavar="JSON", help="take undisturbed rows of earlier runs (same ds_ring)")
     bench.add_args(p)
     args = p.parse_args(argv)
     args.calls = args.calls or (1 if args.quick else bench.calls)
