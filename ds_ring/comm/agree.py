@@ -86,8 +86,19 @@ def agree(
         ValueError: on every rank, naming each differing field and every rank's value.
         CommError: an exchange failed or timed out (a peer is dead, or not at this agreement).
     """
+    if not dist.is_initialized():
+        return
     stages = _stages(group)
-    if not dist.is_initialized() or all(group_size(g) == 1 for g in stages):
+    # The cache is keyed on the values themselves (typed, so 4, 4.0 and True stay apart): a hit
+    # costs a tuple's hash, not the texts and digests an exchange needs.
+    key = (op, tuple(map(_name, stages[1:])), tuple(fields), tuple(map(_frozen, fields.values())))
+    verified = _cache(stages[0]) if cache else None
+    if verified is not None:
+        with _lock:
+            if key in verified:
+                verified.move_to_end(key)
+                return
+    if all(group_size(g) == 1 for g in stages):
         return
     names = list(fields)
     texts = [_text(fields[name]) for name in names]
@@ -98,13 +109,6 @@ def agree(
         _digest("\0".join(names)),
         _digest("\0".join(f"{n}={t}" for n, t in zip(names, texts, strict=True))),
     ]
-    key = (tuple(_name(g) for g in stages[1:]), *row[2:])
-    verified = _cache(stages[0]) if cache else None
-    if verified is not None:
-        with _lock:
-            if key in verified:
-                verified.move_to_end(key)
-                return
     exchange = _Exchange(stages, op, timeout_s)
     rows = exchange.gather_ints(row)
     strangers = sum(r[0] != _MARKER for r in rows)
@@ -198,6 +202,16 @@ def _cache(group: dist.ProcessGroup | None) -> OrderedDict[tuple, None]:
     owner = dist.group.WORLD if group is None else group
     with _lock:
         return _verified.setdefault(owner, OrderedDict())
+
+
+def _frozen(value: Value) -> object:
+    """A hashable, typed stand-in for ``value`` (the local cache key; :func:`_text` is what ranks compare)."""
+    kind = type(value)
+    if kind is list or kind is tuple:
+        return ("list", *map(_frozen, value))
+    if isinstance(value, torch.Tensor):
+        return ("tensor", *value.tolist())
+    return kind, value
 
 
 def _digest(text: str) -> int:
