@@ -44,20 +44,21 @@ class Call:
     layout: str = "contiguous"
     segments: tuple[float, ...] | None = None
     rates: tuple[int, ...] | None = None
-    tokens_per_rank: tuple[int, int] = (2048, 4096)
-    """The two local lengths (rows of one rank's shard) the slope is taken between."""
+    tokens_per_rank: tuple[int, int] = (4096, 8192)
+    """The two local lengths (rows of one rank's shard) the slope is taken between: the issue's sizes
+    (dense ring p = 4: 16K → 32K tokens), large enough that the allocator's retained blocks are small."""
 
 
+_LONGNET = {"segments": (1 / 32, 1 / 4, 1), "rates": (1, 4, 16), "tokens_per_rank": (16384, 32768)}
 CALLS = {
     "dense_ring": Call("ring"),
     "dense_ring_zigzag": Call("ring", layout="zigzag"),
     "dense_allgather": Call("allgather", communication="allgather"),
     "dense_ulysses": Call("ulysses"),
     "dense_hybrid": Call("hybrid"),
-    "dilated_ring": Call("ring", segments=(1 / 32, 1 / 4, 1), rates=(1, 4, 16), tokens_per_rank=(8192, 16384)),
-    "dilated_allgather": Call(
-        "allgather", "allgather", segments=(1 / 32, 1 / 4, 1), rates=(1, 4, 16), tokens_per_rank=(8192, 16384)
-    ),
+    "dilated_local": Call("ring", segments=(1 / 16, 1 / 8, 1 / 4), rates=(1, 2, 4), tokens_per_rank=(16384, 32768)),
+    "dilated_ring": Call("ring", **_LONGNET),
+    "dilated_allgather": Call("allgather", "allgather", **_LONGNET),
 }
 
 

@@ -20,6 +20,7 @@ from ds_ring.kernels.block import block_backward, block_forward
 from ds_ring.kernels.dilation import (
     Branch,
     Region,
+    SegmentRun,
     add_heads_,
     check_cu_seqlens,
     document_regions,
@@ -39,6 +40,7 @@ __all__ = [
     "branch_backward_",
     "regions_forward_",
     "regions_backward_",
+    "regions_backward",
     "new_accumulators",
 ]
 
@@ -253,6 +255,54 @@ def regions_backward_(
         )  # fmt: skip
 
 
+def _whole_call(regions: Sequence[Region], q: torch.Tensor, k: torch.Tensor) -> tuple[Region, SegmentRun] | None:
+    """A region whose branch is one kernel call over every row and head of ``q``/``k`` ``[B, S, H, D]``.
+
+    That is a rate-1 branch over all rows whose segments tile them (one run), without GQA: the call's
+    dQ/dK/dV then have the tensors' shapes and can be the gradients themselves.
+    """
+    seq = q.shape[1]
+    if k.shape[2] != q.shape[2] or q.dtype != accum_dtype(q.dtype):
+        return None
+    for region in regions:
+        runs = segment_runs(seq, region.branch.segment)
+        if region.branch.rate == 1 and region.rows.indices(seq) == (0, seq, 1) and len(runs) == 1:
+            return region, runs[0]
+    return None
+
+
+def regions_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    regions: Sequence[Region],
+    *,
+    causal: bool,
+    scale: float | None,
+    head_offset: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Every region's gradients, when one region is a single kernel call over the whole tensors.
+
+    That call runs first and its dQ/dK/dV become the gradients (no zero accumulators, no added
+    copy); the other regions accumulate into them. Shapes as in :func:`branch_backward_`. Returns
+    ``(dq, dk, dv)``, or ``None`` (nothing computed) when no region is such a call.
+    """
+    whole = _whole_call(regions, q, k)
+    if whole is None:
+        return None
+    region, run = whole
+    views = (_segments(x, 0, run.length, run.count) for x in (dout, q, k, v, out, lse))
+    pieces = attend_backward(*views, causal=causal, scale=scale)
+    # The kernel's pieces are contiguous in token layout here, so these are views (a copy otherwise).
+    dq, dk, dv = (piece.reshape(x.shape) for piece, x in zip(pieces, (q, k, v), strict=True))
+    rest = [other for other in regions if other is not region]
+    regions_backward_(dout, q, k, v, out, lse, rest, dq, dk, dv, causal=causal, scale=scale, head_offset=head_offset)
+    return dq, dk, dv
+
+
 class _DilatedAttention(torch.autograd.Function):
     """Forward: all regions merged; backward: per-piece flash backward with the final out/lse."""
 
@@ -270,14 +320,14 @@ class _DilatedAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         regions, causal, scale, head_offset = ctx.args
-        acc = accum_dtype(q.dtype)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         dout = dout.to(q.dtype)
-        regions_backward_(
-            dout, q, k, v, out, lse, regions, dq, dk, dv, causal=causal, scale=scale, head_offset=head_offset
-        )
+        options = dict(causal=causal, scale=scale, head_offset=head_offset)
+        grads = regions_backward(dout, q, k, v, out, lse, regions, **options)
+        if grads is None:
+            acc = accum_dtype(q.dtype)
+            grads = tuple(torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
+            regions_backward_(dout, q, k, v, out, lse, regions, *grads, **options)
+        dq, dk, dv = grads
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 

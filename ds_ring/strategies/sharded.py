@@ -26,7 +26,7 @@ from torch.distributed import ProcessGroup
 
 from ds_ring.comm.groups import group_rank
 from ds_ring.hooks import current_labels, emit_attention, hooks_active, labelled
-from ds_ring.kernels.dilated import new_accumulators, regions_backward_, regions_forward_
+from ds_ring.kernels.dilated import new_accumulators, regions_backward, regions_backward_, regions_forward_
 from ds_ring.kernels.merge import accum_dtype
 from ds_ring.strategies.plan import ShardPlan, SpanPlan
 
@@ -49,15 +49,18 @@ class Options:
 
 
 class KVGrads:
-    """dK and dV of the local shard (``k``/``v`` shape, accumulation dtype), zeroed on the first call.
+    """dK and dV of the local shard (``k``/``v`` shape, accumulation dtype): ``grads`` when given (the
+    shard-local gradients, computed first), else zeroed on the first call.
 
-    Exchanges call it only once their own buffers are released, so the shard's gradients and a
-    ring's blocks are never held at the same time.
+    Exchanges call it only once their own buffers are released, so without shard-local work the
+    shard's gradients and a ring's blocks are never held at the same time.
     """
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def __init__(
+        self, k: torch.Tensor, v: torch.Tensor, grads: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> None:
         self._like = (k, v)
-        self._grads: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._grads = grads
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._grads is None:
@@ -169,17 +172,20 @@ class _ShardedAttention(torch.autograd.Function):
         plan, exchange, comm, opts = ctx.args
         if hooks_active("start"):
             _attention_event(exchange, "backward", "start")
-        acc = accum_dtype(q.dtype)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        kv_grads = KVGrads(k, v)
         dout = dout.to(q.dtype)
+        options = dict(causal=opts.causal, scale=opts.scale, head_offset=opts.head_offset)
+        # Shard-local work first when one kernel call covers the shard: its dQ/dK/dV become the gradients.
+        local = regions_backward(dout, q, k, v, out, lse, plan.local, **options)
+        if local is None:
+            dq = torch.zeros(q.shape, dtype=accum_dtype(q.dtype), device=q.device)
+            kv_grads = KVGrads(k, v)
+        else:
+            dq, kv_grads = local[0], KVGrads(k, v, local[1:])
         for span in plan.spans:
             exchange.backward(span, dout, q, k, v, out, lse, dq, kv_grads, comm, opts)
         dk, dv = kv_grads()
-        regions_backward_(
-            dout, q, k, v, out, lse, plan.local, dq, dk, dv,
-            causal=opts.causal, scale=opts.scale, head_offset=opts.head_offset,
-        )  # fmt: skip
+        if local is None:
+            regions_backward_(dout, q, k, v, out, lse, plan.local, dq, dk, dv, **options)
         if hooks_active():
             _attention_event(exchange, "backward", "end", started)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
