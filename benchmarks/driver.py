@@ -608,7 +608,8 @@ class Benchmark:
     of 1-thread matmul assumed per impl before it is measured (default 0.35). packages: versions to record.
     calls: timed calls per phase (quick: 1). max_call_s: (full, quick) skip threshold. budget_s: (full,
     quick) seconds per phase: one-process cases whose first call is their warm-up (else a small warm-up
-    call and exactly ``calls`` calls on every rank).
+    call and exactly ``calls`` calls on every rank). rank: the rank function, ``rank(rank, world, case,
+    build, protocol) -> RankResult`` (default :func:`attention_rank`; ``benchmarks.hf`` times training steps).
     """
 
     name: str
@@ -627,6 +628,7 @@ class Benchmark:
     calls: int = 2
     max_call_s: tuple[float, float] = (600.0, 120.0)
     budget_s: tuple[float, float] | None = None
+    rank: Callable[..., RankResult] = attention_rank
 
 
 class Session:
@@ -732,7 +734,7 @@ class Session:
         busy0, total0 = cpu_jiffies()
         own0, t0 = _own_cpu_s(), time.perf_counter()
         outcomes = spawn_ranks(
-            attention_rank, case.world, timeout_s=timeout_s, args=(case, self.bench.build, protocol),
+            self.bench.rank, case.world, timeout_s=timeout_s, args=(case, self.bench.build, protocol),
             threads_per_rank=case.threads, process_group=case.group, grace_s=GRACE_AFTER_FAILURE_S, preload=PRELOAD,
         )  # fmt: skip
         wall = time.perf_counter() - t0

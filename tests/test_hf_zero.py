@@ -1,7 +1,8 @@
 """A Hugging Face model trained through ``ds_ring.initialize`` + ``ds_ring.integrations.hf`` = one process.
 
 2 gloo ranks, one sequence-parallel group (ring, dense), fp32: 3 SGD steps with ZeRO 0, 2 and 3
-give the parameters one process gets training the whole model on the full sequences. And with
+give the parameters one process gets training the whole model on the full sequences (also in ALST's
+order: register first, then ``deepspeed.initialize(mpu=topology)``). And with
 ``model.gradient_checkpointing_enable()`` (attention recomputed in the backward, communication
 included) the gradients summed over the group are the whole model's, float64.
 """
@@ -55,12 +56,18 @@ def _one_process_parameters(batch: dict) -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
-def _train(stage: int, batch: dict) -> list[torch.Tensor]:
+def _train(stage: int, batch: dict, *, alst_order: bool = False) -> list[torch.Tensor]:
+    """``ds_ring.initialize`` then register with its mpu; or (``alst_order``) as ALST users do: register
+    first, then ``deepspeed.initialize(mpu=topology)`` with the same ds_config."""
     import deepspeed
 
     model = llama(torch.float32)
-    engine, *_ = ds_ring.initialize(model=model, config=_config(stage), optimizer=_optimizer(model))
-    topology = register_with_transformers(model, config=_config(stage), topology=engine.mpu)
+    if alst_order:
+        topology = register_with_transformers(model, config=_config(stage))
+        engine, *_ = deepspeed.initialize(model=model, config=_config(stage), optimizer=_optimizer(model), mpu=topology)
+    else:
+        engine, *_ = ds_ring.initialize(model=model, config=_config(stage), optimizer=_optimizer(model))
+        topology = register_with_transformers(model, config=_config(stage), topology=engine.mpu)
     try:
         sharded = shard_batch(batch, topology)
         inputs = {k: v for k, v in sharded.items() if k != "shift_labels"}
@@ -83,9 +90,10 @@ def _rank(rank: int, world: int, stages: list[int]) -> list[str]:
     batch = full_batch()
     names = [name for name, _ in llama(torch.float32).named_parameters()]
     expected = _one_process_parameters(batch)
-    for stage in stages:
-        with log.case(f"zero stage {stage}"):
-            for name, got, want in zip(names, _train(stage, batch), expected, strict=True):
+    runs = [(f"zero stage {stage}", stage, False) for stage in stages] + [("ALST order, zero stage 2", 2, True)]
+    for case, stage, alst_order in runs:
+        with log.case(case):
+            for name, got, want in zip(names, _train(stage, batch, alst_order=alst_order), expected, strict=True):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
     with log.case("gradient checkpointing"):
         model = llama()
