@@ -36,7 +36,7 @@ from pydantic import Field, field_validator, model_validator
 
 from ds_ring.kernels.dilation import make_branches
 from ds_ring.parallel import strategy_names
-from ds_ring.strategies import plan_shards
+from ds_ring.strategies import exchanges, plan_shards
 from ds_ring.topology import RankLayout
 
 __all__ = ["RingAttentionConfig", "MonitoringConfig", "load_config", "read_ds_config", "SECTION"]
@@ -97,8 +97,9 @@ class RingAttentionConfig(DeepSpeedConfigModel):
     """``"ring"``/``"allgather"`` (K/V move between sequence shards), ``"ulysses"`` (all-to-all from
     sequence to head sharding), or ``"hybrid"`` (Ulysses inside ``ulysses_degree`` ranks, ring across)."""
 
-    communication: Literal["ring", "allgather"] = "ring"
-    """How the ring dimension moves K/V: passed rank to rank (O(n/p) memory) or all-gathered (fewer syncs)."""
+    communication: str = "ring"
+    """How the ring dimension moves K/V: ``"ring"`` (passed rank to rank, O(n/p) memory), ``"allgather"``
+    (fewer syncs), or any exchange registered with ``ds_ring.strategies.register_exchange``."""
 
     sequence_parallel_size: int | None = Field(None, ge=1)
     """Ranks that share one sequence (default: ``ulysses_degree × ring_degree``, or the whole world)."""
@@ -139,6 +140,13 @@ class RingAttentionConfig(DeepSpeedConfigModel):
     def _known_strategy(cls, value: str) -> str:
         if value not in strategy_names():
             raise ValueError(f"{SECTION}.strategy {value!r} is not one of {list(strategy_names())}")
+        return value
+
+    @field_validator("communication")
+    @classmethod
+    def _known_communication(cls, value: str) -> str:
+        if value not in exchanges():
+            raise ValueError(f"{SECTION}.communication {value!r} is not one of {list(exchanges())}")
         return value
 
     @model_validator(mode="after")
