@@ -120,3 +120,11 @@ def test_segments_may_cross_shards():
     RingAttentionConfig(sequence_parallel_size=2, segment_lengths=[300], dilation_rates=[1]).check(
         world_size=2, num_heads=8, seq_len=1024
     )
+
+
+def test_communication_accepts_a_registered_exchange(monkeypatch):
+    """A new exchange is one module plus one register_exchange line: the ds_config can then select it."""
+    from ds_ring.strategies import sharded
+
+    monkeypatch.setitem(sharded._EXCHANGES, "ring_copy", sharded.get_exchange("ring"))
+    assert RingAttentionConfig(communication="ring_copy").communication == "ring_copy"
