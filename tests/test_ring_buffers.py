@@ -3,14 +3,21 @@
 Every ``recv`` event of a ring says whether ``send_recv`` allocated the receive tensor and which
 storage it landed in: a ring that reuses its buffers allocates none and uses a fixed number of
 storages however many steps it makes (two for K/V blocks, one for the travelling dK/dV).
+
+Large dense blocks travel one K/V head at a time (:func:`ds_ring.strategies.blocks.head_chunks`);
+with the size threshold at 0 every dense case here is chunked, and must still equal the oracle.
 """
+
+import itertools
 
 import pytest
 import torch
 
 import ds_ring
 from ds_ring.hooks import register_hook
+from ds_ring.strategies import blocks
 from tests.dist import CaseLog, run_distributed
+from tests.sharded_cases import assert_no_failures, ring_rank
 
 B, L, H, D = 1, 16, 4, 8
 
@@ -60,3 +67,21 @@ def _rank(rank: int, world: int) -> list[str]:
 def test_ring_receives_into_reused_buffers(world):
     failures = [f for per_rank in run_distributed(_rank, world, timeout=90) for f in per_rank]
     assert not failures, "\n".join(failures[:3])
+
+
+def _chunked_rank(rank: int, world: int, cases: list[dict]) -> list[str]:
+    blocks.CHUNK_BYTES = 0  # chunk every dense span, however small (this rank process only)
+    return ring_rank(rank, world, cases)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [2, 3])
+def test_dense_blocks_travelling_one_kv_head_at_a_time_match_reference(world):
+    cases = [
+        dict(communication=comm, causal=causal, layout=layout, heads=heads, kv_heads=kv_heads, dtype="float64",
+             batch=2, seq=world * 6, head_dim=8, seed=i)
+        for i, (comm, causal, layout, (heads, kv_heads)) in enumerate(
+            itertools.product(["ring", "allgather"], [False, True], ["contiguous", "zigzag"], [(4, 4), (4, 2), (3, 1)])
+        )
+    ]  # fmt: skip
+    assert_no_failures(run_distributed(_chunked_rank, world, timeout=150, cases=cases))

@@ -10,16 +10,22 @@ plan, so nothing is padded. A rank's own runs meet each other straight from its 
 The gradient of a block (dK, dV) uses the same packing in the accumulation dtype: the travelling
 accumulator of the ring backward, or a contribution to the all-gather's reduce-scatter. The ring keeps
 its blocks in :class:`BlockBuffers`, allocated once per call and reused every step.
+
+A dense span's heads are independent, so when its blocks are large they travel one K/V head (and its
+query heads) at a time (:func:`head_chunks`): one exchange per chunk, each holding 1/kv_heads of the
+blocks, buffers and kernel pieces of a whole-head exchange.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ds_ring.kernels.dilated import attend_backward, attend_into
-from ds_ring.kernels.dilation import add_heads_, select_heads
+from ds_ring.kernels.dilation import add_heads_, head_groups, select_heads
 from ds_ring.kernels.merge import accum_dtype
-from ds_ring.strategies.plan import Run, SpanPlan, pieces
+from ds_ring.strategies.plan import Run, SpanPlan, Travel, pieces
 
 __all__ = [
     "BlockBuffers",
@@ -33,9 +39,40 @@ __all__ = [
     "add_home_grads_",
     "block_has_work",
     "block_grad",
+    "head_chunks",
+    "CHUNK_BYTES",
 ]
 
 KV = tuple[torch.Tensor, torch.Tensor]
+
+CHUNK_BYTES = 2**20
+"""A dense span's blocks travel one K/V head at a time once one head's share of its largest block
+reaches this many bytes; below it the extra steps would cost more than the memory is worth."""
+
+
+def head_chunks(span: SpanPlan, q: torch.Tensor, k: torch.Tensor) -> list[tuple[SpanPlan, slice, slice]]:
+    """``(span, q heads, kv heads)`` per exchange: one per K/V head for a large dense span, else the span whole.
+
+    ``q [B, L, H, D]``, ``k [B, L, Hkv, D]``. Dense (one head group, rate 1) spans only: their runs do
+    not depend on the heads, so a chunk's plan is the span's with the groups of one K/V head. Every
+    member decides from the plan and the shapes alone, so all agree.
+    """
+    heads, kv_heads = q.shape[2], k.shape[2]
+    whole = [(span, slice(None), slice(None))]
+    if len(span.groups) != 1 or span.groups[0].rate != 1 or kv_heads == 1:
+        return whole
+    batch, head_dim = q.shape[0], q.shape[-1]
+    largest = max(span.block_numel(m, batch, head_dim) for m in range(len(span.members)))
+    if largest * k.element_size() // kv_heads < CHUNK_BYTES:
+        return whole
+    per_kv = heads // kv_heads
+    (group,) = head_groups(per_kv, 1, 1, 0, q.device)
+    if group.kv_index is None:
+        travel = Travel(group.q_heads, None, 1)
+    else:  # GQA: the chunk's one K/V head serves its per_kv query heads
+        travel = Travel(torch.zeros(1, dtype=torch.long, device=q.device), group.kv_index, 1)
+    chunk = dataclasses.replace(span, groups=(group,), travel=(travel,))
+    return [(chunk, slice(h * per_kv, (h + 1) * per_kv), slice(h, h + 1)) for h in range(kv_heads)]
 
 
 class BlockBuffers:

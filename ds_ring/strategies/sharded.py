@@ -16,6 +16,7 @@ the labels (layer, ...) that were set when its forward ran.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from ds_ring.comm.groups import group_rank
 from ds_ring.hooks import current_labels, emit_attention, hooks_active, labelled
 from ds_ring.kernels.dilated import new_accumulators, regions_backward, regions_backward_, regions_forward_
 from ds_ring.kernels.merge import accum_dtype
+from ds_ring.strategies.blocks import head_chunks
 from ds_ring.strategies.plan import ShardPlan, SpanPlan
 
 __all__ = ["Exchange", "CommSpec", "KVGrads", "register_exchange", "get_exchange", "exchanges", "sharded_attention"]
@@ -60,12 +62,22 @@ class KVGrads:
         self, k: torch.Tensor, v: torch.Tensor, grads: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> None:
         self._like = (k, v)
-        self._grads = grads
+        self._grads = [grads]  # shared with the views of :meth:`heads`
+        self._heads = slice(None)
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._grads is None:
-            self._grads = tuple(torch.zeros(x.shape, dtype=accum_dtype(x.dtype), device=x.device) for x in self._like)
-        return self._grads
+        if self._grads[0] is None:
+            self._grads[0] = tuple(
+                torch.zeros(x.shape, dtype=accum_dtype(x.dtype), device=x.device) for x in self._like
+            )
+        dk, dv = self._grads[0]
+        return dk[:, :, self._heads], dv[:, :, self._heads]
+
+    def heads(self, kv_heads: slice) -> KVGrads:
+        """The same gradients, K/V heads ``kv_heads`` only (allocated by whichever view is called first)."""
+        view = copy.copy(self)
+        view._heads = kv_heads
+        return view
 
 
 class Exchange(Protocol):
@@ -147,8 +159,11 @@ class _ShardedAttention(torch.autograd.Function):
 
         overlap: Callable[[], None] | None = local_regions
         for span in plan.spans:
-            exchange.forward(span, q, k, v, out, lse, comm, opts, overlap)
-            overlap = None
+            for chunk, h, kv in head_chunks(span, q, k):
+                exchange.forward(
+                    chunk, q[:, :, h], k[:, :, kv], v[:, :, kv], out[:, :, h], lse[:, :, h], comm, opts, overlap
+                )
+                overlap = None
         if overlap is not None:
             overlap()
         out = out.to(q.dtype)
@@ -182,7 +197,11 @@ class _ShardedAttention(torch.autograd.Function):
         else:
             dq, kv_grads = local[0], KVGrads(k, v, local[1:])
         for span in plan.spans:
-            exchange.backward(span, dout, q, k, v, out, lse, dq, kv_grads, comm, opts)
+            for chunk, h, kv in head_chunks(span, q, k):
+                exchange.backward(
+                    chunk, dout[:, :, h], q[:, :, h], k[:, :, kv], v[:, :, kv], out[:, :, h], lse[:, :, h],
+                    dq[:, :, h], kv_grads.heads(kv), comm, opts,
+                )  # fmt: skip
         dk, dv = kv_grads()
         if local is None:
             regions_backward_(dout, q, k, v, out, lse, plan.local, dq, dk, dv, **options)
