@@ -20,6 +20,8 @@ shard: forward, loss, backward, optimizer step. Implementations:
 tokens/s = batch × S ÷ the slowest rank's median step time; memory = each rank's peak RSS during
 the timed steps above its RSS before the first of them (model, optimizer state and batch already
 there), and the process's peak RSS (interpreter, torch, DeepSpeed and transformers included).
+``CPU s/step``: CPU time the largest rank's process used per timed step — on a shared machine it
+compares the work done better than wall time, which also counts waiting for a core.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -149,18 +153,28 @@ def build(case: Case, rank: int, timeout_s: float) -> Callable[[], None]:
     return _alst_step(case, rank) if case.impl == "alst" else _ds_ring_step(case, rank)
 
 
+@dataclass
+class StepResult(RankResult):
+    """One rank's timed training steps (``fwdbwd``), and the CPU seconds its process used per step: on a
+    shared machine a better comparison of the work than wall time, which includes waiting for a core."""
+
+    cpu_s_per_step: float | None = None
+
+
 def train_rank(
     rank: int, world: int, case: Case, build: Callable[[Case, int, float], Callable[[], None]], protocol: Protocol
-) -> RankResult:
+) -> StepResult:
     """Rank function: build the step, run one untimed warm-up step, then ``protocol.calls`` timed steps."""
     import torch
 
-    result = RankResult(threads=torch.get_num_threads())
+    result = StepResult(threads=torch.get_num_threads())
     step = build(case, rank, protocol.timeout_s)
     step()
     driver.release_free_memory()
     result.rss_before_inputs_mib = driver.current_rss_bytes() / driver.MIB
+    cpu0 = time.process_time()
     result.fwdbwd = driver.measure(step, calls=protocol.calls)
+    result.cpu_s_per_step = (time.process_time() - cpu0) / len(result.fwdbwd.times_s)
     return result
 
 
@@ -175,9 +189,14 @@ def _tokens_per_s(row: driver.Row) -> float | None:
     return row.case.batch * row.case.seq / row.fwdbwd_s if row.fwdbwd_s else None
 
 
-def _process_peak(row: driver.Row) -> float | None:
-    peaks = [r.get("peak_rss_mib") for r in row.raw]
-    return max(peaks) if peaks and None not in peaks else None
+def _largest(key: str) -> Callable[[driver.Row], float | None]:
+    """The largest rank's raw ``key`` (None unless every rank has it)."""
+
+    def get(row: driver.Row) -> float | None:
+        values = [r.get(key) for r in row.raw]
+        return max(values) if values and None not in values else None
+
+    return get
 
 
 def report(session: Session) -> str:
@@ -195,7 +214,8 @@ def report(session: Session) -> str:
         Column("tokens/s ÷ ALST", lambda r: ratio(find(rows, impl="alst", seq=r.case.seq), r), "{:.2f}"),
         Column("step MiB/rank", lambda r: r.peak_mib, "{:.1f}"),
         Column("step MiB ÷ ALST", versus_alst("peak_mib"), "{:.2f}"),
-        Column("process peak MiB/rank", _process_peak, "{:.0f}"),
+        Column("process peak MiB/rank", _largest("peak_rss_mib"), "{:.0f}"),
+        Column("CPU s/step", _largest("cpu_s_per_step"), "{:.3f}"),
         Column("other load %", lambda r: r.other_cpu_pct, "{:.0f}"),
         Column("notes", lambda r: "; ".join(r.notes)),
     ]
@@ -209,8 +229,10 @@ def _targets(rows: list[driver.Row]) -> list[Target]:
     for seq in seqs:
         speed = ratio(find(rows, impl="alst", seq=seq), find(rows, impl="ulysses", seq=seq))
         if speed is not None:
+            cpu = [_largest("cpu_s_per_step")(find(rows, impl=impl, seq=seq)) for impl in ("alst", "ulysses")]
+            work = f"; CPU s/step ALST ÷ ds_ring Ulysses {cpu[0] / cpu[1]:.2f}" if None not in cpu else ""
             targets.append(Target(f"ds_ring Ulysses ≥ ALST throughput, {fmt_seq(seq)}", speed, speed >= 1.0,
-                                  "ALST step time ÷ ds_ring Ulysses step time"))  # fmt: skip
+                                  f"ALST step time ÷ ds_ring Ulysses step time{work}"))  # fmt: skip
     if seqs:
         longest = seqs[-1]
         memory = ratio(find(rows, impl="ring", seq=longest), find(rows, impl="alst", seq=longest), "peak_mib")
