@@ -45,9 +45,10 @@ __all__ = [
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
-CHUNK_BYTES = 2**20
+CHUNK_BYTES = 2 * 2**20
 """A dense span's blocks travel one K/V head at a time once one head's share of its largest block
-reaches this many bytes; below it the extra steps would cost more than the memory is worth."""
+reaches this many bytes. Below it the extra steps cost more than the memory is worth: dense ring,
+p = 4, 8 heads, fp32, one fwd+bwd measured +15% time at 1 MiB per head, +2% (noise) at 2 MiB."""
 
 
 def head_chunks(span: SpanPlan, q: torch.Tensor, k: torch.Tensor) -> list[tuple[SpanPlan, slice, slice]]:
