@@ -147,14 +147,14 @@ def measure(name: str, world: int, device: str, timeout_s: float) -> Result:
     return Result(name, world, call.tokens_per_rank, (e1, e2), (t1, t2), slope, e1 - slope * b1)
 
 
-def _plot(results: dict[str, list[dict]], path: Path) -> None:
+def _plot(results: dict[str, list[dict]], path: Path, labels: tuple[str, ...] = ("before", "after")) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for label, rows in results.items():
+    for label, rows in ((label, results[label]) for label in labels if label in results):
         for name in sorted({r["call"] for r in rows}):
             mine = sorted((r for r in rows if r["call"] == name), key=lambda r: r["ranks"])
             style = "--" if label == "before" else "-"

@@ -32,7 +32,7 @@ import ds_ring
 MIB = 2**20
 PROCESS_MIB = 260.0
 """Resident memory of a rank after importing torch and ds_ring and joining gloo, MiB."""
-ACTIVATIONS = {"dilated": (7.7, 41.0), "dense": (14.0, 44.0)}
+ACTIVATIONS = {"dilated": (5.3, 29.0), "dense": (5.7, 51.0)}
 """Per kind of attention: the slope ``E`` (q-shards) and the fixed MiB of one fwd+bwd per rank, measured
 by ``python -m benchmarks.memory`` at 4 ranks (``benchmarks/results/memory.json``)."""
 
