@@ -19,6 +19,7 @@ blocks, buffers and kernel pieces of a whole-head exchange.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +29,8 @@ from ds_ring.kernels.merge import accum_dtype
 from ds_ring.strategies.plan import Run, SpanPlan, Travel, pieces
 
 __all__ = [
+    "Shard",
+    "Options",
     "BlockBuffers",
     "pack_block",
     "unpack_block",
@@ -45,25 +48,67 @@ __all__ = [
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's tensors of one attention call, as an exchange and the block helpers see them.
+
+    ``q``, ``out`` ``[B, L, H, D]``; ``k``, ``v`` ``[B, L, Hkv, D]``; ``lse`` ``[B, L, H]`` (float32, or
+    float64 for float64 inputs). In the forward ``out``/``lse`` are the accumulators merged into in
+    place; in the backward they are the saved results.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+
+    @property
+    def batch(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[-1]
+
+    def heads(self, q_heads: slice, kv_heads: slice) -> Shard:
+        """Views of query heads ``q_heads`` (``q``, ``out``, ``lse``) and K/V heads ``kv_heads``."""
+        return Shard(
+            self.q[:, :, q_heads], self.k[:, :, kv_heads], self.v[:, :, kv_heads],
+            self.out[:, :, q_heads], self.lse[:, :, q_heads],
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Options:
+    """How the call computes: causal mask by global position, softmax scale (``None``: ``1/sqrt(D)``),
+    global index of local head 0."""
+
+    causal: bool
+    scale: float | None
+    head_offset: int
+
+
 CHUNK_BYTES = 2 * 2**20
 """A dense span's blocks travel one K/V head at a time once one head's share of its largest block
 reaches this many bytes. Below it the extra steps cost more than the memory is worth: dense ring,
 p = 4, 8 heads, fp32, one fwd+bwd measured +15% time at 1 MiB per head, +2% (noise) at 2 MiB."""
 
 
-def head_chunks(span: SpanPlan, q: torch.Tensor, k: torch.Tensor) -> list[tuple[SpanPlan, slice, slice]]:
+def head_chunks(span: SpanPlan, shard: Shard) -> list[tuple[SpanPlan, slice, slice]]:
     """``(span, q heads, kv heads)`` per exchange: one per K/V head for a large dense span, else the span whole.
 
-    ``q [B, L, H, D]``, ``k [B, L, Hkv, D]``. Dense (one head group, rate 1) spans only: their runs do
-    not depend on the heads, so a chunk's plan is the span's with the groups of one K/V head. Every
-    member decides from the plan and the shapes alone, so all agree.
+    Dense (one head group, rate 1) spans only: their runs do not depend on the heads, so a chunk's
+    plan is the span's with the groups of one K/V head. Every member decides from the plan and the
+    shapes alone, so all agree.
     """
+    q, k = shard.q, shard.k
     heads, kv_heads = q.shape[2], k.shape[2]
     whole = [(span, slice(None), slice(None))]
     if len(span.groups) != 1 or span.groups[0].rate != 1 or kv_heads == 1:
         return whole
-    batch, head_dim = q.shape[0], q.shape[-1]
-    largest = max(span.block_numel(m, batch, head_dim) for m in range(len(span.members)))
+    largest = max(span.block_numel(m, shard.batch, shard.head_dim) for m in range(len(span.members)))
     if largest * k.element_size() // kv_heads < CHUNK_BYTES:
         return whole
     per_kv = heads // kv_heads
@@ -140,44 +185,34 @@ def _whole_piece(span: SpanPlan, member: int, causal: bool) -> Run | None:
 
 
 def block_grad(
-    span: SpanPlan,
-    member: int,
-    kv: list[KV],
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dq: torch.Tensor,
-    *,
-    causal: bool,
-    scale: float | None,
+    span: SpanPlan, member: int, kv: list[KV], shard: Shard, dout: torch.Tensor, dq: torch.Tensor, opts: Options
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's gradient of member's block, as its flat (dK, dV) halves in the accumulation dtype.
 
     Accumulates into ``dq [B, L, H, D]``. When one kernel call meets the whole block (dense
     attention) its dK/dV are returned as they are: no zero block, no copy.
     """
-    batch, head_dim = q.shape[0], q.shape[-1]
-    run = _whole_piece(span, member, causal)
+    q, out, lse = shard.q, shard.out, shard.lse
+    run = _whole_piece(span, member, opts.causal)
     if run is not None and kv[0][0].dtype == accum_dtype(q.dtype):
         (kb, vb), qs, h = kv[0], run.rows, span.groups[0].q_heads
         dq_piece, dk_piece, dv_piece = attend_backward(
-            dout[:, qs, h], q[:, qs, h], kb, vb, out[:, qs, h], lse[:, qs, h], causal=False, scale=scale
+            dout[:, qs, h], q[:, qs, h], kb, vb, out[:, qs, h], lse[:, qs, h], causal=False, scale=opts.scale
         )
         dq[:, qs, h] += dq_piece
         return dk_piece.reshape(-1), dv_piece.reshape(-1)
-    grad = new_grad_block(span, member, q, batch, head_dim)
-    if block_has_work(span, member, causal):
-        dkv = unpack_block(span, member, grad, batch, head_dim)
-        backward_block_(span, member, kv, dkv, dout, q, out, lse, dq, causal=causal, scale=scale)
+    grad = new_grad_block(span, member, shard)
+    if block_has_work(span, member, opts.causal):
+        dkv = unpack_block(span, member, grad, shard.batch, shard.head_dim)
+        backward_block_(span, member, kv, dkv, shard, dout, dq, opts)
     half = grad.numel() // 2
     return grad[:half], grad[half:]
 
 
-def new_grad_block(span: SpanPlan, member: int, like: torch.Tensor, batch: int, head_dim: int) -> torch.Tensor:
-    """A zero gradient block for member's K/V, flat, in the accumulation dtype of ``like``."""
-    numel = span.block_numel(member, batch, head_dim)
-    return torch.zeros(numel, dtype=accum_dtype(like.dtype), device=like.device)
+def new_grad_block(span: SpanPlan, member: int, shard: Shard) -> torch.Tensor:
+    """A zero gradient block for member's K/V, flat, in the accumulation dtype of ``shard.q``."""
+    numel = span.block_numel(member, shard.batch, shard.head_dim)
+    return torch.zeros(numel, dtype=accum_dtype(shard.q.dtype), device=shard.q.device)
 
 
 def _expand(x: torch.Tensor, span: SpanPlan, g: int) -> torch.Tensor:
@@ -191,20 +226,11 @@ def block_has_work(span: SpanPlan, member: int, causal: bool) -> bool:
     return any(pieces(mine, theirs, causal) for mine, theirs in zip(span.queries, keys, strict=True))
 
 
-def forward_block_(
-    span: SpanPlan,
-    member: int,
-    kv: list[KV],
-    q: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    *,
-    causal: bool,
-    scale: float | None,
-) -> None:
-    """Merge attention of local ``q [B, L, H, D]`` over another member's block into ``out``/``lse`` (in place)."""
+def forward_block_(span: SpanPlan, member: int, kv: list[KV], shard: Shard, opts: Options) -> None:
+    """Merge attention of the shard's queries over another member's block into its ``out``/``lse`` (in place)."""
+    q, out, lse = shard.q, shard.out, shard.lse
     for g, group in enumerate(span.groups):
-        work = pieces(span.queries[g], span.held[member][g], causal)
+        work = pieces(span.queries[g], span.held[member][g], opts.causal)
         if not work:
             continue
         h = group.q_heads
@@ -212,8 +238,9 @@ def forward_block_(
         for a, b, _ in work:
             ks = b.packed
             attend_into(
-                q[:, a.rows, h], kg[:, ks], vg[:, ks], out[:, a.rows, h], lse[:, a.rows, h], causal=False, scale=scale
-            )
+                q[:, a.rows, h], kg[:, ks], vg[:, ks], out[:, a.rows, h], lse[:, a.rows, h], causal=False,
+                scale=opts.scale,
+            )  # fmt: skip
 
 
 def backward_block_(
@@ -221,18 +248,15 @@ def backward_block_(
     member: int,
     kv: list[KV],
     dkv: list[KV],
+    shard: Shard,
     dout: torch.Tensor,
-    q: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
     dq: torch.Tensor,
-    *,
-    causal: bool,
-    scale: float | None,
+    opts: Options,
 ) -> None:
     """Accumulate the gradient of another member's block into ``dq [B, L, H, D]`` and its ``dkv`` views."""
+    q, out, lse = shard.q, shard.out, shard.lse
     for g, group in enumerate(span.groups):
-        work = pieces(span.queries[g], span.held[member][g], causal)
+        work = pieces(span.queries[g], span.held[member][g], opts.causal)
         if not work:
             continue
         h = group.q_heads
@@ -243,7 +267,7 @@ def backward_block_(
             qs, ks = a.rows, b.packed
             dq_piece, dk_piece, dv_piece = attend_backward(
                 dout[:, qs, h], q[:, qs, h], kg[:, ks], vg[:, ks], out[:, qs, h], lse[:, qs, h],
-                causal=False, scale=scale,
+                causal=False, scale=opts.scale,
             )  # fmt: skip
             dq[:, qs, h] += dq_piece
             if expand is None:
@@ -254,50 +278,36 @@ def backward_block_(
                 dvg[:, ks].index_add_(2, expand, dv_piece.to(dvg.dtype))
 
 
-def forward_own_(
-    span: SpanPlan,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    *,
-    causal: bool,
-    scale: float | None,
-) -> None:
-    """Merge attention among this rank's own runs (``q [B, L, H, D]``, ``k``/``v`` ``[B, L, Hkv, D]``)."""
+def forward_own_(span: SpanPlan, shard: Shard, opts: Options) -> None:
+    """Merge attention among this rank's own runs into the shard's ``out``/``lse`` (in place)."""
+    q, k, v, out, lse = shard.q, shard.k, shard.v, shard.out, shard.lse
     for g, group in enumerate(span.groups):
         h, kv_heads = group.q_heads, group.kv_heads
-        for a, b, diagonal in pieces(span.queries[g], span.queries[g], causal):
+        for a, b, diagonal in pieces(span.queries[g], span.queries[g], opts.causal):
             attend_into(
                 q[:, a.rows, h], select_heads(k[:, b.rows], kv_heads), select_heads(v[:, b.rows], kv_heads),
-                out[:, a.rows, h], lse[:, a.rows, h], causal=diagonal, scale=scale,
+                out[:, a.rows, h], lse[:, a.rows, h], causal=diagonal, scale=opts.scale,
             )  # fmt: skip
 
 
 def backward_own_(
     span: SpanPlan,
+    shard: Shard,
     dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
     dq: torch.Tensor,
     dk: torch.Tensor,
     dv: torch.Tensor,
-    *,
-    causal: bool,
-    scale: float | None,
+    opts: Options,
 ) -> None:
     """Accumulate the gradients among this rank's own runs straight into ``dq``, ``dk``, ``dv``."""
+    q, k, v, out, lse = shard.q, shard.k, shard.v, shard.out, shard.lse
     for g, group in enumerate(span.groups):
         h, kv_heads = group.q_heads, group.kv_heads
-        for a, b, diagonal in pieces(span.queries[g], span.queries[g], causal):
+        for a, b, diagonal in pieces(span.queries[g], span.queries[g], opts.causal):
             qs, ks = a.rows, b.rows
             dq_piece, dk_piece, dv_piece = attend_backward(
                 dout[:, qs, h], q[:, qs, h], select_heads(k[:, ks], kv_heads), select_heads(v[:, ks], kv_heads),
-                out[:, qs, h], lse[:, qs, h], causal=diagonal, scale=scale,
+                out[:, qs, h], lse[:, qs, h], causal=diagonal, scale=opts.scale,
             )  # fmt: skip
             dq[:, qs, h] += dq_piece
             add_heads_(dk[:, ks], kv_heads, dk_piece)

@@ -26,6 +26,8 @@ from ds_ring.comm.ring import RingComm
 from ds_ring.kernels.merge import accum_dtype
 from ds_ring.strategies.blocks import (
     BlockBuffers,
+    Options,
+    Shard,
     add_home_grads_,
     backward_own_,
     block_grad,
@@ -37,7 +39,7 @@ from ds_ring.strategies.blocks import (
     unpack_block,
 )
 from ds_ring.strategies.plan import SpanPlan
-from ds_ring.strategies.sharded import CommSpec, KVGrads, Options, register_exchange
+from ds_ring.strategies.sharded import CommSpec, KVGrads, register_exchange
 
 __all__ = ["RingExchange"]
 
@@ -73,22 +75,15 @@ class RingExchange:
     """``communication="ring"``: O(seq/p) memory per rank, ``n - 1`` hops per span."""
 
     def forward(
-        self,
-        span: SpanPlan,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        comm: CommSpec,
-        opts: Options,
-        overlap: Callable[[], None] | None,
+        self, span: SpanPlan, shard: Shard, comm: CommSpec, opts: Options, overlap: Callable[[], None] | None
     ) -> None:
         n, me, hops = len(span.members), span.index, span.hops
-        batch, head_dim = q.shape[0], q.shape[-1]
+        batch, head_dim = shard.batch, shard.head_dim
         ring = _ring_comm(span, comm, "ring_kv")
-        buffers = BlockBuffers(span, batch, head_dim, k.dtype, k.device)
-        block = pack_block(span, k, v, buffers.view(0, span.block_numel(me, batch, head_dim))) if hops else None
+        buffers = BlockBuffers(span, batch, head_dim, shard.k.dtype, shard.k.device)
+        block = (
+            pack_block(span, shard.k, shard.v, buffers.view(0, span.block_numel(me, batch, head_dim))) if hops else None
+        )
         for step in range(hops + 1):
             src = (me - step) % n
             if step < hops:
@@ -98,10 +93,9 @@ class RingExchange:
             if step == 0:
                 if overlap is not None:
                     overlap()
-                forward_own_(span, q, k, v, out, lse, causal=opts.causal, scale=opts.scale)
+                forward_own_(span, shard, opts)
             elif block_has_work(span, src, opts.causal):
-                kv = unpack_block(span, src, block, batch, head_dim)
-                forward_block_(span, src, kv, q, out, lse, causal=opts.causal, scale=opts.scale)
+                forward_block_(span, src, unpack_block(span, src, block, batch, head_dim), shard, opts)
             if step < hops:
                 ring.wait()
                 block = incoming
@@ -109,45 +103,31 @@ class RingExchange:
     def backward(
         self,
         span: SpanPlan,
+        shard: Shard,
         dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
         dq: torch.Tensor,
         kv_grads: KVGrads,
         comm: CommSpec,
         opts: Options,
     ) -> None:
-        home = self._ring_backward(span, dout, q, k, v, out, lse, dq, comm, opts) if span.hops else None
+        home = self._ring_backward(span, shard, dout, dq, comm, opts) if span.hops else None
         dk, dv = kv_grads()
-        backward_own_(span, dout, q, k, v, out, lse, dq, dk, dv, causal=opts.causal, scale=opts.scale)
+        backward_own_(span, shard, dout, dq, dk, dv, opts)
         if home is not None:
-            add_home_grads_(span, unpack_block(span, span.index, home, q.shape[0], q.shape[-1]), dk, dv)
+            add_home_grads_(span, unpack_block(span, span.index, home, shard.batch, shard.head_dim), dk, dv)
 
     def _ring_backward(
-        self,
-        span: SpanPlan,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        dq: torch.Tensor,
-        comm: CommSpec,
-        opts: Options,
+        self, span: SpanPlan, shard: Shard, dout: torch.Tensor, dq: torch.Tensor, comm: CommSpec, opts: Options
     ) -> torch.Tensor:
         """The blocks' turn of the backward: accumulates into ``dq``; returns this member's block
         gradient, home (flat, in the receive buffer)."""
         n, me, hops = len(span.members), span.index, span.hops
-        batch, head_dim = q.shape[0], q.shape[-1]
+        batch, head_dim = shard.batch, shard.head_dim
         kv_ring, grad_ring = _ring_comm(span, comm, "ring_kv"), _ring_comm(span, comm, "ring_dkv")
-        kv_buffers = BlockBuffers(span, batch, head_dim, k.dtype, k.device)
-        received = BlockBuffers(span, batch, head_dim, accum_dtype(q.dtype), q.device)
-        block = pack_block(span, k, v, kv_buffers.view(0, span.block_numel(me, batch, head_dim)))
-        grad = _halves(new_grad_block(span, me, q, batch, head_dim))  # my block's accumulator starts empty
+        kv_buffers = BlockBuffers(span, batch, head_dim, shard.k.dtype, shard.k.device)
+        received = BlockBuffers(span, batch, head_dim, accum_dtype(shard.q.dtype), shard.q.device)
+        block = pack_block(span, shard.k, shard.v, kv_buffers.view(0, span.block_numel(me, batch, head_dim)))
+        grad = _halves(new_grad_block(span, me, shard))  # my block's accumulator starts empty
         travelling = received.view(0, 0)
         for step in range(hops + 1):
             src = (me - step) % n
@@ -159,7 +139,7 @@ class RingExchange:
                 grad_ring.wait()  # before computing: the block gradient sent last step is released first
                 grad = None
                 kv = unpack_block(span, src, block, batch, head_dim)
-                grad = block_grad(span, src, kv, dout, q, out, lse, dq, causal=opts.causal, scale=opts.scale)
+                grad = block_grad(span, src, kv, shard, dout, dq, opts)
                 _add_halves_(grad, travelling)
             if step < hops:
                 kv_ring.wait()

@@ -29,10 +29,20 @@ from ds_ring.comm.groups import group_rank
 from ds_ring.hooks import current_labels, emit_attention, hooks_active, labelled
 from ds_ring.kernels.dilated import new_accumulators, regions_backward, regions_backward_, regions_forward_
 from ds_ring.kernels.merge import accum_dtype
-from ds_ring.strategies.blocks import head_chunks
+from ds_ring.strategies.blocks import Options, Shard, head_chunks
 from ds_ring.strategies.plan import ShardPlan, SpanPlan
 
-__all__ = ["Exchange", "CommSpec", "KVGrads", "register_exchange", "get_exchange", "exchanges", "sharded_attention"]
+__all__ = [
+    "Exchange",
+    "CommSpec",
+    "KVGrads",
+    "Options",
+    "Shard",
+    "register_exchange",
+    "get_exchange",
+    "exchanges",
+    "sharded_attention",
+]
 
 
 @dataclass(frozen=True)
@@ -41,13 +51,6 @@ class CommSpec:
 
     group: ProcessGroup | None
     timeout_s: float | None
-
-
-@dataclass(frozen=True)
-class Options:
-    causal: bool
-    scale: float | None
-    head_offset: int
 
 
 class KVGrads:
@@ -84,35 +87,23 @@ class Exchange(Protocol):
     """How one spanning branch's K/V blocks reach the span's members, forward and backward."""
 
     def forward(
-        self,
-        span: SpanPlan,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        comm: CommSpec,
-        opts: Options,
-        overlap: Callable[[], None] | None,
+        self, span: SpanPlan, shard: Shard, comm: CommSpec, opts: Options, overlap: Callable[[], None] | None
     ) -> None:
-        """Merge attention over every member's block into ``out``/``lse``; call ``overlap()`` once
-        while the first transfer is in flight (local work to hide it behind)."""
+        """Merge attention over every member's block into ``shard.out``/``shard.lse``; call ``overlap()``
+        once while the first transfer is in flight (local work to hide it behind)."""
 
     def backward(
         self,
         span: SpanPlan,
+        shard: Shard,
         dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
         dq: torch.Tensor,
         kv_grads: KVGrads,
         comm: CommSpec,
         opts: Options,
     ) -> None:
-        """Accumulate into ``dq`` and, once every member's contribution is home, into ``kv_grads()``."""
+        """Accumulate into ``dq`` (``dout``'s shape ``[B, L, H, D]``, accumulation dtype) and, once every
+        member's contribution is home, into ``kv_grads()``."""
 
 
 _EXCHANGES: dict[str, Exchange] = {}
@@ -158,11 +149,10 @@ class _ShardedAttention(torch.autograd.Function):
             )
 
         overlap: Callable[[], None] | None = local_regions
+        shard = Shard(q, k, v, out, lse)
         for span in plan.spans:
-            for chunk, h, kv in head_chunks(span, q, k):
-                exchange.forward(
-                    chunk, q[:, :, h], k[:, :, kv], v[:, :, kv], out[:, :, h], lse[:, :, h], comm, opts, overlap
-                )
+            for chunk, h, kv in head_chunks(span, shard):
+                exchange.forward(chunk, shard.heads(h, kv), comm, opts, overlap)
                 overlap = None
         if overlap is not None:
             overlap()
@@ -196,12 +186,10 @@ class _ShardedAttention(torch.autograd.Function):
             kv_grads = KVGrads(k, v)
         else:
             dq, kv_grads = local[0], KVGrads(k, v, local[1:])
+        shard = Shard(q, k, v, out, lse)
         for span in plan.spans:
-            for chunk, h, kv in head_chunks(span, q, k):
-                exchange.backward(
-                    chunk, dout[:, :, h], q[:, :, h], k[:, :, kv], v[:, :, kv], out[:, :, h], lse[:, :, h],
-                    dq[:, :, h], kv_grads.heads(kv), comm, opts,
-                )  # fmt: skip
+            for chunk, h, kv in head_chunks(span, shard):
+                exchange.backward(chunk, shard.heads(h, kv), dout[:, :, h], dq[:, :, h], kv_grads.heads(kv), comm, opts)
         dk, dv = kv_grads()
         if local is None:
             regions_backward_(dout, q, k, v, out, lse, plan.local, dq, dk, dv, **options)
