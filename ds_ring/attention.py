@@ -5,13 +5,14 @@ DeepSpeed ``DistributedAttention`` can wrap); ``MultiheadRingDilatedAttention`` 
 output projections and is a drop-in attention for a transformer block (``batch_first``, the call
 convention of ``nn.MultiheadAttention``).
 
-Both hold *how* to communicate (group, communication, layout, timeout) as plain attributes, so a
-trainer can install a strategy into every module of a model after building it
-(:meth:`RingDilatedAttention.configure`).
+``RingDilatedAttention`` holds *how* to attend as one :class:`ds_ring.parallel.AttentionCall` plus
+where (group or topology, strategy), so a trainer can install a strategy into every module of a
+model after building it (:meth:`RingDilatedAttention.configure`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,9 +20,9 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from ds_ring.functional import ring_dilated_attention
+from ds_ring.functional import ring_attention_call
 from ds_ring.kernels.dilation import make_branches
-from ds_ring.parallel import sequence_parallel_attention
+from ds_ring.parallel import AttentionCall, sequence_parallel_call
 from ds_ring.topology import Topology
 
 __all__ = ["RingDilatedAttention", "MultiheadRingDilatedAttention"]
@@ -65,58 +66,63 @@ class RingDilatedAttention(nn.Module):
         timeout_s: float | None = None,
     ) -> None:
         super().__init__()
-        # Validate the branch lists now (seq_len=max: nothing is clamped) so a typo fails at build time.
-        make_branches(2**62, segment_lengths, dilation_rates)
-        self.segment_lengths = None if segment_lengths is None else list(segment_lengths)
-        self.dilation_rates = None if dilation_rates is None else list(dilation_rates)
-        self.causal = causal
-        self.scale = scale
-        self.head_offset = head_offset
-        self.communication = communication
-        self.layout = layout
+        self.call = _validated(
+            AttentionCall(
+                segment_lengths, dilation_rates, causal, scale, communication, layout, head_offset, timeout_s=timeout_s
+            )
+        )
         self.group = group
         self.topology = topology
         self.strategy = strategy
-        self.timeout_s = timeout_s
 
-    _SETTINGS = frozenset(
-        {"group", "topology", "strategy", "communication", "layout", "timeout_s", "causal", "head_offset",
-         "segment_lengths", "dilation_rates"}
-    )  # fmt: skip
+    _PLACEMENT = frozenset({"group", "topology", "strategy"})
+    _SETTINGS = _PLACEMENT | {"communication", "layout", "timeout_s", "causal", "head_offset", "segment_lengths",
+                              "dilation_rates"}  # fmt: skip
 
     def configure(self, **settings: Any) -> None:
         """Change how this module computes and communicates (any constructor argument but ``scale``)."""
         unknown = set(settings) - self._SETTINGS
         if unknown:
             raise ValueError(f"RingDilatedAttention.configure() got unknown setting(s) {sorted(unknown)}")
-        if "segment_lengths" in settings or "dilation_rates" in settings:
-            segs = settings.get("segment_lengths", self.segment_lengths)
-            rates = settings.get("dilation_rates", self.dilation_rates)
-            make_branches(2**62, segs, rates)
-        for name, value in settings.items():
-            setattr(self, name, list(value) if name in ("segment_lengths", "dilation_rates") and value else value)
+        fields = {name: value for name, value in settings.items() if name not in self._PLACEMENT}
+        self.call = _validated(dataclasses.replace(self.call, **fields))
+        for name in self._PLACEMENT & set(settings):
+            setattr(self, name, settings[name])
+
+    segment_lengths = property(lambda self: self.call.segment_lengths, doc="LongNet segment lengths (``None``: dense).")
+    dilation_rates = property(lambda self: self.call.dilation_rates, doc="Dilation rate per segment (``None``: dense).")
+    causal = property(lambda self: self.call.causal, doc="Causal mask by global position.")
+    scale = property(lambda self: self.call.scale, doc="Softmax scale (``None``: ``1/sqrt(head_dim)``).")
+    head_offset = property(lambda self: self.call.head_offset, doc="Global index of local head 0.")
+    communication = property(lambda self: self.call.communication, doc="How K/V move along the ring.")
+    layout = property(lambda self: self.call.layout, doc="How the sequence was sharded.")
+    timeout_s = property(lambda self: self.call.timeout_s, doc="Bound on every communication wait, in seconds.")
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None
     ) -> torch.Tensor:
+        call = self.call if cu_seqlens is None else dataclasses.replace(self.call, cu_seqlens=cu_seqlens)
         if self.topology is not None:
-            return sequence_parallel_attention(
-                q, k, v, self.segment_lengths, self.dilation_rates,
-                causal=self.causal, scale=self.scale, topology=self.topology, strategy=self.strategy,
-                communication=self.communication, layout=self.layout, head_offset=self.head_offset,
-                timeout_s=self.timeout_s, cu_seqlens=cu_seqlens,
-            )  # fmt: skip
-        return ring_dilated_attention(
-            q, k, v, self.segment_lengths, self.dilation_rates,
-            causal=self.causal, scale=self.scale, group=self.group, communication=self.communication,
-            layout=self.layout, head_offset=self.head_offset, timeout_s=self.timeout_s, cu_seqlens=cu_seqlens,
-        )  # fmt: skip
+            return sequence_parallel_call(q, k, v, call, self.topology, self.strategy)
+        return ring_attention_call(q, k, v, call, self.group)
 
     def extra_repr(self) -> str:
         return (
             f"segment_lengths={self.segment_lengths}, dilation_rates={self.dilation_rates}, causal={self.causal}, "
             f"strategy={self.strategy!r}, communication={self.communication!r}, layout={self.layout!r}"
         )
+
+
+def _validated(call: AttentionCall) -> AttentionCall:
+    """``call`` with its branch lists as lists, once they are valid (checked at build time, so a typo fails
+    before the first forward; ``seq_len`` at its maximum clamps nothing)."""
+    make_branches(2**62, call.segment_lengths, call.dilation_rates)
+    segs, rates = call.segment_lengths, call.dilation_rates
+    return dataclasses.replace(
+        call,
+        segment_lengths=None if segs is None else list(segs),
+        dilation_rates=None if rates is None else list(rates),
+    )
 
 
 class MultiheadRingDilatedAttention(nn.Module):

@@ -8,11 +8,11 @@ import torch
 from torch.distributed import ProcessGroup
 
 from ds_ring.comm.groups import group_rank, group_size
-from ds_ring.kernels.dilation import check_cu_seqlens, validate_qkv
+from ds_ring.kernels.dilation import check_cu_seqlens
 from ds_ring.strategies import CommSpec, get_exchange, plan_shards, sharded_attention
-from ds_ring.strategies.fingerprint import agree_on_call
+from ds_ring.strategies.call import AttentionCall, Output
 
-__all__ = ["ring_dilated_attention"]
+__all__ = ["ring_dilated_attention", "ring_attention_call"]
 
 
 def ring_dilated_attention(
@@ -31,7 +31,7 @@ def ring_dilated_attention(
     return_lse: bool = False,
     timeout_s: float | None = None,
     cu_seqlens: torch.Tensor | Sequence[int] | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> Output:
     """Dilated (or dense) attention over a sequence sharded across ``group``.
 
     Every rank passes its shard, made by :func:`ds_ring.shard_sequence` with the same ``layout``.
@@ -59,20 +59,27 @@ def ring_dilated_attention(
             (on every rank, after one small exchange on a plan's first call); an unsupported layout /
             segment / shard combination — all before any data moves.
     """
-    validate_qkv(q, k, v, head_offset)
-    agree_on_call(
-        "ring_dilated_attention", group, q, k, v, timeout_s=timeout_s, segment_lengths=segment_lengths,
-        dilation_rates=dilation_rates, causal=causal, scale=scale, communication=communication, layout=layout,
-        head_offset=head_offset, return_lse=return_lse, cu_seqlens=cu_seqlens,
+    call = AttentionCall(
+        segment_lengths, dilation_rates, causal, scale, communication, layout, head_offset, return_lse, timeout_s,
+        cu_seqlens,
     )  # fmt: skip
-    exchange = get_exchange(communication)
+    return ring_attention_call(q, k, v, call, group)
+
+
+def ring_attention_call(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall, group: ProcessGroup | None
+) -> Output:
+    """:func:`ring_dilated_attention` with its arguments as one :class:`AttentionCall` (same shapes, same checks)."""
+    call.check("ring_dilated_attention", group, q, k, v)
+    exchange = get_exchange(call.communication)
     world = group_size(group)
     plan = plan_shards(
-        q.shape[1], q.shape[2], k.shape[2], group_rank(group), world, segment_lengths, dilation_rates,
-        layout=layout, head_offset=head_offset, device=q.device, causal=causal,
-        documents=check_cu_seqlens(cu_seqlens, q.shape[1] * world),
+        q.shape[1], q.shape[2], k.shape[2], group_rank(group), world, call.segment_lengths, call.dilation_rates,
+        layout=call.layout, head_offset=call.head_offset, device=q.device, causal=call.causal,
+        documents=check_cu_seqlens(call.cu_seqlens, q.shape[1] * world),
     )  # fmt: skip
     out, lse = sharded_attention(
-        q, k, v, plan, exchange, CommSpec(group, timeout_s), causal=causal, scale=scale, head_offset=head_offset
-    )
-    return (out, lse.transpose(1, 2)) if return_lse else out
+        q, k, v, plan, exchange, CommSpec(group, call.timeout_s),
+        causal=call.causal, scale=call.scale, head_offset=call.head_offset,
+    )  # fmt: skip
+    return (out, lse.transpose(1, 2)) if call.return_lse else out

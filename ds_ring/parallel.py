@@ -17,18 +17,16 @@ and all returning the output shard for the same positions:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from ds_ring.functional import ring_dilated_attention
-from ds_ring.kernels.dilation import validate_qkv
+from ds_ring.functional import ring_attention_call
 from ds_ring.strategies import get_exchange
-from ds_ring.strategies.fingerprint import agree_on_call
-from ds_ring.strategies.hybrid import hybrid_attention
-from ds_ring.strategies.ulysses import ulysses_attention
+from ds_ring.strategies.call import AttentionCall, Output
+from ds_ring.strategies.hybrid import hybrid_attention_call
+from ds_ring.strategies.ulysses import ulysses_attention_call
 from ds_ring.topology import Topology
 
 __all__ = [
@@ -38,38 +36,8 @@ __all__ = [
     "get_strategy",
     "strategy_names",
     "sequence_parallel_attention",
+    "sequence_parallel_call",
 ]
-
-Output = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class AttentionCall:
-    """The arguments of one :func:`sequence_parallel_attention` call other than tensors and topology."""
-
-    segment_lengths: Sequence[int] | None
-    dilation_rates: Sequence[int] | None
-    causal: bool
-    scale: float | None
-    communication: str
-    layout: str
-    head_offset: int
-    return_lse: bool
-    timeout_s: float | None
-    cu_seqlens: torch.Tensor | Sequence[int] | None = None
-
-    def options(self) -> dict[str, Any]:
-        """Keyword arguments every strategy function takes."""
-        return dict(
-            causal=self.causal,
-            scale=self.scale,
-            layout=self.layout,
-            head_offset=self.head_offset,
-            return_lse=self.return_lse,
-            timeout_s=self.timeout_s,
-            cu_seqlens=self.cu_seqlens,
-        )
-
 
 Strategy = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Topology, AttentionCall], Output]
 
@@ -146,19 +114,24 @@ def sequence_parallel_attention(
             cannot do (heads not divisible by the all-to-all degree, unsupported branches or layout)
             — all before any data moves.
     """
-    validate_qkv(q, k, v, head_offset)
-    agree_on_call(
-        "sequence_parallel_attention", topology.sequence_parallel_group, q, k, v, timeout_s=timeout_s,
-        strategy=strategy, communication=communication, segment_lengths=segment_lengths,
-        dilation_rates=dilation_rates, causal=causal, scale=scale, layout=layout, head_offset=head_offset,
-        return_lse=return_lse, cu_seqlens=cu_seqlens,
-    )  # fmt: skip
-    run = get_strategy(strategy)
-    get_exchange(communication)
     call = AttentionCall(
         segment_lengths, dilation_rates, causal, scale, communication, layout, head_offset, return_lse, timeout_s,
         cu_seqlens,
     )  # fmt: skip
+    return sequence_parallel_call(q, k, v, call, topology, strategy)
+
+
+def sequence_parallel_call(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall, topology: Topology, strategy: str = "ring"
+) -> Output:
+    """:func:`sequence_parallel_attention` with its arguments as one :class:`AttentionCall` (same shapes,
+    same checks)."""
+    call.check(
+        "sequence_parallel_attention", topology.sequence_parallel_group, q, k, v,
+        strategy=strategy, communication=call.communication,
+    )  # fmt: skip
+    run = get_strategy(strategy)
+    get_exchange(call.communication)
     return run(q, k, v, topology, call)
 
 
@@ -166,11 +139,9 @@ def _sequence_ring(communication: str | None) -> Strategy:
     """K/V move between the sequence shards: by ``communication`` (``None``: the call's choice)."""
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topology: Topology, call: AttentionCall) -> Output:
-        return ring_dilated_attention(
-            q, k, v, call.segment_lengths, call.dilation_rates,
-            group=topology.sequence_parallel_group, communication=communication or call.communication,
-            **call.options(),
-        )  # fmt: skip
+        if communication is not None:
+            call = dataclasses.replace(call, communication=communication)
+        return ring_attention_call(q, k, v, call, topology.sequence_parallel_group)
 
     return run
 
@@ -183,17 +154,11 @@ def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topology: Topolo
             f"{topology.ulysses} × ring {topology.ring} = {sp} ranks), so heads must be a multiple of {sp}; use "
             f"strategy 'hybrid' (heads must be a multiple of the ulysses degree only) or 'ring'"
         )
-    return ulysses_attention(
-        q, k, v, call.segment_lengths, call.dilation_rates, group=topology.sequence_parallel_group, **call.options()
-    )
+    return ulysses_attention_call(q, k, v, call, topology.sequence_parallel_group)
 
 
 def _hybrid(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topology: Topology, call: AttentionCall) -> Output:
-    return hybrid_attention(
-        q, k, v, call.segment_lengths, call.dilation_rates,
-        ulysses_group=topology.ulysses_group, ring_group=topology.ring_group,
-        communication=call.communication, **call.options(),
-    )  # fmt: skip
+    return hybrid_attention_call(q, k, v, call, topology.ulysses_group, topology.ring_group)
 
 
 register_strategy("ring", _sequence_ring(None))

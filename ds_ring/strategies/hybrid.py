@@ -20,13 +20,13 @@ import torch
 from torch.distributed import ProcessGroup
 
 from ds_ring.comm.groups import group_rank, group_size
-from ds_ring.kernels.dilation import Branch, check_cu_seqlens, make_branches, validate_qkv
-from ds_ring.strategies.fingerprint import agree_on_call
+from ds_ring.kernels.dilation import Branch, check_cu_seqlens, make_branches
+from ds_ring.strategies.call import AttentionCall, Output
 from ds_ring.strategies.plan import plan_shards
 from ds_ring.strategies.sharded import CommSpec, get_exchange, sharded_attention
 from ds_ring.strategies.ulysses import attend_local_heads, check_layout, heads_to_sequence, split_heads, to_heads
 
-__all__ = ["hybrid_attention"]
+__all__ = ["hybrid_attention", "hybrid_attention_call"]
 
 
 def hybrid_attention(
@@ -46,7 +46,7 @@ def hybrid_attention(
     return_lse: bool = False,
     timeout_s: float | None = None,
     cu_seqlens: torch.Tensor | Sequence[int] | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> Output:
     """Dilated (or dense) attention over a sequence sharded across ``ulysses × ring`` ranks.
 
     Args:
@@ -71,41 +71,50 @@ def hybrid_attention(
             divisible by ``U``, an unknown communication, or a branch / layout the ring dimension
             cannot shard — all before any data moves.
     """
-    validate_qkv(q, k, v, head_offset)
-    agree_on_call(
-        "hybrid_attention", (ulysses_group, ring_group), q, k, v, timeout_s=timeout_s,
-        segment_lengths=segment_lengths, dilation_rates=dilation_rates, causal=causal, scale=scale,
-        communication=communication, layout=layout, head_offset=head_offset, return_lse=return_lse,
-        cu_seqlens=cu_seqlens,
+    call = AttentionCall(
+        segment_lengths, dilation_rates, causal, scale, communication, layout, head_offset, return_lse, timeout_s,
+        cu_seqlens,
     )  # fmt: skip
-    exchange = get_exchange(communication)
+    return hybrid_attention_call(q, k, v, call, ulysses_group, ring_group)
+
+
+def hybrid_attention_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    call: AttentionCall,
+    ulysses_group: ProcessGroup | None,
+    ring_group: ProcessGroup | None,
+) -> Output:
+    """:func:`hybrid_attention` with its arguments as one :class:`AttentionCall` (same shapes, same checks)."""
+    call.check("hybrid_attention", (ulysses_group, ring_group), q, k, v)
+    exchange = get_exchange(call.communication)
     degree, ring_size = group_size(ulysses_group), group_size(ring_group)
     split = split_heads(q.shape[2], k.shape[2], degree, q.device)
-    check_layout(layout, q.shape[1])
+    check_layout(call.layout, q.shape[1])
     block = q.shape[1] * degree
-    offset = head_offset + group_rank(ulysses_group) * split.heads
+    offset = call.head_offset + group_rank(ulysses_group) * split.heads
+    segment_lengths, dilation_rates = call.segment_lengths, call.dilation_rates
     branches = make_branches(block * ring_size, segment_lengths, dilation_rates)
-    documents = check_cu_seqlens(cu_seqlens, block * ring_size)
+    documents = check_cu_seqlens(call.cu_seqlens, block * ring_size)
     plan = None
     if ring_size > 1:
-        if layout == "zigzag" and any(b != Branch(block * ring_size, 1) for b in branches):
+        if call.layout == "zigzag" and any(b != Branch(block * ring_size, 1) for b in branches):
             raise ValueError(
                 f"strategy 'hybrid' with a ring degree of {ring_size} supports layout='zigzag' for dense attention "
                 f"only, got segment_lengths={segment_lengths} dilation_rates={dilation_rates}; use "
                 f"layout='contiguous', or strategy 'ulysses', which supports zigzag with dilation"
             )
         plan = plan_shards(
-            block, split.heads, split.kv_heads, group_rank(ring_group), ring_size, segment_lengths,
-            dilation_rates, layout=layout, head_offset=offset, device=q.device, causal=causal, documents=documents,
+            block, split.heads, split.kv_heads, group_rank(ring_group), ring_size, segment_lengths, dilation_rates,
+            layout=call.layout, head_offset=offset, device=q.device, causal=call.causal, documents=documents,
         )  # fmt: skip
-    qh, kh, vh = to_heads(q, k, v, split, ulysses_group, layout=layout, timeout_s=timeout_s)
+    qh, kh, vh = to_heads(q, k, v, split, ulysses_group, layout=call.layout, timeout_s=call.timeout_s)
     if plan is None:
-        out, lse = attend_local_heads(
-            qh, kh, vh, segment_lengths, dilation_rates, causal=causal, scale=scale, head_offset=offset,
-            strategy="hybrid", documents=documents,
-        )  # fmt: skip
+        out, lse = attend_local_heads(qh, kh, vh, call, head_offset=offset, strategy="hybrid", documents=documents)
     else:
         out, lse = sharded_attention(
-            qh, kh, vh, plan, exchange, CommSpec(ring_group, timeout_s), causal=causal, scale=scale, head_offset=offset
-        )
-    return heads_to_sequence(out, lse, split, ulysses_group, layout, return_lse, timeout_s)
+            qh, kh, vh, plan, exchange, CommSpec(ring_group, call.timeout_s),
+            causal=call.causal, scale=call.scale, head_offset=offset,
+        )  # fmt: skip
+    return heads_to_sequence(out, lse, split, ulysses_group, call)

@@ -32,8 +32,8 @@ from ds_ring.comm.collectives import all_to_all
 from ds_ring.comm.groups import group_rank, group_size
 from ds_ring.hooks import emit_attention, hooks_active
 from ds_ring.kernels.dilated import dilated_attention
-from ds_ring.kernels.dilation import check_cu_seqlens, make_branches, validate_qkv
-from ds_ring.strategies.fingerprint import agree_on_call
+from ds_ring.kernels.dilation import check_cu_seqlens, make_branches
+from ds_ring.strategies.call import AttentionCall, Output
 from ds_ring.strategies.plan import LAYOUTS
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "to_sequence",
     "heads_to_sequence",
     "ulysses_attention",
+    "ulysses_attention_call",
 ]
 
 
@@ -181,11 +182,8 @@ def attend_local_heads(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    segment_lengths: Sequence[int] | None,
-    dilation_rates: Sequence[int] | None,
+    call: AttentionCall,
     *,
-    causal: bool,
-    scale: float | None,
     head_offset: int,
     strategy: str,
     documents: tuple[int, ...] | None,
@@ -193,15 +191,15 @@ def attend_local_heads(
     """Dilated attention over the whole sequence on this rank's heads, with attention events.
 
     ``q [B, S, h, D]``, ``k``/``v`` ``[B, S, hkv, D]`` after the all-to-all (rows in sequence order, so
-    ``documents`` — checked ``cu_seqlens`` — apply as they are); returns ``out [B, S, h, D]`` and
-    ``lse [B, S, h]``.
+    ``documents`` — checked ``call.cu_seqlens`` — apply as they are; ``head_offset``: this rank's
+    global index of its local head 0); returns ``out [B, S, h, D]`` and ``lse [B, S, h]``.
     """
     rank, started = group_rank(None), time.perf_counter()
     if hooks_active("start"):
         emit_attention(strategy, "forward", "start", rank)
     out, lse = dilated_attention(
-        q, k, v, segment_lengths, dilation_rates,
-        causal=causal, scale=scale, head_offset=head_offset, return_lse=True, cu_seqlens=documents,
+        q, k, v, call.segment_lengths, call.dilation_rates,
+        causal=call.causal, scale=call.scale, head_offset=head_offset, return_lse=True, cu_seqlens=documents,
     )  # fmt: skip
     if hooks_active():
         emit_attention(strategy, "forward", "end", rank, started, out=out, lse=lse)
@@ -223,7 +221,7 @@ def ulysses_attention(
     return_lse: bool = False,
     timeout_s: float | None = None,
     cu_seqlens: torch.Tensor | Sequence[int] | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> Output:
     """Dilated (or dense) attention over a sequence sharded across ``group``, by head all-to-all.
 
     Args:
@@ -246,37 +244,38 @@ def ulysses_attention(
             (on every rank, naming the field and each rank's value); heads not divisible by the group
             size, bad branches or layout — all before any data moves.
     """
-    validate_qkv(q, k, v, head_offset)
-    agree_on_call(
-        "ulysses_attention", group, q, k, v, timeout_s=timeout_s, segment_lengths=segment_lengths,
-        dilation_rates=dilation_rates, causal=causal, scale=scale, layout=layout, head_offset=head_offset,
-        return_lse=return_lse, cu_seqlens=cu_seqlens,
+    call = AttentionCall(
+        segment_lengths, dilation_rates, causal, scale, layout=layout, head_offset=head_offset, return_lse=return_lse,
+        timeout_s=timeout_s, cu_seqlens=cu_seqlens,
     )  # fmt: skip
+    return ulysses_attention_call(q, k, v, call, group)
+
+
+def ulysses_attention_call(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall, group: ProcessGroup | None
+) -> Output:
+    """:func:`ulysses_attention` with its arguments as one :class:`AttentionCall` (its ``communication``
+    is not used)."""
+    call.check("ulysses_attention", group, q, k, v, exclude=("communication",))
     degree = group_size(group)
     split = split_heads(q.shape[2], k.shape[2], degree, q.device)
-    check_layout(layout, q.shape[1])
-    make_branches(q.shape[1] * degree, segment_lengths, dilation_rates)
-    documents = check_cu_seqlens(cu_seqlens, q.shape[1] * degree)
-    qh, kh, vh = to_heads(q, k, v, split, group, layout=layout, timeout_s=timeout_s)
-    out, lse = attend_local_heads(
-        qh, kh, vh, segment_lengths, dilation_rates, causal=causal, scale=scale,
-        head_offset=head_offset + group_rank(group) * split.heads, strategy="ulysses", documents=documents,
-    )  # fmt: skip
-    return heads_to_sequence(out, lse, split, group, layout, return_lse, timeout_s)
+    check_layout(call.layout, q.shape[1])
+    make_branches(q.shape[1] * degree, call.segment_lengths, call.dilation_rates)
+    documents = check_cu_seqlens(call.cu_seqlens, q.shape[1] * degree)
+    qh, kh, vh = to_heads(q, k, v, split, group, layout=call.layout, timeout_s=call.timeout_s)
+    offset = call.head_offset + group_rank(group) * split.heads
+    out, lse = attend_local_heads(qh, kh, vh, call, head_offset=offset, strategy="ulysses", documents=documents)
+    return heads_to_sequence(out, lse, split, group, call)
 
 
 def heads_to_sequence(
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    split: HeadSplit,
-    group: ProcessGroup | None,
-    layout: str,
-    return_lse: bool,
-    timeout_s: float | None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Return ``out [B, p·L, h, D]`` (and ``lse [B, p·L, h]``) to sequence shards; LSE as ``[B, H, L]``."""
+    out: torch.Tensor, lse: torch.Tensor, split: HeadSplit, group: ProcessGroup | None, call: AttentionCall
+) -> Output:
+    """Return ``out [B, p·L, h, D]`` (and, with ``call.return_lse``, ``lse [B, p·L, h]``) to sequence shards;
+    LSE as ``[B, H, L]``."""
+    layout, timeout_s = call.layout, call.timeout_s
     out = to_sequence(out, split.degree, group, layout=layout, op="ulysses_out", timeout_s=timeout_s)
-    if not return_lse:
+    if not call.return_lse:
         return out
     lse = to_sequence(lse.unsqueeze(-1), split.degree, group, layout=layout, op="ulysses_lse", timeout_s=timeout_s)
     return out, lse.squeeze(-1).transpose(1, 2)
