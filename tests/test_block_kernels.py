@@ -6,7 +6,18 @@ import torch
 from ds_ring.kernels import block
 
 
-def test_cpu_selects_fused_flash_kernel():
+def test_cpu_selects_fused_flash_kernel(monkeypatch):
+    monkeypatch.delenv("DS_RING_KERNEL", raising=False)
+    assert block.select_kernel("cpu", torch.float32) is block.CPU_FLASH
+
+
+def test_kernel_override_is_read_at_every_call(monkeypatch):
+    """DS_RING_KERNEL set or cleared after a choice was cached still decides the next call."""
+    monkeypatch.delenv("DS_RING_KERNEL", raising=False)
+    assert block.select_kernel("cpu", torch.float32) is block.CPU_FLASH
+    monkeypatch.setenv("DS_RING_KERNEL", "torch")
+    assert block.select_kernel("cpu", torch.float32) is block.TORCH
+    monkeypatch.delenv("DS_RING_KERNEL")
     assert block.select_kernel("cpu", torch.float32) is block.CPU_FLASH
 
 

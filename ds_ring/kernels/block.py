@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -120,17 +121,18 @@ CPU_FLASH = BlockKernel("cpu_flash", _cpu_flash_forward, _cpu_flash_backward)
 CUDA_FLASH = BlockKernel("cuda_flash", _cuda_flash_forward, _cuda_flash_backward)
 
 
-@functools.cache
 def select_kernel(device_type: str, dtype: torch.dtype) -> BlockKernel:
     """The fastest available kernel that returns the LSE, chosen once per (device type, dtype).
 
     The environment variable ``DS_RING_KERNEL=torch`` forces the pure-torch fallback (tests use it
-    to check both paths agree).
+    to check both paths agree). It is read on every call, before the cached choice, so setting or
+    clearing it takes effect at the next block.
     """
-    import os
+    return TORCH if os.environ.get("DS_RING_KERNEL") == "torch" else _fastest_kernel(device_type, dtype)
 
-    if os.environ.get("DS_RING_KERNEL") == "torch":
-        return TORCH
+
+@functools.cache
+def _fastest_kernel(device_type: str, dtype: torch.dtype) -> BlockKernel:
     if device_type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
         return CPU_FLASH
     if device_type == "cuda" and dtype in (torch.float16, torch.bfloat16):
