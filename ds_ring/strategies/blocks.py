@@ -19,6 +19,7 @@ blocks, buffers and kernel pieces of a whole-head exchange.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -226,21 +227,25 @@ def block_has_work(span: SpanPlan, member: int, causal: bool) -> bool:
     return any(pieces(mine, theirs, causal) for mine, theirs in zip(span.queries, keys, strict=True))
 
 
+def _visits(
+    span: SpanPlan, member: int, kv: list[KV], causal: bool
+) -> Iterator[tuple[int, slice, torch.Tensor, torch.Tensor, Run, Run]]:
+    """``(group, its query heads, K, V expanded to them, query run, key run)`` for every piece between the
+    shard's queries and another member's block."""
+    for g, group in enumerate(span.groups):
+        work = pieces(span.queries[g], span.held[member][g], causal)
+        if work:
+            kg, vg = (_expand(x, span, g) for x in kv[g])
+            for a, b, _ in work:
+                yield g, group.q_heads, kg, vg, a, b
+
+
 def forward_block_(span: SpanPlan, member: int, kv: list[KV], shard: Shard, opts: Options) -> None:
     """Merge attention of the shard's queries over another member's block into its ``out``/``lse`` (in place)."""
     q, out, lse = shard.q, shard.out, shard.lse
-    for g, group in enumerate(span.groups):
-        work = pieces(span.queries[g], span.held[member][g], opts.causal)
-        if not work:
-            continue
-        h = group.q_heads
-        kg, vg = (_expand(x, span, g) for x in kv[g])
-        for a, b, _ in work:
-            ks = b.packed
-            attend_into(
-                q[:, a.rows, h], kg[:, ks], vg[:, ks], out[:, a.rows, h], lse[:, a.rows, h], causal=False,
-                scale=opts.scale,
-            )  # fmt: skip
+    for _, h, kg, vg, a, b in _visits(span, member, kv, opts.causal):
+        qs, ks = a.rows, b.packed
+        attend_into(q[:, qs, h], kg[:, ks], vg[:, ks], out[:, qs, h], lse[:, qs, h], causal=False, scale=opts.scale)
 
 
 def backward_block_(
@@ -255,27 +260,21 @@ def backward_block_(
 ) -> None:
     """Accumulate the gradient of another member's block into ``dq [B, L, H, D]`` and its ``dkv`` views."""
     q, out, lse = shard.q, shard.out, shard.lse
-    for g, group in enumerate(span.groups):
-        work = pieces(span.queries[g], span.held[member][g], opts.causal)
-        if not work:
-            continue
-        h = group.q_heads
-        kg, vg = (_expand(x, span, g) for x in kv[g])
+    for g, h, kg, vg, a, b in _visits(span, member, kv, opts.causal):
+        qs, ks = a.rows, b.packed
+        dq_piece, dk_piece, dv_piece = attend_backward(
+            dout[:, qs, h], q[:, qs, h], kg[:, ks], vg[:, ks], out[:, qs, h], lse[:, qs, h],
+            causal=False, scale=opts.scale,
+        )  # fmt: skip
+        dq[:, qs, h] += dq_piece
         dkg, dvg = dkv[g]
         expand = span.travel[g].expand
-        for a, b, _ in work:
-            qs, ks = a.rows, b.packed
-            dq_piece, dk_piece, dv_piece = attend_backward(
-                dout[:, qs, h], q[:, qs, h], kg[:, ks], vg[:, ks], out[:, qs, h], lse[:, qs, h],
-                causal=False, scale=opts.scale,
-            )  # fmt: skip
-            dq[:, qs, h] += dq_piece
-            if expand is None:
-                dkg[:, ks] += dk_piece
-                dvg[:, ks] += dv_piece
-            else:
-                dkg[:, ks].index_add_(2, expand, dk_piece.to(dkg.dtype))
-                dvg[:, ks].index_add_(2, expand, dv_piece.to(dvg.dtype))
+        if expand is None:
+            dkg[:, ks] += dk_piece
+            dvg[:, ks] += dv_piece
+        else:
+            dkg[:, ks].index_add_(2, expand, dk_piece.to(dkg.dtype))
+            dvg[:, ks].index_add_(2, expand, dv_piece.to(dvg.dtype))
 
 
 def forward_own_(span: SpanPlan, shard: Shard, opts: Options) -> None:
