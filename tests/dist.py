@@ -14,7 +14,7 @@ from typing import Any
 
 from ds_ring.testing import PRELOAD, rank_results, spawn_ranks
 
-__all__ = ["run_distributed", "CaseLog"]
+__all__ = ["run_distributed", "CaseLog", "assert_no_failures"]
 
 # What rank functions of tests import anyway: pytest, and torch.distributed.tensor (imported by the
 # first assert_close: ~1 s per rank otherwise).
@@ -59,3 +59,9 @@ class CaseLog:
             yield
         except Exception:
             self.failures.append(f"{name}:\n{traceback.format_exc()}")
+
+
+def assert_no_failures(results: list[list[str]]) -> None:
+    """Fail with the first few failing cases of every rank's list (what rank functions return)."""
+    failures = [f for per_rank in results for f in per_rank]
+    assert not failures, "\n".join(failures[:3])

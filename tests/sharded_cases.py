@@ -98,9 +98,3 @@ def ring_rank(rank: int, world: int, cases: list[dict[str, Any]]) -> list[str]:
         attention = functools.partial(ds_ring.ring_dilated_attention, communication=case["communication"])
         failures += run_cases([case], attention)
     return failures
-
-
-def assert_no_failures(results: list[list[str]]) -> None:
-    """Fail with the first few failing cases of every rank's list."""
-    failures = [f for per_rank in results for f in per_rank]
-    assert not failures, "\n".join(failures[:3])

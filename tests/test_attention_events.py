@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import ds_ring
-from tests.dist import CaseLog, run_distributed
+from tests.dist import CaseLog, assert_no_failures, run_distributed
 
 
 def _rank(rank: int, world: int) -> list[str]:
@@ -32,5 +32,4 @@ def _rank(rank: int, world: int) -> list[str]:
 
 @pytest.mark.timeout(60)
 def test_every_strategy_emits_attention_events():
-    failures = [f for per_rank in run_distributed(_rank, 2, timeout=45) for f in per_rank]
-    assert not failures, "\n".join(failures[:2])
+    assert_no_failures(run_distributed(_rank, 2, timeout=45))

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import ds_ring
-from tests.dist import CaseLog, run_distributed
+from tests.dist import CaseLog, assert_no_failures, run_distributed
 
 E, H, HKV, SEQ = 32, 4, 2, 24
 
@@ -42,8 +42,7 @@ def _rank(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_sharded_module_equals_full_module(world):
-    failures = [f for per_rank in run_distributed(_rank, world, timeout=90) for f in per_rank]
-    assert not failures, "\n".join(failures[:3])
+    assert_no_failures(run_distributed(_rank, world, timeout=90))
 
 
 def test_module_call_convention_and_errors():

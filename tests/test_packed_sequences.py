@@ -17,8 +17,8 @@ import ds_ring
 from ds_ring.hooks import register_hook
 from ds_ring.parallel import sequence_parallel_attention
 from ds_ring.topology import Topology
-from tests.dist import CaseLog, run_distributed
-from tests.sharded_cases import assert_no_failures, ring_rank, run_cases
+from tests.dist import CaseLog, assert_no_failures, run_distributed
+from tests.sharded_cases import ring_rank, run_cases
 
 L = 8  # rows per rank
 

@@ -4,8 +4,8 @@ import itertools
 
 import pytest
 
-from tests.dist import run_distributed
-from tests.sharded_cases import assert_no_failures, ring_rank
+from tests.dist import assert_no_failures, run_distributed
+from tests.sharded_cases import ring_rank
 
 
 def _cases(world: int) -> list[dict]:

@@ -11,7 +11,7 @@ import torch
 
 import ds_ring
 from ds_ring.hooks import register_hook
-from tests.dist import CaseLog, run_distributed
+from tests.dist import CaseLog, assert_no_failures, run_distributed
 
 B, L, H, D = 1, 12, 4, 8
 
@@ -67,5 +67,4 @@ def _rank(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ring_traffic(world):
-    failures = [f for per_rank in run_distributed(_rank, world, timeout=90) for f in per_rank]
-    assert not failures, "\n".join(failures[:3])
+    assert_no_failures(run_distributed(_rank, world, timeout=90))

@@ -6,7 +6,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import ds_ring
-from tests.dist import CaseLog, run_distributed
+from tests.dist import CaseLog, assert_no_failures, run_distributed
 
 SEQ, VOCAB = 12, 7
 
@@ -45,5 +45,4 @@ def _rank(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_loss_matches_full_sequence_mean(world):
-    failures = [f for per_rank in run_distributed(_rank, world, timeout=45) for f in per_rank]
-    assert not failures, "\n".join(failures[:3])
+    assert_no_failures(run_distributed(_rank, world, timeout=45))

@@ -6,7 +6,7 @@ import types
 import pytest
 
 from ds_ring.topology import ROLES, RankLayout, Topology, rank_layout
-from tests.dist import CaseLog, run_distributed
+from tests.dist import CaseLog, assert_no_failures, run_distributed
 
 # 8 ranks as 2 data × 2 ring × 2 ulysses: rank = d·4 + r·2 + u.
 EXPECTED_8 = {
@@ -165,8 +165,7 @@ def _groups_rank(rank: int, world: int) -> list[str]:
 
 @pytest.mark.timeout(90)
 def test_spawned_topology_groups_and_mpu():
-    failures = [f for per_rank in run_distributed(_groups_rank, 4, timeout=80) for f in per_rank]
-    assert not failures, "\n".join(failures[:3])
+    assert_no_failures(run_distributed(_groups_rank, 4, timeout=80))
 
 
 def _zero_step_rank(rank: int, world: int, stage: int) -> tuple[list[float], float]:
@@ -224,8 +223,7 @@ def _bad_topology_rank(rank: int, world: int) -> list[str]:
 
 @pytest.mark.timeout(60)
 def test_bad_degrees_raise_on_every_rank_before_any_group_is_made():
-    failures = [f for per_rank in run_distributed(_bad_topology_rank, 4, timeout=50) for f in per_rank]
-    assert not failures, "\n".join(failures[:3])
+    assert_no_failures(run_distributed(_bad_topology_rank, 4, timeout=50))
 
 
 def _disagreeing_topology_rank(rank: int, world: int) -> list[str]:
@@ -253,8 +251,7 @@ def _disagreeing_topology_rank(rank: int, world: int) -> list[str]:
 
 @pytest.mark.timeout(60)
 def test_ranks_that_build_other_degrees_all_raise():
-    failures = [f for per_rank in run_distributed(_disagreeing_topology_rank, 4, timeout=50) for f in per_rank]
-    assert not failures, "\n".join(failures[:3])
+    assert_no_failures(run_distributed(_disagreeing_topology_rank, 4, timeout=50))
 
 
 def test_topology_needs_an_initialised_process_group():

@@ -15,7 +15,7 @@ import torch
 
 from ds_ring.parallel import get_strategy, sequence_parallel_attention, strategy_names
 from ds_ring.topology import Topology
-from tests.dist import CaseLog, run_distributed
+from tests.dist import CaseLog, assert_no_failures, run_distributed
 from tests.sharded_cases import run_cases
 
 L = 8  # rows per rank
@@ -110,8 +110,7 @@ def _bad_call_rank(rank: int, world: int) -> list[str]:
 
 @pytest.mark.timeout(60)
 def test_bad_calls_raise_value_error_on_every_rank_before_any_data_moves():
-    failures = [f for per_rank in run_distributed(_bad_call_rank, 4, timeout=50) for f in per_rank]
-    assert not failures, "\n".join(failures[:3])
+    assert_no_failures(run_distributed(_bad_call_rank, 4, timeout=50))
 
 
 def test_strategy_registry():
