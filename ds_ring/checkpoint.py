@@ -37,6 +37,13 @@ COMPLETE = "ds_ring_complete.json"
 """Written by rank 0 into a tag directory once every rank's files of it are complete."""
 
 
+def _agreement(engine: Any) -> dict[str, Any]:
+    """How the ranks agree on a checkpoint: uncached, bounded by the engine's :class:`ds_ring.Topology`'s
+    timeout (300 s for an engine without one)."""
+    timeout_s = getattr(getattr(engine, "mpu", None), "timeout_s", None)
+    return dict(timeout_s=timeout_s, fix=_SAME_DIRECTORY, cache=False)
+
+
 def save_checkpoint(engine: Any, save_dir: str | os.PathLike, tag: str, client_state: dict | None = None) -> Path:
     """Collective: ``engine.save_checkpoint(save_dir, tag, client_state)``, then publish ``tag`` atomically.
 
@@ -50,7 +57,7 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike, tag: str, client_s
     """
     save_dir, tag = Path(save_dir), str(tag)
     published = _read_latest(save_dir)
-    agree({"tag": tag, "latest": published}, op="save_checkpoint", fix=_SAME_DIRECTORY, cache=False)
+    agree({"tag": tag, "latest": published}, op="save_checkpoint", **_agreement(engine))
     if tag == published:
         raise ValueError(
             f"ds_ring: checkpoint tag {tag!r} is the one {save_dir / LATEST} names; saving over it would leave no "
@@ -85,7 +92,7 @@ def load_checkpoint(engine: Any, save_dir: str | os.PathLike) -> tuple[str, dict
     """
     save_dir = Path(save_dir)
     tag = _read_latest(save_dir)
-    agree({"latest": tag}, op="load_checkpoint", fix=_SAME_DIRECTORY, cache=False)
+    agree({"latest": tag}, op="load_checkpoint", **_agreement(engine))
     if tag is None:
         return None
     problem = _incomplete(save_dir / tag)

@@ -32,8 +32,9 @@ from typing import Any, Literal
 
 import yaml
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from ds_ring.comm.wait import DEFAULT_TIMEOUT_S
 from ds_ring.kernels.dilation import make_branches
 from ds_ring.parallel import strategy_names
 from ds_ring.strategies import exchanges, plan_shards
@@ -122,9 +123,10 @@ class RingAttentionConfig(DeepSpeedConfigModel):
     layout: Literal["contiguous", "zigzag"] = "contiguous"
     """How the sequence is cut into shards; ``zigzag`` balances causal dense attention over a ring."""
 
-    timeout_s: float = Field(300.0, gt=0)
-    """Bound in seconds on every communication wait (ds_ring's and, when ds_ring starts
-    ``torch.distributed``, the process group's); expiry raises an error naming rank, peer and step."""
+    timeout_s: float = Field(DEFAULT_TIMEOUT_S, gt=0)
+    """Bound in seconds on every communication wait (ds_ring's, through the :class:`~ds_ring.Topology` it
+    builds and the monitor's collectives, and, when ds_ring starts ``torch.distributed``, the process
+    group's); expiry raises an error naming rank, peer and step."""
 
     monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
     """Built-in hooks: per-step metrics, the watchdog and the numerics guard (:class:`MonitoringConfig`)."""
@@ -135,18 +137,12 @@ class RingAttentionConfig(DeepSpeedConfigModel):
         _refuse_unknown_keys(data, cls.model_fields, SECTION)
         return data
 
-    @field_validator("strategy")
+    @field_validator("strategy", "communication")
     @classmethod
-    def _known_strategy(cls, value: str) -> str:
-        if value not in strategy_names():
-            raise ValueError(f"{SECTION}.strategy {value!r} is not one of {list(strategy_names())}")
-        return value
-
-    @field_validator("communication")
-    @classmethod
-    def _known_communication(cls, value: str) -> str:
-        if value not in exchanges():
-            raise ValueError(f"{SECTION}.communication {value!r} is not one of {list(exchanges())}")
+    def _registered(cls, value: str, info: ValidationInfo) -> str:
+        names = strategy_names() if info.field_name == "strategy" else exchanges()
+        if value not in names:
+            raise ValueError(f"{SECTION}.{info.field_name} {value!r} is not one of {list(names)}")
         return value
 
     @model_validator(mode="after")

@@ -19,7 +19,7 @@ from torch import nn
 
 from ds_ring.attention import MultiheadRingDilatedAttention, RingDilatedAttention
 from ds_ring.comm.agree import agree
-from ds_ring.comm.wait import set_default_timeout
+from ds_ring.comm.wait import DEFAULT_TIMEOUT_S
 from ds_ring.config import SECTION, MonitoringConfig, RingAttentionConfig, load_config, read_ds_config
 from ds_ring.launch_env import discover_launch_env
 from ds_ring.monitor import RingMonitor, at_clean_exit, flush_writer
@@ -47,7 +47,7 @@ def _restart_safe_store(timeout: timedelta) -> dist.Store | None:
     return dist.PrefixStore(f"ds_ring/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def init_distributed(timeout_s: float = 300.0) -> None:
+def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Start ``torch.distributed`` once, from whatever launcher started this process.
 
     Reads the rank from the launcher's environment (``deepspeed``, ``torchrun``, SLURM, or
@@ -153,10 +153,13 @@ def _check_monitor_backend(section: RingAttentionConfig, ds_config: Mapping[str,
         )
 
 
-def attach_monitor(engine: Any, model: nn.Module, monitoring: MonitoringConfig) -> RingMonitor:
+def attach_monitor(
+    engine: Any, model: nn.Module, monitoring: MonitoringConfig, *, timeout_s: float | None = None
+) -> RingMonitor:
     """Attach the section's monitoring hooks to ``engine`` as ``engine.ring_monitor`` (metrics go to
     ``engine.monitor``, whose buffering backends :func:`ds_ring.run_main` flushes before the process
-    ends). The monitor of an earlier ``ds_ring.initialize`` in this process is closed."""
+    ends); its collectives are bounded by ``timeout_s`` (``None``: 300 s). The monitor of an earlier
+    ``ds_ring.initialize`` in this process is closed."""
     global _attached, _forget_flush
     if _attached is not None:
         _attached.close()
@@ -171,6 +174,7 @@ def attach_monitor(engine: Any, model: nn.Module, monitoring: MonitoringConfig) 
         numerics_guard=monitoring.numerics_guard,
         model=model,
         writer=getattr(engine, "monitor", None),
+        timeout_s=timeout_s,
     )
     engine.ring_monitor = _attached
     return _attached
@@ -227,7 +231,6 @@ def initialize(
         section = RingAttentionConfig(
             enabled=False, sequence_parallel_size=1, timeout_s=section.timeout_s, monitoring=section.monitoring
         )
-    set_default_timeout(section.timeout_s)
     topology = Topology.from_config(section, world_size)
     install(model, section, topology)
     config_for_deepspeed = {key: value for key, value in ds_config.items() if key != SECTION}
@@ -240,5 +243,5 @@ def initialize(
         mpu=topology,
         **deepspeed_kwargs,
     )
-    attach_monitor(initialized[0], model, section.monitoring)
+    attach_monitor(initialized[0], model, section.monitoring, timeout_s=section.timeout_s)
     return initialized

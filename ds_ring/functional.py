@@ -46,7 +46,7 @@ def ring_dilated_attention(
         layout: ``"contiguous"`` or ``"zigzag"`` (dense only; balances causal work).
         head_offset: global index of local head 0 (dilation offsets use global head indices).
         return_lse: also return ``lse [batch, heads, seq/p]`` (float32; float64 for float64 inputs).
-        timeout_s: bound on every communication wait (``None``: ``ds_ring.comm`` default).
+        timeout_s: bound on every communication wait (``None``: 300 s, :data:`ds_ring.comm.DEFAULT_TIMEOUT_S`).
         cu_seqlens: document boundaries ``[0, e1, ..., seq]`` over the *global* sequence (1-D integers, the
             same on every rank): each document is attended as if alone; K/V of other documents are neither
             computed on nor sent. ``None``: one document.

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ds_ring.functional import ring_attention_call
+from ds_ring.registry import Registry
 from ds_ring.strategies import get_exchange
 from ds_ring.strategies.call import AttentionCall, Output
 from ds_ring.strategies.hybrid import hybrid_attention_call
@@ -41,7 +42,7 @@ __all__ = [
 
 Strategy = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Topology, AttentionCall], Output]
 
-_STRATEGIES: dict[str, Strategy] = {}
+_STRATEGIES: Registry[Strategy] = Registry("strategy")
 
 
 def register_strategy(name: str, strategy: Strategy) -> None:
@@ -49,20 +50,17 @@ def register_strategy(name: str, strategy: Strategy) -> None:
 
     It must raise ``ValueError`` for anything it cannot do before it communicates.
     """
-    _STRATEGIES[name] = strategy
+    _STRATEGIES.register(name, strategy)
 
 
 def strategy_names() -> tuple[str, ...]:
     """Names of the registered strategies."""
-    return tuple(_STRATEGIES)
+    return _STRATEGIES.names()
 
 
 def get_strategy(name: str) -> Strategy:
     """The strategy registered as ``name``; ``ValueError`` listing the choices otherwise."""
-    try:
-        return _STRATEGIES[name]
-    except KeyError:
-        raise ValueError(f"strategy must be one of {sorted(_STRATEGIES)}, got {name!r}") from None
+    return _STRATEGIES.get(name)
 
 
 def sequence_parallel_attention(
@@ -99,7 +97,7 @@ def sequence_parallel_attention(
             with ring degree 1), the ring dimension of the others supports it for dense attention only.
         head_offset: global index of local head 0 (dilation offsets use global head indices).
         return_lse: also return ``lse [batch, heads, seq/p]`` (float32; float64 for float64 inputs).
-        timeout_s: bound on every communication wait (``None``: ``ds_ring.comm`` default).
+        timeout_s: bound on every communication wait (``None``: ``topology.timeout_s``).
         cu_seqlens: document boundaries ``[0, e1, ..., seq]`` of a packed sequence over the *global*
             sequence (1-D integers, the same on every rank and batch row): each document is attended as
             if alone, on every strategy and layout. ``None``: one document.
@@ -125,7 +123,9 @@ def sequence_parallel_call(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall, topology: Topology, strategy: str = "ring"
 ) -> Output:
     """:func:`sequence_parallel_attention` with its arguments as one :class:`AttentionCall` (same shapes,
-    same checks)."""
+    same checks); a call naming no timeout is bounded by ``topology.timeout_s``."""
+    if call.timeout_s is None:
+        call = dataclasses.replace(call, timeout_s=topology.timeout_s)
     call.check(
         "sequence_parallel_attention", topology.sequence_parallel_group, q, k, v,
         strategy=strategy, communication=call.communication,

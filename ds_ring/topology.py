@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ds_ring.comm.agree import agree
+from ds_ring.comm.wait import resolve_timeout
 
 __all__ = ["RankLayout", "rank_layout", "Topology", "ROLES"]
 
@@ -207,9 +208,10 @@ class Topology:
     same degrees, in the same order relative to other group creations (``torch.distributed.new_group``
     is collective over the whole job). ``group`` is the group whose ranks the topology divides; it
     must span every process (default: the world). The ranks first agree on the degrees (one small
-    all-gather, :func:`ds_ring.comm.agree`, bounded by ``timeout_s``; ``None``: the ``ds_ring.comm``
-    default): degrees that differ raise a ``ValueError`` on every rank naming each rank's values.
-    Then the degrees are checked, before any group is created.
+    all-gather, :func:`ds_ring.comm.agree`, bounded by ``timeout_s``): degrees that differ raise a
+    ``ValueError`` on every rank naming each rank's values. Then the degrees are checked, before any
+    group is created. ``timeout_s`` (``None``: 300 s, :data:`ds_ring.comm.DEFAULT_TIMEOUT_S`) then
+    bounds every wait of attention over this topology that names no timeout of its own.
 
     It is DeepSpeed's ``mpu``: pass it as ``deepspeed.initialize(..., mpu=topology)``. ZeRO then
     reduces gradients over :attr:`sequence_data_parallel_group` (all ``D·U·R`` ranks) and divides by
@@ -228,6 +230,7 @@ class Topology:
         data_parallel_group: the ``D`` replicas of this rank's position (same ``r``, ``u``).
         sequence_data_parallel_group: all ranks: what ZeRO partitions and reduces over.
         model_parallel_group: this rank alone.
+        timeout_s: the bound in seconds on communication waits over these groups, where a call names none.
     """
 
     layout: RankLayout
@@ -238,6 +241,7 @@ class Topology:
     data_parallel_group: ProcessGroup = field(repr=False)
     sequence_data_parallel_group: ProcessGroup = field(repr=False)
     model_parallel_group: ProcessGroup = field(repr=False)
+    timeout_s: float
 
     def __init__(
         self,
@@ -248,6 +252,7 @@ class Topology:
         *,
         timeout_s: float | None = None,
     ) -> None:
+        timeout_s = resolve_timeout(timeout_s)
         if not dist.is_initialized():
             raise RuntimeError("ds_ring.Topology needs torch.distributed: call init_process_group first")
         world_size = dist.get_world_size(group)
@@ -266,6 +271,7 @@ class Topology:
         groups = _create_groups(layout, rank, dist.group.WORLD if group is None else group)
         object.__setattr__(self, "layout", layout)
         object.__setattr__(self, "rank", rank)
+        object.__setattr__(self, "timeout_s", timeout_s)
         for role, pg in groups.items():
             object.__setattr__(self, f"{role}_group", pg)
 

@@ -159,14 +159,12 @@ def ds_config_for(path: str, save_dir: Path) -> dict:
     return config
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "--deepspeed_config", default="ds_configs/cpu_default.json", help="ds_config path (.json, .yaml or .yml)"
-    )
+def add_training_arguments(p: argparse.ArgumentParser, steps: int) -> None:
+    """The arguments every launch script takes after ``--deepspeed_config``: the launcher's, the task's
+    (``--steps`` defaulting to ``steps``), the model's shape, the optimiser's and the run's."""
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (split over the sequence ranks)")
-    p.add_argument("--steps", type=int, default=240)
+    p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
@@ -174,6 +172,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (CPU)")
+
+
+def report_run(losses: list[float], tokens_per_step: int, elapsed: float) -> list[list[float]]:
+    """Every rank's ``[peak memory MiB, tokens/s]`` over the ``len(losses)`` steps just run (one all-gather);
+    rank 0 prints them after the mean loss of the first and of the last 5 steps."""
+    rank, world, steps = dist.get_rank(), dist.get_world_size(), len(losses)
+    report = torch.tensor([peak_memory_mib(), steps * tokens_per_step / max(elapsed, 1e-9)], dtype=torch.float64)
+    reports = [torch.zeros_like(report) for _ in range(world)]
+    dist.all_gather(reports, report)
+    if rank == 0:
+        if losses:
+            first, last = sum(losses[:5]) / len(losses[:5]), sum(losses[-5:]) / len(losses[-5:])
+            print(f"loss: first 5 steps {first:.3f} -> last 5 steps {last:.3f} (chance ln(16) = 2.773)")
+        print(f"{steps} steps of {tokens_per_step} tokens on {world} ranks in {elapsed:.1f} s")
+        for r, (mem, tps) in enumerate(reports):
+            print(f"  rank {r}: {float(tps):8.0f} tokens/s | peak memory {float(mem):7.1f} MiB")
+    return [r.tolist() for r in reports]
+
+
+def shut_down(engine: Any) -> None:
+    """Close the engine's ring monitor, wait for every rank, then destroy the engine and the process group."""
+    engine.ring_monitor.close()
+    dist.barrier()
+    engine.destroy()
+    dist.destroy_process_group()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--deepspeed_config", default="ds_configs/cpu_default.json", help="ds_config path (.json, .yaml or .yml)"
+    )
+    add_training_arguments(p, steps=240)
     p.add_argument("--save-dir", default="runs/train", help="checkpoints; an existing one is resumed")
     p.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps (0: never)")
     p.add_argument("--metrics-log", default=None, help="write per-step metrics as JSON lines here (rank 0)")
@@ -227,7 +258,8 @@ def main(argv: list[str] | None = None) -> dict:
         tokens, labels = make_batch(step, micro * replicas, args.seq, args.seed)
         rows = slice(replica * micro, (replica + 1) * micro)
         local_tokens, local_labels = (ds_ring.shard_sequence(x[rows], group) for x in (tokens, labels))
-        loss = ds_ring.sequence_parallel_cross_entropy(engine(local_tokens, positions), local_labels, group)
+        logits = engine(local_tokens, positions)
+        loss = ds_ring.sequence_parallel_cross_entropy(logits, local_labels, group, timeout_s=topology.timeout_s)
         if not monitor.skip_step():  # numerics_guard "skip_step": the batch is dropped on every rank
             engine.backward(loss)
             engine.step()
@@ -240,28 +272,15 @@ def main(argv: list[str] | None = None) -> dict:
             with open(args.metrics_log, "a") as handle:
                 handle.write(json.dumps({"step": step + 1, "loss": losses[-1], **metrics}) + "\n")
     elapsed = time.perf_counter() - started
-    done = args.steps - start_step
 
-    report = torch.tensor([peak_memory_mib(), done * tokens_per_step / max(elapsed, 1e-9)], dtype=torch.float64)
-    reports = [torch.zeros_like(report) for _ in range(world)]
-    dist.all_gather(reports, report)
+    report_run(losses, tokens_per_step, elapsed)
     summary = {"start_step": start_step, "steps": args.steps, "losses": losses, "world": world}
-    if rank == 0:
-        if losses:
-            first, last = sum(losses[:5]) / len(losses[:5]), sum(losses[-5:]) / len(losses[-5:])
-            print(f"loss: first 5 steps {first:.3f} -> last 5 steps {last:.3f} (chance ln(16) = 2.773)")
-        print(f"{done} steps of {tokens_per_step} tokens on {world} ranks in {elapsed:.1f} s")
-        for r, (mem, tps) in enumerate(reports.tolist() if isinstance(reports, torch.Tensor) else reports):
-            print(f"  rank {r}: {float(tps):8.0f} tokens/s | peak memory {float(mem):7.1f} MiB")
-        if args.final_params:
-            params = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
-            torch.save(params, args.final_params)
+    if rank == 0 and args.final_params:
+        params = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+        torch.save(params, args.final_params)
     if os.environ.get("DS_RING_TRAIN_SUMMARY"):
         Path(os.environ["DS_RING_TRAIN_SUMMARY"]).with_suffix(f".rank{rank}.json").write_text(json.dumps(summary))
-    monitor.close()
-    dist.barrier()
-    engine.destroy()
-    dist.destroy_process_group()
+    shut_down(engine)
     return summary
 
 

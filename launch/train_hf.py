@@ -31,17 +31,23 @@ if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is imported: no detection warning
 
 import ds_ring  # noqa: E402
-from ds_ring.hooks import peak_memory_bytes  # noqa: E402
 from ds_ring.integrations.hf import (  # noqa: E402
     SequenceParallelDataLoader,
     causal_lm_loss,
     register_with_transformers,
 )
 from ds_ring.monitor import run_main  # noqa: E402
-
-KEYS, KEY_REPEAT, QUERY_TOKENS = 16, 64, 64
-FILLER, QUERY = KEYS, KEYS + 1
-VOCAB = KEYS + 2
+from launch.train import (  # noqa: E402
+    FILLER,
+    KEY_REPEAT,
+    KEYS,
+    QUERY,
+    QUERY_TOKENS,
+    VOCAB,
+    add_training_arguments,
+    report_run,
+    shut_down,
+)
 
 
 class RecallDataset(Dataset):
@@ -82,17 +88,8 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--deepspeed_config", default="ds_configs/hf_ring.json", help="ds_config.json path")
-    p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
-    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (split over the sequence ranks)")
-    p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--lr", type=float, default=3e-3)
+    add_training_arguments(p, steps=150)
     p.add_argument("--init-std", type=float, default=0.2, help="weight init std (HF's 0.02 learns this task slowly)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (CPU)")
     return p.parse_args(argv)
 
 
@@ -104,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     engine, *_ = ds_ring.initialize(model=model, optimizer=optimizer, config=args.deepspeed_config, seq_len=args.seq)
     topology = register_with_transformers(model, config=args.deepspeed_config, topology=engine.mpu)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     micro, replicas = engine.train_micro_batch_size_per_gpu(), topology.get_data_parallel_world_size()
     # Every rank of a sequence-parallel group loads the same full batches: sample over the replicas only.
     dataset = RecallDataset(args.steps * micro * replicas, args.seq, args.seed)
@@ -126,21 +123,9 @@ def main(argv: list[str] | None = None) -> dict:
         monitor.end_step(loss=losses[-1])
     elapsed = time.perf_counter() - started
 
-    tokens = len(losses) * micro * replicas * args.seq
-    report = torch.tensor([peak_memory_bytes() / 2**20, tokens / elapsed], dtype=torch.float64)
-    reports = [torch.zeros_like(report) for _ in range(world)]
-    dist.all_gather(reports, report)
-    if rank == 0:
-        first, last = sum(losses[:5]) / len(losses[:5]), sum(losses[-5:]) / len(losses[-5:])
-        print(f"loss: first 5 steps {first:.3f} -> last 5 steps {last:.3f} (chance ln(16) = 2.773)")
-        print(f"{len(losses)} steps of {micro * replicas * args.seq} tokens on {world} ranks in {elapsed:.1f} s")
-        for r, (mem, tps) in enumerate(reports):
-            print(f"  rank {r}: {float(tps):8.0f} tokens/s | peak memory {float(mem):7.1f} MiB")
-    monitor.close()
-    dist.barrier()
-    engine.destroy()
-    dist.destroy_process_group()
-    return {"losses": losses, "elapsed_s": elapsed, "reports": [r.tolist() for r in reports]}
+    reports = report_run(losses, micro * replicas * args.seq, elapsed)
+    shut_down(engine)
+    return {"losses": losses, "elapsed_s": elapsed, "reports": reports}
 
 
 if __name__ == "__main__":

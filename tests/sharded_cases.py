@@ -11,7 +11,7 @@ alone (:func:`per_document_reference`), which shares nothing with the packed cod
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -98,3 +98,8 @@ def ring_rank(rank: int, world: int, cases: list[dict[str, Any]]) -> list[str]:
         attention = functools.partial(ds_ring.ring_dilated_attention, communication=case["communication"])
         failures += run_cases([case], attention)
     return failures
+
+
+def seeded(cases: Iterable[dict[str, Any]], **common: Any) -> list[dict[str, Any]]:
+    """``cases`` with the ``common`` fields added and ``seed`` set to each case's position (own inputs per case)."""
+    return [{**case, **common, "seed": seed} for seed, case in enumerate(cases)]

@@ -17,20 +17,15 @@ import pytest
 import torch
 
 from ds_ring.checkpoint import COMPLETE, checkpoint_files
-from tests.trainer_runs import free_port, reap, run_torchrun, write_config
+from tests.trainer_runs import train_with_checkpoints, write_config
 
 STEPS, SAVE_EVERY, FAULT_STEP = 8, 2, 6
 STEP_TIMEOUT_S = 20  # the watchdog's step deadline in the stalled case: far above a step with its save
 
 
 def _launch(run: Path, config: Path, max_restarts: int = 0, **env: str):
-    args = ["--deepspeed_config", str(config), "--seq", "512", "--steps", str(STEPS), "--save-every",
-            str(SAVE_EVERY), "--save-dir", str(run / "ckpt"), "--final-params", str(run / "final.pt")]  # fmt: skip
-    try:
-        return run_torchrun(args, free_port(), run / "torchrun.log", timeout=200, max_restarts=max_restarts, **env)
-    finally:
-        left = reap(str(run))
-        assert left == [], f"processes left running: {left}"
+    return train_with_checkpoints(run, config, run / "torchrun.log", steps=STEPS, save_every=SAVE_EVERY, timeout=200,
+                                  max_restarts=max_restarts, **env)  # fmt: skip
 
 
 @pytest.fixture(scope="module")

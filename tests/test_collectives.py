@@ -9,12 +9,13 @@ import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
-from ds_ring.comm import CommError, all_gather, all_to_all, backends, reduce_scatter, set_default_timeout
+from ds_ring.comm import CommError, all_gather, all_to_all, backends, reduce_scatter
 from ds_ring.hooks import Event, register_hook
-from tests.dist import CaseLog, run_distributed
+from tests.dist import CaseLog, assert_no_failures, run_distributed
 
 WORLD_SIZES = [1, 2, 3, 4]
 DTYPES = [torch.float32, torch.bfloat16, torch.int64]
+PATHS = [(dtype, force_p2p) for dtype in DTYPES for force_p2p in (False, True)]
 
 
 def _payload(owner: int, numel: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
@@ -32,31 +33,45 @@ def _my_spans(rank: int, world_size: int) -> list[list[int]]:
     return [span for span in _spans(world_size) if rank in span]
 
 
-def _gather_cases(rank: int, world_size: int) -> list[str]:
-    set_default_timeout(30)
-    log = CaseLog()
+def _recording() -> tuple[CaseLog, list[Event]]:
+    """A rank function's start: a case log, and the list the hooks record events into."""
     events: list[Event] = []
     register_hook(events.append)
+    return CaseLog(), events
+
+
+def _one_event(
+    events: list[Event], span: list[int], world_size: int, force_p2p: bool, *, kind: str, op: str, step: int
+) -> Event | None:
+    """The one event of an operation among ``span``, on the path the backend and ``force_p2p`` choose (the
+    collective only for the whole world); ``None`` for a span of one, which emits none."""
+    if len(span) == 1:
+        assert events == []
+        return None
+    (event,) = events
+    assert (event.kind, event.op, event.step) == (kind, op, step)
+    whole = span == list(range(world_size))
+    assert event.extra["path"] == ("collective" if whole and not force_p2p else "p2p")
+    return event
+
+
+def _gather_cases(rank: int, world_size: int) -> list[str]:
+    log, events = _recording()
     for span in _my_spans(rank, world_size):
-        for dtype in DTYPES:
-            for force_p2p in (False, True):
-                with log.case(f"all_gather span={span} {dtype} force_p2p={force_p2p}"):
-                    events.clear()
-                    parts = all_gather(_payload(rank, 6, dtype), span, force_p2p=force_p2p, op="ag", step=3)
-                    assert len(parts) == len(span)
-                    for member, part in zip(span, parts, strict=True):
-                        assert_close(part, _payload(member, 6, dtype), rtol=0, atol=0)
-                    whole = span == list(range(world_size))
-                    if len(span) == 1:
-                        assert events == []
-                    else:
-                        (event,) = events
-                        assert (event.kind, event.rank, event.op, event.step) == ("all_gather", rank, "ag", 3)
-                        assert event.extra["path"] == ("collective" if whole and not force_p2p else "p2p")
-                        assert event.extra["span"] == span
-                        itemsize = torch.empty(0, dtype=dtype).element_size()
-                        assert event.nbytes == 6 * itemsize * (len(span) - 1)
-                        assert event.extra["sent_bytes"] == 6 * itemsize * (len(span) - 1)
+        for dtype, force_p2p in PATHS:
+            with log.case(f"all_gather span={span} {dtype} force_p2p={force_p2p}"):
+                events.clear()
+                parts = all_gather(_payload(rank, 6, dtype), span, force_p2p=force_p2p, op="ag", step=3)
+                assert len(parts) == len(span)
+                for member, part in zip(span, parts, strict=True):
+                    assert_close(part, _payload(member, 6, dtype), rtol=0, atol=0)
+                event = _one_event(events, span, world_size, force_p2p, kind="all_gather", op="ag", step=3)
+                if event is not None:
+                    assert event.rank == rank
+                    assert event.extra["span"] == span
+                    itemsize = torch.empty(0, dtype=dtype).element_size()
+                    assert event.nbytes == 6 * itemsize * (len(span) - 1)
+                    assert event.extra["sent_bytes"] == 6 * itemsize * (len(span) - 1)
         with log.case(f"all_gather span={span} unequal sizes"):
             numels = [member + 1 for member in span]
             events.clear()
@@ -82,26 +97,16 @@ def _gather_cases(rank: int, world_size: int) -> list[str]:
 
 
 def _reduce_scatter_cases(rank: int, world_size: int) -> list[str]:
-    set_default_timeout(30)
-    log = CaseLog()
-    events: list[Event] = []
-    register_hook(events.append)
+    log, events = _recording()
     for span in _my_spans(rank, world_size):
-        for dtype in DTYPES:
-            for force_p2p in (False, True):
-                with log.case(f"reduce_scatter span={span} {dtype} force_p2p={force_p2p}"):
-                    events.clear()
-                    contributions = [_payload(rank, 5, dtype, salt=3 * target) for target in span]
-                    got = reduce_scatter(contributions, span, force_p2p=force_p2p, op="rs", step=1)
-                    expected = sum(_payload(member, 5, torch.int64, salt=3 * rank) for member in span)
-                    assert_close(got, expected.to(dtype), rtol=0, atol=0)
-                    whole = span == list(range(world_size))
-                    if len(span) == 1:
-                        assert events == []
-                    else:
-                        (event,) = events
-                        assert (event.kind, event.op, event.step) == ("reduce_scatter", "rs", 1)
-                        assert event.extra["path"] == ("collective" if whole and not force_p2p else "p2p")
+        for dtype, force_p2p in PATHS:
+            with log.case(f"reduce_scatter span={span} {dtype} force_p2p={force_p2p}"):
+                events.clear()
+                contributions = [_payload(rank, 5, dtype, salt=3 * target) for target in span]
+                got = reduce_scatter(contributions, span, force_p2p=force_p2p, op="rs", step=1)
+                expected = sum(_payload(member, 5, torch.int64, salt=3 * rank) for member in span)
+                assert_close(got, expected.to(dtype), rtol=0, atol=0)
+                _one_event(events, span, world_size, force_p2p, kind="reduce_scatter", op="rs", step=1)
         with log.case(f"reduce_scatter span={span} unequal sizes"):
             contributions = [_payload(rank, target + 2, torch.float32) for target in span]
             got = reduce_scatter(contributions, span)
@@ -143,25 +148,20 @@ def _reduce_scatter_cases(rank: int, world_size: int) -> list[str]:
 
 
 def _all_to_all_cases(rank: int, world_size: int) -> list[str]:
-    set_default_timeout(30)
-    log = CaseLog()
-    events: list[Event] = []
-    register_hook(events.append)
+    log, events = _recording()
+    world = list(range(world_size))
     # Row block j of rank r's input holds 100 * r + j: it goes to rank j.
-    for dtype in DTYPES:
-        for force_p2p in (False, True):
-            with log.case(f"all_to_all world {dtype} force_p2p={force_p2p}"):
-                events.clear()
-                rows = torch.arange(world_size).repeat_interleave(2) + 100 * rank
-                x = rows.view(-1, 1, 1).expand(-1, 3, 2).to(dtype)
-                got = all_to_all(x, force_p2p=force_p2p, op="a2a", step=2)
-                expected = (100 * torch.arange(world_size).repeat_interleave(2) + rank).view(-1, 1, 1)
-                assert_close(got, expected.expand(-1, 3, 2).to(dtype), rtol=0, atol=0)
-                if world_size > 1:
-                    (event,) = events
-                    assert (event.kind, event.op, event.step) == ("all_to_all", "a2a", 2)
-                    assert event.extra["path"] == ("p2p" if force_p2p else "collective")
-                    assert event.nbytes == 2 * 3 * 2 * x.element_size() * (world_size - 1)
+    for dtype, force_p2p in PATHS:
+        with log.case(f"all_to_all world {dtype} force_p2p={force_p2p}"):
+            events.clear()
+            rows = torch.arange(world_size).repeat_interleave(2) + 100 * rank
+            x = rows.view(-1, 1, 1).expand(-1, 3, 2).to(dtype)
+            got = all_to_all(x, force_p2p=force_p2p, op="a2a", step=2)
+            expected = (100 * torch.arange(world_size).repeat_interleave(2) + rank).view(-1, 1, 1)
+            assert_close(got, expected.expand(-1, 3, 2).to(dtype), rtol=0, atol=0)
+            event = _one_event(events, world, world_size, force_p2p, kind="all_to_all", op="a2a", step=2)
+            if event is not None:
+                assert event.nbytes == 2 * 3 * 2 * x.element_size() * (world_size - 1)
     members = list(range(1, world_size)) if world_size > 2 else list(range(world_size))
     group = dist.new_group(members)
     if rank in members:
@@ -180,8 +180,7 @@ def _all_to_all_cases(rank: int, world_size: int) -> list[str]:
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("cases", [_gather_cases, _reduce_scatter_cases, _all_to_all_cases])
 def test_collectives(cases, world_size: int) -> None:
-    failures = run_distributed(cases, world_size, timeout=60)
-    assert not any(failures), "\n".join(f for rank_failures in failures for f in rank_failures)
+    assert_no_failures(run_distributed(cases, world_size, timeout=60))
 
 
 def test_single_process_without_process_group() -> None:

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import ds_ring
-from ds_ring.strategies.hybrid import hybrid_attention
-from ds_ring.strategies.ulysses import ulysses_attention
+from ds_ring.strategies.call import AttentionCall
+from ds_ring.strategies.hybrid import hybrid_attention_call
+from ds_ring.strategies.ulysses import ulysses_attention_call
 from tests.dist import CaseLog, run_distributed
 
 TIMEOUT_S = 10.0
@@ -78,12 +79,12 @@ def _attention_rank(rank: int, world: int) -> tuple[list[str], dict[str, float]]
     heads = {**BASE, **(DIFFERS["heads"][0] if rank == 1 else {})}
     q, k, v = _inputs(**heads)
     alone = [torch.distributed.new_group([r]) for r in range(world)][rank]  # hybrid's ring of one
+    bounded = AttentionCall(timeout_s=TIMEOUT_S)
     for op, run in [
         ("ring_dilated_attention", lambda: ds_ring.ring_dilated_attention(q, k, v, timeout_s=TIMEOUT_S)),
-        ("ulysses_attention", lambda: ulysses_attention(q, k, v, timeout_s=TIMEOUT_S)),
-        ("hybrid_attention", lambda: hybrid_attention(q, k, v, ulysses_group=None, ring_group=alone,
-                                                      timeout_s=TIMEOUT_S)),
-    ]:  # fmt: skip
+        ("ulysses_attention", lambda: ulysses_attention_call(q, k, v, bounded, None)),
+        ("hybrid_attention", lambda: hybrid_attention_call(q, k, v, bounded, None, alone)),
+    ]:
         _expect_disagreement(log, seconds, f"{op}: heads", [f"disagree on {op}", DIFFERS["heads"][1]], run)
     _expect_disagreement(log, seconds, "Topology degrees", ["ring: rank 0 has 2, rank 1 has 1", "same degrees"],
                          lambda: ds_ring.Topology(ulysses=1 + rank, ring=2 - rank, timeout_s=TIMEOUT_S))  # fmt: skip
@@ -147,9 +148,9 @@ def _staged_rank(rank: int, world: int) -> tuple[list[str], dict[str, float]]:
     hybrid = dict(topology=topology, strategy="hybrid", timeout_s=TIMEOUT_S)
     _expect_disagreement(log, seconds, "hybrid via sequence_parallel_attention", needles,
                          lambda: ds_ring.sequence_parallel_attention(q, k, v, segments, [1, 2], **hybrid))  # fmt: skip
+    call, groups = AttentionCall(segments, [1, 2], timeout_s=TIMEOUT_S), (topology.ulysses_group, topology.ring_group)
     _expect_disagreement(log, seconds, "hybrid_attention over (ulysses, ring) groups", needles,
-                         lambda: hybrid_attention(q, k, v, segments, [1, 2], ulysses_group=topology.ulysses_group,
-                                                  ring_group=topology.ring_group, timeout_s=TIMEOUT_S))  # fmt: skip
+                         lambda: hybrid_attention_call(q, k, v, call, *groups))  # fmt: skip
     return log.failures, seconds
 
 

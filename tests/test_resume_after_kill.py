@@ -21,26 +21,18 @@ import pytest
 import torch
 
 from launch.plot_metrics import read_metrics
-from tests.trainer_runs import free_port, reap, run_torchrun, write_config
+from tests.trainer_runs import train_with_checkpoints, write_config
 
 STEPS, SAVE_EVERY, KILL_STEP = 8, 2, 6
 LAST_CHECKPOINT = KILL_STEP - 1 - (KILL_STEP - 1) % SAVE_EVERY  # 4
 FAULT = f"kill:rank=1:step={KILL_STEP}"
 
 
-def _args(config: Path, run: Path) -> list[str]:
-    return ["--deepspeed_config", str(config), "--seq", "512", "--steps", str(STEPS), "--save-every",
-            str(SAVE_EVERY), "--save-dir", str(run / "ckpt"), "--final-params", str(run / "final.pt"),
-            "--metrics-log", str(run / "metrics.jsonl")]  # fmt: skip
-
-
 def _launch(run: Path, log: str, max_restarts: int = 0, **env: str):
-    try:
-        return run_torchrun(_args(run.parent / "ds_config.json", run), free_port(), run / log, timeout=150,
-                            max_restarts=max_restarts, **env)  # fmt: skip
-    finally:
-        left = reap(str(run))
-        assert left == [], f"processes left running: {left}"
+    return train_with_checkpoints(
+        run, run.parent / "ds_config.json", run / log, steps=STEPS, save_every=SAVE_EVERY, timeout=150,
+        max_restarts=max_restarts, extra=("--metrics-log", str(run / "metrics.jsonl")), **env,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")

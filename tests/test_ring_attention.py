@@ -5,29 +5,18 @@ import itertools
 import pytest
 
 from tests.dist import assert_no_failures, run_distributed
-from tests.sharded_cases import ring_rank
+from tests.sharded_cases import ring_rank, seeded
 
 
 def _cases(world: int) -> list[dict]:
-    cases = []
-    for comm, causal, layout, (heads, kv_heads), dtype in itertools.product(
+    grid = itertools.product(
         ["ring", "allgather"], [False, True], ["contiguous", "zigzag"], [(4, 4), (4, 2), (3, 1)], ["float64", "float32"]
-    ):
-        cases.append(
-            dict(
-                communication=comm,
-                causal=causal,
-                layout=layout,
-                heads=heads,
-                kv_heads=kv_heads,
-                dtype=dtype,
-                batch=2,
-                seq=world * 6,
-                head_dim=8,
-                seed=len(cases),
-            )  # fmt: skip
-        )
-    return cases
+    )
+    cases = (
+        dict(communication=comm, causal=causal, layout=layout, heads=heads, kv_heads=kv_heads, dtype=dtype)
+        for comm, causal, layout, (heads, kv_heads), dtype in grid
+    )
+    return seeded(cases, batch=2, seq=world * 6, head_dim=8)
 
 
 @pytest.mark.timeout(240)

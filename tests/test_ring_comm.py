@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
-from ds_ring.comm import RingComm, set_default_timeout
+from ds_ring.comm import RingComm
 from ds_ring.hooks import Event, register_hook
-from tests.dist import CaseLog, run_distributed
+from tests.dist import CaseLog, assert_no_failures, run_distributed
 
 WORLD_SIZES = [1, 2, 3, 4]
 
@@ -31,7 +31,6 @@ def _exchange(comm: RingComm, block: torch.Tensor, step: int, **recv: object) ->
 
 
 def _blocks_travel(rank: int, world_size: int) -> list[str]:
-    set_default_timeout(30)
     log = CaseLog()
     nxt, prv = _neighbours(rank, world_size)
     for dtype in (torch.float32, torch.bfloat16, torch.int64):
@@ -94,7 +93,6 @@ def _blocks_travel(rank: int, world_size: int) -> list[str]:
 
 
 def _misuse_is_refused(rank: int, world_size: int) -> list[str]:
-    set_default_timeout(30)
     log = CaseLog()
     nxt, prv = _neighbours(rank, world_size)
     comm = RingComm(None, nxt, prv, op="ring_kv")
@@ -130,7 +128,6 @@ def _misuse_is_refused(rank: int, world_size: int) -> list[str]:
 
 
 def _traffic_is_measured(rank: int, world_size: int) -> list[str]:
-    set_default_timeout(30)
     log = CaseLog()
     nxt, prv = _neighbours(rank, world_size)
     events: list[Event] = []
@@ -196,5 +193,4 @@ def _traffic_is_measured(rank: int, world_size: int) -> list[str]:
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("cases", [_blocks_travel, _misuse_is_refused, _traffic_is_measured])
 def test_ring_comm(cases, world_size: int) -> None:
-    failures = run_distributed(cases, world_size, timeout=60)
-    assert not any(failures), "\n".join(f for rank_failures in failures for f in rank_failures)
+    assert_no_failures(run_distributed(cases, world_size, timeout=60))

@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 from tests.dist import assert_no_failures, run_distributed
-from tests.sharded_cases import ring_rank
+from tests.sharded_cases import ring_rank, seeded
 
 L = 8  # rows per rank
 
@@ -21,27 +21,13 @@ def _branches(world: int) -> list[tuple[list[int], list[int]]]:
 
 
 def _cases(world: int) -> list[dict]:
-    cases = []
-    for (segs, rates), comm, causal, (heads, kv_heads, head_offset) in itertools.product(
-        _branches(world), ["ring", "allgather"], [False, True], [(4, 4, 0), (6, 2, 3)]
-    ):
-        cases.append(
-            dict(
-                segments=segs,
-                rates=rates,
-                communication=comm,
-                causal=causal,
-                heads=heads,
-                kv_heads=kv_heads,
-                head_offset=head_offset,
-                batch=1,
-                seq=world * L,
-                head_dim=4,
-                seed=len(cases),
-                dtype="float64" if len(cases) % 4 else "float32",
-            )  # fmt: skip
-        )
-    return cases
+    grid = itertools.product(_branches(world), ["ring", "allgather"], [False, True], [(4, 4, 0), (6, 2, 3)])
+    cases = (
+        dict(segments=segs, rates=rates, communication=comm, causal=causal, heads=heads, kv_heads=kv_heads,
+             head_offset=head_offset, dtype="float64" if i % 4 else "float32")
+        for i, ((segs, rates), comm, causal, (heads, kv_heads, head_offset)) in enumerate(grid)
+    )  # fmt: skip
+    return seeded(cases, batch=1, seq=world * L, head_dim=4)
 
 
 @pytest.mark.timeout(240)

@@ -131,3 +131,18 @@ def reap(marker: str) -> list[str]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(entry.name), signal.SIGKILL)
     return found
+
+
+def train_with_checkpoints(
+    run: Path, config: Path, log: Path, *, steps: int, save_every: int, timeout: float, max_restarts: int = 0,
+    extra: tuple[str, ...] = (), **env: str,
+) -> Exit:  # fmt: skip
+    """``torchrun`` of the trainer at 512 tokens saving to ``run/ckpt`` every ``save_every`` steps and its final
+    parameters to ``run/final.pt``; asserts that nothing it started is left running."""
+    args = ["--deepspeed_config", str(config), "--seq", "512", "--steps", str(steps), "--save-every", str(save_every),
+            "--save-dir", str(run / "ckpt"), "--final-params", str(run / "final.pt"), *extra]  # fmt: skip
+    try:
+        return run_torchrun(args, free_port(), log, timeout=timeout, max_restarts=max_restarts, **env)
+    finally:
+        left = reap(str(run))
+        assert left == [], f"processes left running: {left}"

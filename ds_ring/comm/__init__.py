@@ -9,7 +9,7 @@ from ds_ring.comm.agree import agree
 from ds_ring.comm.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
 from ds_ring.comm.errors import CommError, CommTimeoutError
 from ds_ring.comm.ring import RingComm
-from ds_ring.comm.wait import get_default_timeout, set_default_timeout
+from ds_ring.comm.wait import DEFAULT_TIMEOUT_S
 
 __all__ = [
     "agree",
@@ -20,6 +20,5 @@ __all__ = [
     "all_to_all",
     "CommError",
     "CommTimeoutError",
-    "set_default_timeout",
-    "get_default_timeout",
+    "DEFAULT_TIMEOUT_S",
 ]

@@ -74,7 +74,7 @@ def agree(
             same size.
         op: the agreement point, e.g. ``"ring_dilated_attention"``: named in errors and events
             (as ``agree:<op>``), and part of the cache key.
-        timeout_s: bound on each wait in seconds (``None``: the ``ds_ring.comm`` default).
+        timeout_s: bound on each wait in seconds (``None``: :data:`~ds_ring.comm.wait.DEFAULT_TIMEOUT_S`).
         fix: what the error tells the user to change (default: make the same call on every rank).
         cache: skip the exchange for a fingerprint already agreed for ``(group, op)`` (steady state:
             only the local digest, microseconds). ``False`` for rare calls that must always be

@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -88,7 +89,7 @@ class RingComm:
     send_to, recv_from: *global* ranks of the next and previous rank in the ring; both equal to
         this rank for a ring of one, where ``send_recv`` returns a copy and no ``torch.distributed``
         call is made (and no event is emitted).
-    timeout_s: bound on each ``wait()`` in seconds (``None``: the module default at construction).
+    timeout_s: bound on each ``wait()`` in seconds (``None``: :data:`~ds_ring.comm.wait.DEFAULT_TIMEOUT_S`).
     op: name used in events and errors, e.g. ``"ring_kv"``.
 
     Every transfer emits a ``send`` and a ``recv`` :class:`~ds_ring.hooks.Event` when hooks are
@@ -242,47 +243,15 @@ class RingComm:
 
     def _emit(self, transfers: list[_Transfer], seconds: float, blocked: float) -> None:
         live = self._live.count()
+        event = partial(Event, rank=self.rank, op=self.op, step=self._step, seconds=seconds)
         sent_total = received_total = 0
         for transfer in transfers:
-            sent, received = transfer.send, transfer.recv
-            emit(
-                Event(
-                    kind="send",
-                    rank=self.rank,
-                    op=self.op,
-                    step=self._step,
-                    peer=self.send_to,
-                    nbytes=sent.numel() * sent.element_size(),
-                    seconds=seconds,
-                )
-            )
-            emit(
-                Event(
-                    kind="recv",
-                    rank=self.rank,
-                    op=self.op,
-                    step=self._step,
-                    peer=self.recv_from,
-                    nbytes=received.numel() * received.element_size(),
-                    seconds=seconds,
-                    extra={
-                        "live_remote_blocks": live,
-                        "recv_allocated": transfer.allocated,
-                        "recv_storage": received.untyped_storage().data_ptr(),
-                    },
-                )
-            )
-            sent_total += sent.numel() * sent.element_size()
-            received_total += received.numel() * received.element_size()
-        emit(
-            Event(
-                kind="ring_step",
-                rank=self.rank,
-                op=self.op,
-                step=self._step,
-                peer=self.send_to,
-                nbytes=sent_total,
-                seconds=seconds,
-                extra={"recv_from": self.recv_from, "received_bytes": received_total, "wait_s": blocked},
-            )
-        )
+            sent = transfer.send.numel() * transfer.send.element_size()
+            received = transfer.recv.numel() * transfer.recv.element_size()
+            storage = transfer.recv.untyped_storage().data_ptr()
+            emit(event(kind="send", peer=self.send_to, nbytes=sent))
+            extra = {"live_remote_blocks": live, "recv_allocated": transfer.allocated, "recv_storage": storage}
+            emit(event(kind="recv", peer=self.recv_from, nbytes=received, extra=extra))
+            sent_total, received_total = sent_total + sent, received_total + received
+        extra = {"recv_from": self.recv_from, "received_bytes": received_total, "wait_s": blocked}
+        emit(event(kind="ring_step", peer=self.send_to, nbytes=sent_total, extra=extra))

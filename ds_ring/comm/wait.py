@@ -21,25 +21,16 @@ import torch.distributed as dist
 from ds_ring.comm.errors import CommError, CommTimeoutError
 from ds_ring.hooks import Event, emit, hooks_active
 
-__all__ = ["Pending", "wait_all", "failed", "set_default_timeout", "get_default_timeout", "resolve_timeout"]
+__all__ = ["Pending", "wait_all", "failed", "DEFAULT_TIMEOUT_S", "resolve_timeout"]
 
-_default_timeout_s = 300.0
-
-
-def set_default_timeout(seconds: float) -> None:
-    """Set the timeout (seconds) used by every wait that is not given one explicitly."""
-    global _default_timeout_s
-    _default_timeout_s = _checked_timeout(seconds)
-
-
-def get_default_timeout() -> float:
-    """Timeout in seconds used when a call passes ``timeout_s=None`` (300 s unless changed)."""
-    return _default_timeout_s
+DEFAULT_TIMEOUT_S = 300.0
+"""Bound in seconds on a wait whose caller names none (a call on a plain group; a
+:class:`ds_ring.Topology` carries its own, the ds_config section's ``timeout_s``)."""
 
 
 def resolve_timeout(timeout_s: float | None) -> float:
-    """``timeout_s`` validated, or the module default when it is ``None``."""
-    return _default_timeout_s if timeout_s is None else _checked_timeout(timeout_s)
+    """``timeout_s`` validated, or :data:`DEFAULT_TIMEOUT_S` when it is ``None``."""
+    return DEFAULT_TIMEOUT_S if timeout_s is None else _checked_timeout(timeout_s)
 
 
 def _checked_timeout(seconds: float) -> float:

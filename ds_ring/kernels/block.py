@@ -16,34 +16,21 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
+from torch import Tensor
 
 from ds_ring.kernels.merge import accum_dtype
 
 __all__ = ["BlockKernel", "select_kernel", "block_forward", "block_backward"]
 
 
-class _Forward(Protocol):
-    def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-class _Backward(Protocol):
-    def __call__(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        causal: bool,
-        scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+BlockForward = Callable[[Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor]]
+"""``(q, k, v, causal, scale) -> (out, lse)``, in this module's layout."""
+BlockBackward = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor, Tensor]]
+"""``(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)`` given the final merged ``out``/``lse``."""
 
 
 @dataclass(frozen=True)
@@ -51,8 +38,8 @@ class BlockKernel:
     """A named forward/backward pair; ``name`` is reported by benchmarks and the monitor."""
 
     name: str
-    forward: _Forward
-    backward: _Backward
+    forward: BlockForward
+    backward: BlockBackward
 
 
 # --- CPU: PyTorch's fused flash kernel (fp32 / fp64 / bf16 / fp16), which returns the LSE. -------

@@ -12,13 +12,14 @@ batch × segments); the block kernels want ``[N, heads, rows, head_dim]``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from ds_ring.kernels.block import block_backward, block_forward
 from ds_ring.kernels.dilation import (
     Branch,
+    HeadGroup,
     Region,
     SegmentRun,
     add_heads_,
@@ -129,6 +130,21 @@ def _segments(x: torch.Tensor, start: int, length: int, count: int) -> torch.Ten
     return x[:, start : start + length * count].unflatten(1, (count, length))
 
 
+def _branch_pieces(
+    q: torch.Tensor, k: torch.Tensor, branch: Branch, head_offset: int, tensors: Sequence[torch.Tensor]
+) -> Iterator[tuple[HeadGroup, list[torch.Tensor]]]:
+    """Each (segment run, head group) of ``branch`` over the rows of ``q [B, S, H, D]`` (``k``
+    ``[B, S, Hkv, D]``) that keeps a row: the group, and ``tensors`` (each ``[B, S, ...]``) viewed as
+    ``[B, count, kept, ...]`` at its kept rows (all heads)."""
+    groups = head_groups(q.shape[2], k.shape[2], branch.rate, head_offset, q.device)
+    for run in segment_runs(q.shape[1], branch.segment):
+        segments = [_segments(x, run.start, run.length, run.count) for x in tensors]
+        for group in groups:
+            rows = kept_rows(0, run.length, group.offset, group.rate)
+            if rows.start < run.length:
+                yield group, [x[:, :, rows] for x in segments]
+
+
 def branch_forward_(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -146,23 +162,12 @@ def branch_forward_(
     ``q [B, S, H, D]``, ``k``/``v`` ``[B, S, Hkv, D]``; the sequence starts at a segment boundary.
     ``out [B, S, H, D]`` and ``lse [B, S, H]`` are accumulators (see :func:`new_accumulators`).
     """
-    groups = head_groups(q.shape[2], k.shape[2], branch.rate, head_offset, q.device)
-    for run in segment_runs(q.shape[1], branch.segment):
-        qs, ks, vs, outs, lses = (_segments(x, run.start, run.length, run.count) for x in (q, k, v, out, lse))
-        for group in groups:
-            rows = kept_rows(0, run.length, group.offset, group.rate)
-            if rows.start >= run.length:
-                continue
-            heads = group.q_heads
-            attend_into(
-                qs[:, :, rows, heads],
-                select_heads(ks[:, :, rows], group.kv_heads),
-                select_heads(vs[:, :, rows], group.kv_heads),
-                outs[:, :, rows, heads],
-                lses[:, :, rows, heads],
-                causal=causal,
-                scale=scale,
-            )
+    for group, (qs, ks, vs, outs, lses) in _branch_pieces(q, k, branch, head_offset, (q, k, v, out, lse)):
+        h, kv = group.q_heads, group.kv_heads
+        attend_into(
+            qs[:, :, :, h], select_heads(ks, kv), select_heads(vs, kv), outs[:, :, :, h], lses[:, :, :, h],
+            causal=causal, scale=scale,
+        )  # fmt: skip
 
 
 def branch_backward_(
@@ -185,28 +190,16 @@ def branch_backward_(
 
     ``out``/``lse`` are the final merged output ``[B, S, H, D]`` and LSE ``[B, S, H]``.
     """
-    groups = head_groups(q.shape[2], k.shape[2], branch.rate, head_offset, q.device)
-    for run in segment_runs(q.shape[1], branch.segment):
-        views = (_segments(x, run.start, run.length, run.count) for x in (dout, q, k, v, out, lse, dq, dk, dv))
-        douts, qs, ks, vs, outs, lses, dqs, dks, dvs = views
-        for group in groups:
-            rows = kept_rows(0, run.length, group.offset, group.rate)
-            if rows.start >= run.length:
-                continue
-            heads = group.q_heads
-            dq_piece, dk_piece, dv_piece = attend_backward(
-                douts[:, :, rows, heads],
-                qs[:, :, rows, heads],
-                select_heads(ks[:, :, rows], group.kv_heads),
-                select_heads(vs[:, :, rows], group.kv_heads),
-                outs[:, :, rows, heads],
-                lses[:, :, rows, heads],
-                causal=causal,
-                scale=scale,
-            )
-            dqs[:, :, rows, heads] += dq_piece
-            add_heads_(dks[:, :, rows], group.kv_heads, dk_piece)
-            add_heads_(dvs[:, :, rows], group.kv_heads, dv_piece)
+    pieces = _branch_pieces(q, k, branch, head_offset, (dout, q, k, v, out, lse, dq, dk, dv))
+    for group, (douts, qs, ks, vs, outs, lses, dqs, dks, dvs) in pieces:
+        h, kv = group.q_heads, group.kv_heads
+        dq_piece, dk_piece, dv_piece = attend_backward(
+            douts[:, :, :, h], qs[:, :, :, h], select_heads(ks, kv), select_heads(vs, kv), outs[:, :, :, h],
+            lses[:, :, :, h], causal=causal, scale=scale,
+        )  # fmt: skip
+        dqs[:, :, :, h] += dq_piece
+        add_heads_(dks, kv, dk_piece)
+        add_heads_(dvs, kv, dv_piece)
 
 
 def regions_forward_(

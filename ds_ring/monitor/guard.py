@@ -54,12 +54,13 @@ def nonfinite_report(out: torch.Tensor, lse: torch.Tensor) -> str | None:
 
 
 class NumericsGuard:
-    """A hook checking attention forwards; ``mode`` is one of :data:`GUARD_MODES` other than ``off``."""
+    """A hook checking attention forwards; ``mode`` is one of :data:`GUARD_MODES` other than ``off``;
+    ``timeout_s`` bounds :meth:`agree_to_skip`'s all-reduce (``None``: 300 s)."""
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, timeout_s: float | None = None) -> None:
         if mode not in GUARD_MODES[1:]:
             raise ValueError(f"ds_ring: numerics_guard must be one of {list(GUARD_MODES[1:])} here, got {mode!r}")
-        self.mode = mode
+        self.mode, self.timeout_s = mode, timeout_s
         self.rank = group_rank(None)
         self.found: list[str] = []  # messages since the last agree_to_skip() / reset()
         self._warned: set[tuple[object, str]] = set()
@@ -89,6 +90,6 @@ class NumericsGuard:
         """Collective over the world: the ranks that found a NaN / Inf since the last call (empty: none)."""
         flags = torch.zeros(group_size(None), dtype=torch.float64)
         flags[self.rank] = 1.0 if self.found else 0.0
-        total = all_reduce(flags, op=f"{MONITOR_OP_PREFIX}guard", step=step)
+        total = all_reduce(flags, op=f"{MONITOR_OP_PREFIX}guard", step=step, timeout_s=self.timeout_s)
         self.found.clear()
         return [rank for rank, flag in enumerate(total.tolist()) if not math.isclose(flag, 0.0)]

@@ -58,10 +58,11 @@ def _min_max(values: list[float]) -> tuple[float, float]:
 
 
 class MetricsReporter:
-    """Gathers :func:`rank_metrics` from every rank (a bounded all-gather) and writes min / max from rank 0."""
+    """Gathers :func:`rank_metrics` from every rank (an all-gather bounded by ``timeout_s``, ``None``: 300 s)
+    and writes min / max from rank 0."""
 
-    def __init__(self, writer: EventWriter | None) -> None:
-        self.writer = writer
+    def __init__(self, writer: EventWriter | None, timeout_s: float | None = None) -> None:
+        self.writer, self.timeout_s = writer, timeout_s
         self.rank = group_rank(None)
 
     def report(self, step: int, values: list[float], scalars: Mapping[str, Any]) -> dict[str, float]:
@@ -70,8 +71,8 @@ class MetricsReporter:
         ``scalars`` (e.g. the loss) are written as ``ds_ring/<name>`` with rank 0's value.
         """
         mine = torch.tensor(values, dtype=torch.float64)
-        world = group_size(None)
-        rows = all_gather(mine, list(range(world)), op=f"{MONITOR_OP_PREFIX}metrics", step=step)
+        ranks = list(range(group_size(None)))
+        rows = all_gather(mine, ranks, op=f"{MONITOR_OP_PREFIX}metrics", step=step, timeout_s=self.timeout_s)
         table = torch.stack(rows).tolist()
         summary: dict[str, float] = {}
         for i, name in enumerate(METRICS):

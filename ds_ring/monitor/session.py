@@ -47,6 +47,7 @@ class RingMonitor:
         numerics_guard: ``"off"``, ``"warn"``, ``"raise"`` or ``"skip_step"``.
         model: its attention modules label events with their names (for messages).
         writer: DeepSpeed's ``engine.monitor`` (anything with ``write_events``).
+        timeout_s: bound in seconds on the metrics and guard collectives (``None``: 300 s).
     """
 
     def __init__(
@@ -58,6 +59,7 @@ class RingMonitor:
         numerics_guard: str = "off",
         model: nn.Module | None = None,
         writer: EventWriter | None = None,
+        timeout_s: float | None = None,
     ) -> None:
         if numerics_guard not in GUARD_MODES:
             raise ValueError(f"ds_ring: numerics_guard must be one of {list(GUARD_MODES)}, got {numerics_guard!r}")
@@ -68,8 +70,8 @@ class RingMonitor:
         self._labels: Mapping[str, Any] | None = None
         self._started = time.perf_counter()
         self.timeline = StepTimeline() if metrics else None
-        self.reporter = MetricsReporter(writer) if metrics else None
-        self.guard = NumericsGuard(numerics_guard) if numerics_guard != "off" else None
+        self.reporter = MetricsReporter(writer, timeout_s) if metrics else None
+        self.guard = NumericsGuard(numerics_guard, timeout_s) if numerics_guard != "off" else None
         self.watchdog = Watchdog(self.rank, step_timeout_s) if watchdog else None
         if self.timeline is not None:
             self._hooks.append(register_hook(self.timeline, phases=PHASES))

@@ -18,9 +18,7 @@ from ds_ring.strategies.blocks import (
     KV,
     Options,
     Shard,
-    add_home_grads_,
     backward_block_,
-    backward_own_,
     block_has_work,
     forward_block_,
     forward_own_,
@@ -29,7 +27,7 @@ from ds_ring.strategies.blocks import (
     unpack_block,
 )
 from ds_ring.strategies.plan import SpanPlan
-from ds_ring.strategies.sharded import CommSpec, KVGrads, register_exchange
+from ds_ring.strategies.sharded import CommSpec, Exchange, register_exchange
 
 __all__ = ["AllGatherExchange"]
 
@@ -52,7 +50,7 @@ def _visiting(
             yield src, unpack_block(span, src, block, shard.batch, shard.head_dim)
 
 
-class AllGatherExchange:
+class AllGatherExchange(Exchange):
     """``communication="allgather"``: one all-gather forward, one reduce-scatter backward per span."""
 
     def forward(
@@ -65,22 +63,7 @@ class AllGatherExchange:
         for src, kv in _visiting(span, blocks, shard, opts):
             forward_block_(span, src, kv, shard, opts)
 
-    def backward(
-        self,
-        span: SpanPlan,
-        shard: Shard,
-        dout: torch.Tensor,
-        dq: torch.Tensor,
-        kv_grads: KVGrads,
-        comm: CommSpec,
-        opts: Options,
-    ) -> None:
-        mine = self._reduce_block_grads(span, shard, dout, dq, comm, opts)
-        dk, dv = kv_grads()
-        backward_own_(span, shard, dout, dq, dk, dv, opts)
-        add_home_grads_(span, unpack_block(span, span.index, mine, shard.batch, shard.head_dim), dk, dv)
-
-    def _reduce_block_grads(
+    def blocks_backward(
         self, span: SpanPlan, shard: Shard, dout: torch.Tensor, dq: torch.Tensor, comm: CommSpec, opts: Options
     ) -> torch.Tensor:
         """Gradients of the other members' blocks (into ``dq`` and reduce-scattered); returns my block's, flat."""

@@ -1,8 +1,9 @@
 """The arguments of one attention call other than tensors and process groups, as one object.
 
-Every public entry point (``ring_dilated_attention``, ``ulysses_attention``, ``hybrid_attention``,
-``sequence_parallel_attention``) keeps its keyword signature, builds an :class:`AttentionCall` and
-hands it on; modules hold one (:class:`ds_ring.RingDilatedAttention`) and strategies receive one.
+The two public entry points over shards (``ring_dilated_attention``, ``sequence_parallel_attention``)
+keep their keyword signatures, build an :class:`AttentionCall` and hand it on; modules hold one
+(:class:`ds_ring.RingDilatedAttention`) and the strategies (``ring_attention_call``,
+``ulysses_attention_call``, ``hybrid_attention_call``) take one.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ class AttentionCall:
     return_lse: bool = False
     """Also return ``lse [batch, heads, seq/p]``."""
     timeout_s: float | None = None
-    """Bound in seconds on every communication wait; ``None``: the ``ds_ring.comm`` default."""
+    """Bound in seconds on every communication wait; ``None``: the topology's (sequence-parallel strategies) or
+    :data:`ds_ring.comm.DEFAULT_TIMEOUT_S` (300 s, plain groups)."""
     cu_seqlens: torch.Tensor | Sequence[int] | None = None
     """Document boundaries ``[0, e1, ..., seq]`` of a packed global sequence; ``None``: one document."""
 

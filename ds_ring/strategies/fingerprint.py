@@ -1,7 +1,7 @@
 """What the ranks of an attention call agree on before any of its data moves (DESIGN.md §7).
 
-Every entry point (``ring_dilated_attention``, ``ulysses_attention``, ``hybrid_attention``,
-``sequence_parallel_attention``) checks its tensors' structure locally, then calls
+Every entry point (``ring_dilated_attention``, ``sequence_parallel_attention`` and the strategies'
+``*_call`` functions they reach) checks its tensors' structure locally, then calls
 :func:`agree_on_call` before it plans or communicates: a rank whose call differs (other shapes,
 dtype, branches, flags, layout, strategy, documents) makes every rank raise one ``ValueError``
 naming the field and each rank's value, instead of an abort inside the backend, a timeout or a

@@ -14,8 +14,6 @@ and ``2R-1-r`` of ``2R``: the ring group's own zigzag layout, so dense causal wo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch.distributed import ProcessGroup
 
@@ -26,56 +24,7 @@ from ds_ring.strategies.plan import plan_shards
 from ds_ring.strategies.sharded import CommSpec, get_exchange, sharded_attention
 from ds_ring.strategies.ulysses import attend_local_heads, check_layout, heads_to_sequence, split_heads, to_heads
 
-__all__ = ["hybrid_attention", "hybrid_attention_call"]
-
-
-def hybrid_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    segment_lengths: Sequence[int] | None = None,
-    dilation_rates: Sequence[int] | None = None,
-    *,
-    ulysses_group: ProcessGroup | None,
-    ring_group: ProcessGroup | None,
-    causal: bool = False,
-    scale: float | None = None,
-    communication: str = "ring",
-    layout: str = "contiguous",
-    head_offset: int = 0,
-    return_lse: bool = False,
-    timeout_s: float | None = None,
-    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
-) -> Output:
-    """Dilated (or dense) attention over a sequence sharded across ``ulysses × ring`` ranks.
-
-    Args:
-        q: local shard ``[batch, seq/p, heads, head_dim]`` with ``heads % U == 0``;
-            k, v: ``[batch, seq/p, kv_heads, head_dim]`` (fewer K/V heads than ``U`` are replicated).
-        segment_lengths, dilation_rates: LongNet branches over the global sequence; ``None``: dense.
-        ulysses_group: the ``U`` ranks of this all-to-all, holding consecutive shards in rank order.
-        ring_group: the ``R`` ranks with this ulysses index, in sequence order.
-        communication: how K/V move along the ring dimension: ``"ring"`` or ``"allgather"``.
-        layout: ``"contiguous"``, or ``"zigzag"`` (with ``R > 1``: dense attention only).
-        head_offset: global index of local head 0.
-        return_lse: also return ``lse [batch, heads, seq/p]`` (float32; float64 for float64 inputs).
-        timeout_s: bound on every communication wait (``None``: ``ds_ring.comm`` default).
-        cu_seqlens: document boundaries over the global sequence (see :func:`ds_ring.ring_dilated_attention`).
-
-    Returns:
-        The local output shard ``[batch, seq/p, heads, head_dim]`` (and the LSE).
-
-    Raises:
-        ValueError: bad shapes (on this rank, before any communication); ranks whose calls differ
-            (on every rank of ``ulysses × ring``, naming the field and each rank's value); heads not
-            divisible by ``U``, an unknown communication, or a branch / layout the ring dimension
-            cannot shard — all before any data moves.
-    """
-    call = AttentionCall(
-        segment_lengths, dilation_rates, causal, scale, communication, layout, head_offset, return_lse, timeout_s,
-        cu_seqlens,
-    )  # fmt: skip
-    return hybrid_attention_call(q, k, v, call, ulysses_group, ring_group)
+__all__ = ["hybrid_attention_call"]
 
 
 def hybrid_attention_call(
@@ -86,7 +35,25 @@ def hybrid_attention_call(
     ulysses_group: ProcessGroup | None,
     ring_group: ProcessGroup | None,
 ) -> Output:
-    """:func:`hybrid_attention` with its arguments as one :class:`AttentionCall` (same shapes, same checks)."""
+    """Dilated (or dense) attention over a sequence sharded across ``ulysses × ring`` ranks.
+
+    Args:
+        q: local shard ``[batch, seq/p, heads, head_dim]`` with ``heads % U == 0``;
+            k, v: ``[batch, seq/p, kv_heads, head_dim]`` (fewer K/V heads than ``U`` are replicated).
+        call: the other arguments (see :func:`ds_ring.ring_dilated_attention`); ``communication`` moves
+            K/V along the ring dimension; ``layout="zigzag"`` with ``R > 1`` is for dense attention only.
+        ulysses_group: the ``U`` ranks of this all-to-all, holding consecutive shards in rank order.
+        ring_group: the ``R`` ranks with this ulysses index, in sequence order.
+
+    Returns:
+        The local output shard ``[batch, seq/p, heads, head_dim]`` (and, with ``call.return_lse``, the LSE).
+
+    Raises:
+        ValueError: bad shapes (on this rank, before any communication); ranks whose calls differ
+            (on every rank of ``ulysses × ring``, naming the field and each rank's value); heads not
+            divisible by ``U``, an unknown communication, or a branch / layout the ring dimension
+            cannot shard — all before any data moves.
+    """
     call.check("hybrid_attention", (ulysses_group, ring_group), q, k, v)
     exchange = get_exchange(call.communication)
     degree, ring_size = group_size(ulysses_group), group_size(ring_group)

@@ -25,11 +25,10 @@ from ds_ring.comm.groups import global_ranks
 from ds_ring.comm.ring import RingComm
 from ds_ring.kernels.merge import accum_dtype
 from ds_ring.strategies.blocks import (
+    KV,
     BlockBuffers,
     Options,
     Shard,
-    add_home_grads_,
-    backward_own_,
     block_grad,
     block_has_work,
     forward_block_,
@@ -39,7 +38,7 @@ from ds_ring.strategies.blocks import (
     unpack_block,
 )
 from ds_ring.strategies.plan import SpanPlan
-from ds_ring.strategies.sharded import CommSpec, KVGrads, register_exchange
+from ds_ring.strategies.sharded import CommSpec, Exchange, register_exchange
 
 __all__ = ["RingExchange"]
 
@@ -71,79 +70,82 @@ def _send_halves(ring: RingComm, grad: tuple[torch.Tensor, torch.Tensor], into: 
     ring.commit(step)
 
 
-class RingExchange:
+class _KVTurn:
+    """The K/V blocks' turn around a span: this member's block starts in one of two flat buffers
+    (allocated once per call); each step the block held goes on while the next arrives in the other.
+    The block held at step ``s`` is the one of the member ``s`` places behind."""
+
+    def __init__(self, span: SpanPlan, shard: Shard, comm: CommSpec) -> None:
+        self._span, self._batch, self._head_dim = span, shard.batch, shard.head_dim
+        self._ring = _ring_comm(span, comm, "ring_kv")
+        self._buffers = BlockBuffers(span, shard.batch, shard.head_dim, shard.k.dtype, shard.k.device)
+        own = self._buffers.view(0, span.block_numel(span.index, shard.batch, shard.head_dim))
+        self._block = pack_block(span, shard.k, shard.v, own)
+        self._incoming = self._block
+
+    def kv(self, member: int) -> list[KV]:
+        """Views ``(k_g, v_g)`` per head group into the block held, which is ``member``'s."""
+        return unpack_block(self._span, member, self._block, self._batch, self._head_dim)
+
+    def post(self, step: int) -> None:
+        """Post the block held at ``step`` to the next member and the receive of step ``step + 1``'s
+        into the other buffer."""
+        src = (self._span.index - step - 1) % len(self._span.members)
+        numel = self._span.block_numel(src, self._batch, self._head_dim)
+        self._incoming = self._ring.send_recv(self._block, self._buffers.view((step + 1) % 2, numel))
+        self._ring.commit(step)
+
+    def arrive(self) -> None:
+        """Wait for the transfers :meth:`post` started; the block received is held from now on."""
+        self._ring.wait()
+        self._block = self._incoming
+
+
+class RingExchange(Exchange):
     """``communication="ring"``: O(seq/p) memory per rank, ``n - 1`` hops per span."""
 
     def forward(
         self, span: SpanPlan, shard: Shard, comm: CommSpec, opts: Options, overlap: Callable[[], None] | None
     ) -> None:
         n, me, hops = len(span.members), span.index, span.hops
-        batch, head_dim = shard.batch, shard.head_dim
-        ring = _ring_comm(span, comm, "ring_kv")
-        buffers = BlockBuffers(span, batch, head_dim, shard.k.dtype, shard.k.device)
-        block = (
-            pack_block(span, shard.k, shard.v, buffers.view(0, span.block_numel(me, batch, head_dim))) if hops else None
-        )
+        blocks = _KVTurn(span, shard, comm) if hops else None
         for step in range(hops + 1):
             src = (me - step) % n
             if step < hops:
-                numel = span.block_numel((src - 1) % n, batch, head_dim)
-                incoming = ring.send_recv(block, buffers.view((step + 1) % 2, numel))
-                ring.commit(step)
+                blocks.post(step)
             if step == 0:
                 if overlap is not None:
                     overlap()
                 forward_own_(span, shard, opts)
             elif block_has_work(span, src, opts.causal):
-                forward_block_(span, src, unpack_block(span, src, block, batch, head_dim), shard, opts)
+                forward_block_(span, src, blocks.kv(src), shard, opts)
             if step < hops:
-                ring.wait()
-                block = incoming
+                blocks.arrive()
 
-    def backward(
-        self,
-        span: SpanPlan,
-        shard: Shard,
-        dout: torch.Tensor,
-        dq: torch.Tensor,
-        kv_grads: KVGrads,
-        comm: CommSpec,
-        opts: Options,
-    ) -> None:
-        home = self._ring_backward(span, shard, dout, dq, comm, opts) if span.hops else None
-        dk, dv = kv_grads()
-        backward_own_(span, shard, dout, dq, dk, dv, opts)
-        if home is not None:
-            add_home_grads_(span, unpack_block(span, span.index, home, shard.batch, shard.head_dim), dk, dv)
-
-    def _ring_backward(
+    def blocks_backward(
         self, span: SpanPlan, shard: Shard, dout: torch.Tensor, dq: torch.Tensor, comm: CommSpec, opts: Options
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """The blocks' turn of the backward: accumulates into ``dq``; returns this member's block
         gradient, home (flat, in the receive buffer)."""
         n, me, hops = len(span.members), span.index, span.hops
+        if not hops:
+            return None
         batch, head_dim = shard.batch, shard.head_dim
-        kv_ring, grad_ring = _ring_comm(span, comm, "ring_kv"), _ring_comm(span, comm, "ring_dkv")
-        kv_buffers = BlockBuffers(span, batch, head_dim, shard.k.dtype, shard.k.device)
+        blocks, grad_ring = _KVTurn(span, shard, comm), _ring_comm(span, comm, "ring_dkv")
         received = BlockBuffers(span, batch, head_dim, accum_dtype(shard.q.dtype), shard.q.device)
-        block = pack_block(span, shard.k, shard.v, kv_buffers.view(0, span.block_numel(me, batch, head_dim)))
         grad = _halves(new_grad_block(span, me, shard))  # my block's accumulator starts empty
         travelling = received.view(0, 0)
         for step in range(hops + 1):
             src = (me - step) % n
             if step < hops:
-                numel = span.block_numel((src - 1) % n, batch, head_dim)
-                incoming = kv_ring.send_recv(block, kv_buffers.view((step + 1) % 2, numel))
-                kv_ring.commit(step)
+                blocks.post(step)
             if step > 0:
                 grad_ring.wait()  # before computing: the block gradient sent last step is released first
                 grad = None
-                kv = unpack_block(span, src, block, batch, head_dim)
-                grad = block_grad(span, src, kv, shard, dout, dq, opts)
+                grad = block_grad(span, src, blocks.kv(src), shard, dout, dq, opts)
                 _add_halves_(grad, travelling)
             if step < hops:
-                kv_ring.wait()
-                block = incoming
+                blocks.arrive()
             last = step == hops
             ring = grad_ring if not last or hops == n - 1 else _ring_comm(span, comm, "ring_dkv", shift=-hops)
             travelling = received.view(0, span.block_numel(me if last else (src - 1) % n, batch, head_dim))

@@ -5,7 +5,7 @@ The Function computes the shard-local branches itself and hands every spanning b
 ``allgather``: gathered at once). It saves only local tensors (``q, k, v, out, lse``, all
 O(seq/p)); the backward asks the exchange again, so the gradient of every visiting block goes home.
 
-A new exchange is one module defining a :class:`Exchange` plus one ``register_exchange`` line.
+A new exchange is one module defining an :class:`Exchange` subclass plus one ``register_exchange`` line.
 
 Each call emits ``"attention"`` events (:mod:`ds_ring.hooks`) when hooks listen: a start and an
 end event around the forward and around the backward (``extra["direction"]``), the end events
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import copy
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch.distributed import ProcessGroup
@@ -29,7 +29,8 @@ from ds_ring.comm.groups import group_rank
 from ds_ring.hooks import current_labels, emit_attention, hooks_active, labelled
 from ds_ring.kernels.dilated import new_accumulators, regions_backward, regions_backward_, regions_forward_
 from ds_ring.kernels.merge import accum_dtype
-from ds_ring.strategies.blocks import Options, Shard, head_chunks
+from ds_ring.registry import Registry
+from ds_ring.strategies.blocks import Options, Shard, add_home_grads_, backward_own_, head_chunks, unpack_block
 from ds_ring.strategies.plan import ShardPlan, SpanPlan
 
 __all__ = [
@@ -83,14 +84,28 @@ class KVGrads:
         return view
 
 
-class Exchange(Protocol):
-    """How one spanning branch's K/V blocks reach the span's members, forward and backward."""
+class Exchange(ABC):
+    """How one spanning branch's K/V blocks reach the span's members, forward and backward.
 
+    A subclass defines :meth:`forward` and :meth:`blocks_backward`; :meth:`backward` is the same for
+    every exchange: the blocks' share first, then, with the exchange's buffers released, the own runs
+    into ``kv_grads()`` and this member's block gradient, home, added to them.
+    """
+
+    @abstractmethod
     def forward(
         self, span: SpanPlan, shard: Shard, comm: CommSpec, opts: Options, overlap: Callable[[], None] | None
     ) -> None:
         """Merge attention over every member's block into ``shard.out``/``shard.lse``; call ``overlap()``
         once while the first transfer is in flight (local work to hide it behind)."""
+
+    @abstractmethod
+    def blocks_backward(
+        self, span: SpanPlan, shard: Shard, dout: torch.Tensor, dq: torch.Tensor, comm: CommSpec, opts: Options
+    ) -> torch.Tensor | None:
+        """The other members' blocks' share of the backward: accumulates into ``dq`` and returns this member's
+        block gradient once home (flat, :func:`~ds_ring.strategies.blocks.pack_block` layout, accumulation
+        dtype), or ``None`` when the branch moves no block (``span.hops == 0``)."""
 
     def backward(
         self,
@@ -104,31 +119,34 @@ class Exchange(Protocol):
     ) -> None:
         """Accumulate into ``dq`` (``dout``'s shape ``[B, L, H, D]``, accumulation dtype) and, once every
         member's contribution is home, into ``kv_grads()``."""
+        home = self.blocks_backward(span, shard, dout, dq, comm, opts)
+        dk, dv = kv_grads()
+        backward_own_(span, shard, dout, dq, dk, dv, opts)
+        if home is not None:
+            add_home_grads_(span, unpack_block(span, span.index, home, shard.batch, shard.head_dim), dk, dv)
 
 
-_EXCHANGES: dict[str, Exchange] = {}
+_REGISTRY: Registry[Exchange] = Registry("communication")
+_EXCHANGES = _REGISTRY.entries  # name -> exchange
 
 
 def register_exchange(name: str, exchange: Exchange) -> None:
     """Make ``exchange`` selectable as ``communication=name``."""
-    _EXCHANGES[name] = exchange
+    _REGISTRY.register(name, exchange)
 
 
 def exchanges() -> tuple[str, ...]:
     """Names of the registered exchanges."""
-    return tuple(_EXCHANGES)
+    return _REGISTRY.names()
 
 
 def get_exchange(name: str) -> Exchange:
     """The exchange registered as ``name``; ``ValueError`` listing the choices otherwise."""
-    try:
-        return _EXCHANGES[name]
-    except KeyError:
-        raise ValueError(f"communication must be one of {sorted(_EXCHANGES)}, got {name!r}") from None
+    return _REGISTRY.get(name)
 
 
 def _exchange_name(exchange: Exchange) -> str:
-    return next((name for name, known in _EXCHANGES.items() if known is exchange), type(exchange).__name__)
+    return _REGISTRY.name_of(exchange, type(exchange).__name__)
 
 
 def _attention_event(exchange: Exchange, direction: str, phase: str, started: float = 0.0, **extra) -> None:

@@ -22,7 +22,6 @@ attention here needs its global head offset and, for ``zigzag``, the gathered ro
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +42,6 @@ __all__ = [
     "to_heads",
     "to_sequence",
     "heads_to_sequence",
-    "ulysses_attention",
     "ulysses_attention_call",
 ]
 
@@ -206,56 +204,26 @@ def attend_local_heads(
     return out, lse.transpose(1, 2)
 
 
-def ulysses_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    segment_lengths: Sequence[int] | None = None,
-    dilation_rates: Sequence[int] | None = None,
-    *,
-    group: ProcessGroup | None = None,
-    causal: bool = False,
-    scale: float | None = None,
-    layout: str = "contiguous",
-    head_offset: int = 0,
-    return_lse: bool = False,
-    timeout_s: float | None = None,
-    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
+def ulysses_attention_call(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall, group: ProcessGroup | None
 ) -> Output:
     """Dilated (or dense) attention over a sequence sharded across ``group``, by head all-to-all.
 
     Args:
         q: local shard ``[batch, seq/p, heads, head_dim]`` (``heads % p == 0``);
             k, v: ``[batch, seq/p, kv_heads, head_dim]`` (any ``kv_heads`` dividing ``heads``).
-        segment_lengths, dilation_rates: LongNet branches over the global sequence; ``None``: dense.
-            Any branch list works (each rank attends over the whole sequence).
+        call: the other arguments (see :func:`ds_ring.ring_dilated_attention`); any branch list works
+            (each rank attends over the whole sequence); ``communication`` is not used.
         group: the all-to-all group, its shards consecutive in group-rank order (``None``: the world).
-        layout: ``"contiguous"`` or ``"zigzag"`` (as made by :func:`ds_ring.shard_sequence`).
-        head_offset: global index of local head 0.
-        return_lse: also return ``lse [batch, heads, seq/p]`` (float32; float64 for float64 inputs).
-        timeout_s: bound on every communication wait (``None``: ``ds_ring.comm`` default).
-        cu_seqlens: document boundaries over the global sequence (see :func:`ds_ring.ring_dilated_attention`).
 
     Returns:
-        The local output shard ``[batch, seq/p, heads, head_dim]`` (and the LSE).
+        The local output shard ``[batch, seq/p, heads, head_dim]`` (and, with ``call.return_lse``, the LSE).
 
     Raises:
         ValueError: bad shapes (on this rank, before any communication); ranks whose calls differ
             (on every rank, naming the field and each rank's value); heads not divisible by the group
             size, bad branches or layout — all before any data moves.
     """
-    call = AttentionCall(
-        segment_lengths, dilation_rates, causal, scale, layout=layout, head_offset=head_offset, return_lse=return_lse,
-        timeout_s=timeout_s, cu_seqlens=cu_seqlens,
-    )  # fmt: skip
-    return ulysses_attention_call(q, k, v, call, group)
-
-
-def ulysses_attention_call(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall, group: ProcessGroup | None
-) -> Output:
-    """:func:`ulysses_attention` with its arguments as one :class:`AttentionCall` (its ``communication``
-    is not used)."""
     call.check("ulysses_attention", group, q, k, v, exclude=("communication",))
     degree = group_size(group)
     split = split_heads(q.shape[2], k.shape[2], degree, q.device)
