@@ -1,21 +1,17 @@
 """The benchmark driver: fresh processes per configuration, measured time and memory, JSON/PNG/tables.
 
-A benchmark module is its configurations, how to build the attention, and its tables; it hands
-them to :func:`main` as a :class:`Benchmark` (see ``benchmarks/README.md``, "Adding a benchmark").
-For every :class:`Case` the driver
+A benchmark module is its configurations, how to build the attention, and its tables; it hands them to :func:`main`
+as a :class:`Benchmark` (see ``benchmarks/README.md``, "Adding a benchmark"). For every :class:`Case` the driver
+estimates one call from the useful GFLOP/s measured so far and skips it, recorded with the estimate, above
+``--max-call-s`` or when its extrapolated memory exceeds what is available; optionally waits for idle CPUs; starts
+``case.world`` fresh rank processes with :func:`ds_ring.testing.spawn_ranks` (forked from a server that imported
+torch and ds_ring once; gloo on loopback unless ``case.group`` is False), each running :func:`attention_rank`;
+measures how much CPU *other* processes used meanwhile and re-runs a disturbed case (``--retries``), keeping the
+least disturbed attempt; turns the ranks' results into a :class:`Row` and rewrites the JSON, so an interrupted run
+keeps what it measured.
 
-- estimates one call from the useful GFLOP/s measured so far and skips it, recorded with the
-  estimate, above ``--max-call-s`` or when its extrapolated memory exceeds what is available;
-- optionally waits for idle CPUs, then starts ``case.world`` fresh rank processes with
-  :func:`ds_ring.testing.spawn_ranks` (forked from a server that imported torch and ds_ring once;
-  gloo on loopback unless ``case.group`` is False), each running :func:`attention_rank`;
-- measures how much CPU *other* processes used meanwhile and re-runs a disturbed case
-  (``--retries``), keeping the least disturbed attempt;
-- turns the ranks' results into a :class:`Row` and rewrites the JSON, so an interrupted run keeps
-  what it measured.
-
-Units: seconds (``*_s``), MiB = 2**20 bytes (``*_mib``), GFLOP = 1e9 flop. Memory is measured
-(resident set size of each rank's own process), never estimated.
+Units: seconds (``*_s``), MiB = 2**20 bytes (``*_mib``), GFLOP = 1e9 flop. Memory is measured (resident set size of
+each rank's own process), never estimated.
 """
 
 from __future__ import annotations
@@ -23,10 +19,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import dataclasses
 import gc
 import hashlib
 import importlib.metadata
+import itertools
 import json
 import math
 import os
@@ -38,19 +34,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ds_ring.testing import PRELOAD as RUNNER_PRELOAD
-from ds_ring.testing import RankOutcome, spawn_ranks
-
-__all__ = [
-    "AttentionFn", "Benchmark", "Case", "causal_pairs", "Column", "OTHER_CPU_WARN", "Row", "Series", "Session",
-    "Skip", "Target", "find", "fmt_seq", "format_targets", "kept_positions", "main", "markdown_table", "pairs_dense",
-    "pairs_dilated", "plot_panels", "plot_rows", "ratio", "useful_gflop"
-]  # fmt: skip
+from ds_ring import testing
 
 MIB = float(2**20)
 OTHER_CPU_WARN = 0.10
@@ -60,9 +49,8 @@ BWD_FLOP_FACTOR = 2.5
 GRACE_AFTER_FAILURE_S = 10.0
 """Once a rank has failed, the others get this many seconds to finish before they are killed."""
 ROOT = Path(__file__).resolve().parent.parent
-PRELOAD = (*RUNNER_PRELOAD, "ds_ring", "benchmarks.driver")
-_PAGE = os.sysconf("SC_PAGE_SIZE")
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
+PRELOAD = (*testing.PRELOAD, "ds_ring", "benchmarks.driver")
+_PAGE, _CLK_TCK = os.sysconf("SC_PAGE_SIZE"), os.sysconf("SC_CLK_TCK")
 
 AttentionFn = Callable[..., Any]
 """What a benchmark's ``build`` returns: ``attn(q, k, v, segment_lengths, dilation_rates) -> out`` on this
@@ -120,11 +108,6 @@ def causal_pairs(m: int, causal: bool) -> int:
     return m * (m + 1) // 2 if causal else m * m
 
 
-def pairs_dense(seq: int, heads: int, causal: bool) -> int:
-    """Pairs of full attention over ``seq`` positions for ``heads`` heads."""
-    return heads * causal_pairs(seq, causal)
-
-
 def pairs_dilated(seq: int, heads: int, segs: Sequence[int], rates: Sequence[int], causal: bool) -> int:
     """Pairs of LongNet dilated attention where every head runs every branch (ds_ring).
 
@@ -137,29 +120,39 @@ def pairs_dilated(seq: int, heads: int, segs: Sequence[int], rates: Sequence[int
     return total
 
 
+def case_pairs(case: Case, seq: int) -> int:
+    """Pairs of ``case``'s attention over ``seq`` positions: dense (every head), or every head running every
+    branch of ``case``."""
+    if case.segment_lengths is None:
+        return case.heads * causal_pairs(seq, case.causal)
+    return pairs_dilated(seq, case.heads, case.segment_lengths, case.dilation_rates or (), case.causal)
+
+
 def useful_gflop(case: Case, pairs: int | None = None) -> float:
     """Useful forward+backward GFLOP of one call: 4·head_dim flop per computed unmasked (query, key)
     pair (QKᵀ and PV) × batch, × 3.5 for forward + backward. ``pairs`` defaults to dense or every
     head computing every branch; work a kernel wastes on masked blocks is not counted."""
-    if pairs is None:
-        segs, rates = case.segment_lengths, case.dilation_rates
-        pairs = (
-            pairs_dense(case.seq, case.heads, case.causal)
-            if segs is None
-            else pairs_dilated(case.seq, case.heads, segs, rates or (), case.causal)
-        )
+    pairs = case_pairs(case, case.seq) if pairs is None else pairs
     return (1.0 + BWD_FLOP_FACTOR) * 4.0 * case.head_dim * case.batch * pairs / 1e9
 
 
 def current_rss_bytes() -> int:
     """Current resident set size of this process (``/proc/self/statm``), bytes."""
-    with open("/proc/self/statm", "rb") as f:
-        return int(f.read().split()[1]) * _PAGE
+    return int(Path("/proc/self/statm").read_bytes().split()[1]) * _PAGE
 
 
 def max_rss_bytes() -> int:
     """RSS high-water mark of this process (``ru_maxrss``, KiB on Linux), bytes."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def proc_mib(key: str, path: str = "/proc/meminfo") -> float | None:
+    """A ``key: N kB`` field of ``path`` (``/proc/meminfo``, ``/proc/self/status``) in MiB, or None."""
+    with contextlib.suppress(OSError), open(path) as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    return None
 
 
 def release_free_memory() -> None:
@@ -175,9 +168,7 @@ class RssSampler:
     samples, but only counts if it rose during the region). Bytes: ``baseline``, ``peak``."""
 
     def __init__(self, interval_s: float = 0.005) -> None:
-        self.interval_s = interval_s
-        self.baseline = self.peak = self.maxrss_before = self.maxrss_after = self.samples = 0
-        self._stop = threading.Event()
+        self.interval_s, self.samples, self._stop = interval_s, 0, threading.Event()
         self._fd = os.open("/proc/self/statm", os.O_RDONLY)
         self._thread = threading.Thread(target=self._loop, name="rss-sampler", daemon=True)
 
@@ -186,28 +177,25 @@ class RssSampler:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self.peak = max(self.peak, self._read())
-            self.samples += 1
+            self.peak, self.samples = max(self.peak, self._read()), self.samples + 1
 
     def __enter__(self) -> RssSampler:
         self.baseline = self.peak = self._read()
-        self.maxrss_before = max_rss_bytes()
+        self.maxrss_before = self.maxrss_after = max_rss_bytes()
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, self._read())
-        self.maxrss_after = max_rss_bytes()
+        self.peak, self.maxrss_after = max(self.peak, self._read()), max_rss_bytes()
         os.close(self._fd)
 
     def extra(self) -> tuple[int, int]:
         """(sampled, high-water-mark) peak above the baseline so far (or, after exit, in the region), bytes."""
         running = self._thread.is_alive()
         peak, maxrss = (max(self.peak, self._read()), max_rss_bytes()) if running else (self.peak, self.maxrss_after)
-        grown = maxrss - self.baseline if maxrss > self.maxrss_before else 0
-        return max(0, peak - self.baseline), max(0, grown)
+        return max(0, peak - self.baseline), max(0, maxrss - self.baseline) if maxrss > self.maxrss_before else 0
 
 
 @dataclass
@@ -247,8 +235,7 @@ def measure(
     """
 
     def timed() -> float:
-        if setup is not None:
-            setup()
+        (setup or (lambda: None))()
         t0 = time.perf_counter()
         fn()
         return time.perf_counter() - t0
@@ -265,21 +252,19 @@ def measure(
             ):
                 times.append(timed())
     sampled, maxrss = rss.extra()
-    warm = budget_s is not None and bool(times)
     return Timing(
-        times or [first], first, warm, rss.baseline / MIB, first_extra / MIB, max(sampled, maxrss) / MIB,
-        sampled / MIB, maxrss / MIB, rss.samples,
+        times or [first], first, budget_s is not None and bool(times), rss.baseline / MIB, first_extra / MIB,
+        max(sampled, maxrss) / MIB, sampled / MIB, maxrss / MIB, rss.samples,
     )  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Protocol:
-    """What every rank of a launch does: ``calls`` timed calls per phase (or ``budget_s`` per phase, one
-    process only), after a small warm-up call if ``warmup``; ``timeout_s`` bounds every communication wait."""
+    """What every rank of a launch does: ``calls`` timed calls per phase after a small warm-up call, or
+    ``budget_s`` per phase (one process only, no separate warm-up); ``timeout_s`` bounds every communication wait."""
 
     calls: int
     budget_s: float | None
-    warmup: bool
     timeout_s: float
 
 
@@ -341,7 +326,7 @@ def attention_rank(
         return [torch.randn(shape, generator=gen) for _ in range(4)]
 
     segs, rates = case.segment_lengths, case.dilation_rates
-    if protocol.warmup:
+    if protocol.budget_s is None:
         dense = case.warmup_seq is None
         q, k, v, grad_out = (
             t.requires_grad_(i < 3) for i, t in enumerate(shards(case.warmup_seq or max(1024, 256 * world)))
@@ -380,44 +365,31 @@ def _matmul_rank(rank: int, world: int, n: int) -> float:
     """Rank function: best fp32 ``n×n @ n×n`` GFLOP/s (2·n³ flop) of 5 timed calls after one warm-up."""
     import torch
 
-    a, b, c = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
-    torch.mm(a, b, out=c)
-    times = []
-    for _ in range(5):
+    a, b, c, times = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n), []
+    for _ in range(6):
         t0 = time.perf_counter()
         torch.mm(a, b, out=c)
         times.append(time.perf_counter() - t0)
-    return 2.0 * n**3 / min(times) / 1e9
+    return 2.0 * n**3 / min(times[1:]) / 1e9
 
 
 def cpu_jiffies() -> tuple[int, int]:
     """(busy, total) clock ticks of all CPUs since boot, from the first line of ``/proc/stat``."""
     with open("/proc/stat") as f:
         fields = [int(x) for x in f.readline().split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait
     total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest is inside user)
-    return total - idle, total
+    return total - fields[3] - fields[4], total  # busy: all but idle and iowait
 
 
-def wait_for_idle(max_busy: float, timeout_s: float) -> float:
-    """Wait up to ``timeout_s`` until the CPUs are at most ``max_busy`` (0..1) busy over 1 s; the last busy share."""
+def wait_for_idle(max_busy: float, timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` until the CPUs are at most ``max_busy`` (0..1) busy over 1 s."""
     deadline = time.monotonic() + timeout_s
-    while True:
+    while time.monotonic() < deadline:
         b0, t0 = cpu_jiffies()
         time.sleep(1.0)
         b1, t1 = cpu_jiffies()
-        busy = (b1 - b0) / (t1 - t0) if t1 > t0 else 0.0
-        if busy <= max_busy or time.monotonic() >= deadline:
-            return busy
-
-
-def _meminfo_mib(key: str) -> float | None:
-    """A ``/proc/meminfo`` field (kB there) in MiB, or None."""
-    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024
-    return None
+        if t1 <= t0 or (b1 - b0) / (t1 - t0) <= max_busy:
+            return
 
 
 def source_digest() -> str:
@@ -438,17 +410,11 @@ def machine_info(packages: Iterable[str]) -> dict[str, Any]:
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             versions[pkg] = importlib.metadata.version(pkg)
     return {
-        "date_utc": datetime.now(UTC).isoformat(timespec="seconds"),
-        "cpu_model": cpu or platform.processor(),
-        "usable_cpus": len(os.sched_getaffinity(0)),
-        "mem_total_gib": (_meminfo_mib("MemTotal") or 0.0) / 1024,
-        "loadavg_1m": os.getloadavg()[0],
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "versions": versions,
-        "git_commit": commit.stdout.strip() or None,
-        "ds_ring_source_sha256": source_digest(),
-    }
+        "date_utc": datetime.now(UTC).isoformat(timespec="seconds"), "cpu_model": cpu or platform.processor(),
+        "usable_cpus": len(os.sched_getaffinity(0)), "mem_total_gib": (proc_mib("MemTotal") or 0.0) / 1024,
+        "loadavg_1m": os.getloadavg()[0], "python": platform.python_version(), "platform": platform.platform(),
+        "versions": versions, "git_commit": commit.stdout.strip() or None, "ds_ring_source_sha256": source_digest(),
+    }  # fmt: skip
 
 
 @dataclass
@@ -470,17 +436,14 @@ class Throughput:
     def record(self, key: str, case: Case, gflop: float, seconds: float, other: float | None) -> None:
         """One measured call of ``case``, an implementation named ``key``: ``gflop`` useful GFLOP in ``seconds``."""
         rate = gflop / (seconds * (1.0 - min(other or 0.0, 0.9))) / self.busy_cores(case)
-        basis = f"{fmt_seq(case.seq)} p={case.world}"
-        self.measured[key] = self.measured[(key, case.world)] = (rate, basis)
+        self.measured[key] = self.measured[(key, case.world)] = (rate, f"{fmt_seq(case.seq)} p={case.world}")
 
     def estimate_s(self, key: str, case: Case, gflop: float, efficiency: float) -> tuple[float, str]:
         """(seconds, how) for one forward+backward call of ``case``: as measured for ``key`` (at the same p if
         possible), else ``efficiency`` × the matmul GFLOP/s per core."""
-        known = [k for k in ((key, case.world), key) if k in self.measured]
-        if known:
-            rate, basis = self.measured[known[0]]
-            how = f"measured {rate:.1f} GFLOP/s per core on {basis}"
-        else:
+        rate, basis = self.measured.get((key, case.world)) or self.measured.get(key) or (None, "")
+        how = f"measured {rate:.1f} GFLOP/s per core on {basis}" if rate else ""
+        if not rate:
             rate = efficiency * self.matmul_per_core
             how = f"assumed {rate:.1f} GFLOP/s per core ({efficiency:.0%} of matmul; not measured yet)"
         cores = self.busy_cores(case)
@@ -528,28 +491,34 @@ class Row:
 
     @property
     def tokens_per_s(self) -> float | None:
-        return self.case.seq / self.fwdbwd_s if self.fwdbwd_s else None
+        return self.case.batch * self.case.seq / self.fwdbwd_s if self.fwdbwd_s else None
 
     @property
     def gflops(self) -> float | None:
         """Useful forward+backward GFLOP/s of all ranks together."""
         return self.useful_gflop / self.fwdbwd_s if self.fwdbwd_s else None
 
+    def largest(self, key: str) -> float | None:
+        """The largest rank's raw ``key`` (None unless every rank has it)."""
+        values = [r.get(key) for r in self.raw]
+        return max(values) if values and None not in values else None
+
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Row:
         return cls(**{**data, "case": Case.from_json(data["case"])})
 
 
-def summarize(row: Row, outcomes: list[RankOutcome], wall_s: float, other: float | None, budgeted: bool) -> None:
+def summarize(
+    row: Row, outcomes: list[testing.RankOutcome], wall_s: float, other: float | None, budgeted: bool
+) -> None:
     """Fill ``row`` from one launch's outcomes (in place); ``budgeted``: the phases ran on a time budget."""
     row.raw = [
         {"rank": o.rank, "error": o.error, "cpu_s": o.cpu_s, "peak_rss_mib": o.peak_rss_mib,
-         **(dataclasses.asdict(o.value) if o.ok else {})}
+         **(asdict(o.value) if o.ok else {})}
         for o in outcomes
     ]  # fmt: skip
     row.other_cpu_pct = 100.0 * other if other is not None else None
-    row.launch_wall_s, row.loadavg_1m = wall_s, os.getloadavg()[0]
-    row.notes = []
+    row.launch_wall_s, row.loadavg_1m, row.notes = wall_s, os.getloadavg()[0], []
     errors = [f"rank {o.rank}: {o.error.strip().splitlines()[-1]}" for o in outcomes if not o.ok]
     if errors:  # a failing rank usually makes its peers fail too: the first error is the cause
         row.notes.append("error: " + errors[0] + (f" (+{len(errors) - 1} more ranks)" if len(errors) > 1 else ""))
@@ -558,11 +527,9 @@ def summarize(row: Row, outcomes: list[RankOutcome], wall_s: float, other: float
     if errors or any(r.fwdbwd is None for r in results):
         return
     fb = [r.fwdbwd for r in results]
-    row.calls = len(fb[0].times_s)
-    row.fwdbwd_s = max(t.median_s for t in fb)
+    row.calls, row.fwdbwd_s = len(fb[0].times_s), max(t.median_s for t in fb)
     row.peak_mib_per_rank = [r.working_mib(r.fwdbwd) for r in results]
-    row.peak_mib = max(row.peak_mib_per_rank)
-    row.first_extra_mib = max(t.first_extra_mib for t in fb)
+    row.peak_mib, row.first_extra_mib = max(row.peak_mib_per_rank), max(t.first_extra_mib for t in fb)
     row.inputs_mib = max(r.inputs_mib or 0.0 for r in results)
     if all(r.fwd for r in results):
         row.fwd_s = max(r.fwd.median_s for r in results)
@@ -575,10 +542,8 @@ def summarize(row: Row, outcomes: list[RankOutcome], wall_s: float, other: float
         row.blocked_s_per_rank = [r.blocked_s for r in results]
         row.compute_s_per_rank = [w - r.blocked_s for w, r in zip(walls, results, strict=True)]
         row.overlap_ratio = max(walls) / max(row.compute_s_per_rank) if max(row.compute_s_per_rank) > 0 else None
-    if budgeted:
-        row.notes += [
-            f"{name}: single cold call" for name, t in (("fwd", results[0].fwd), ("fwd+bwd", fb[0])) if t and not t.warm
-        ]
+    cold = [name for name, t in (("fwd", results[0].fwd), ("fwd+bwd", fb[0])) if budgeted and t and not t.warm]
+    row.notes += [f"{name}: single cold call" for name in cold]
     if other is not None and other > OTHER_CPU_WARN:
         row.notes.append(f"other processes used {100 * other:.0f}% of the CPUs: timing disturbed")
 
@@ -595,21 +560,14 @@ class Target:
 
 @dataclass(frozen=True)
 class Benchmark:
-    """What a benchmark module hands to :func:`main`.
-
-    name: output stem (``<name>.json``, ``<name>_*.png``); module: what ``python -m`` runs; title: one line.
-    plan(session): runs every case in order with ``session.run(case)`` (later cases may depend on earlier rows).
-    build(case, rank, timeout_s): returns the :data:`AttentionFn`; module-level, as it is pickled by
-    reference into every rank; raises :class:`Skip` when the case cannot run here.
-    report(session): the markdown tables and targets (set ``session.targets``), printed and kept in the JSON.
-    plots(session): writes the PNGs into ``session.out``. config(args): the run's settings for the JSON.
-    add_args(parser): the benchmark's own options. label(case): the row's name in tables and plots.
-    flop(case): useful GFLOP of one forward+backward call. efficiency: GFLOP/s per core as a fraction
-    of 1-thread matmul assumed per impl before it is measured (default 0.35). packages: versions to record.
-    calls: timed calls per phase (quick: 1). max_call_s: (full, quick) skip threshold. budget_s: (full,
-    quick) seconds per phase: one-process cases whose first call is their warm-up (else a small warm-up
-    call and exactly ``calls`` calls on every rank). rank: the rank function, ``rank(rank, world, case,
-    build, protocol) -> RankResult`` (default :func:`attention_rank`; ``benchmarks.hf`` times training steps).
+    """What a benchmark module hands to :func:`main` (``benchmarks/README.md``, "Adding a benchmark"): plan(session)
+    runs ``session.run(case)`` per case; build(case, rank, timeout_s) -> :data:`AttentionFn` (module-level, pickled by
+    reference into every rank; may raise :class:`Skip`); report -> markdown; targets -> :class:`Target` s printed after
+    it; plots write PNGs into ``session.out``. seqs (full, quick), worlds, impls, threads: defaults of ``--seqs``,
+    ``--worlds``, ``--impls``, ``--threads`` (each option only where given). flop(case): useful GFLOP of one fwd+bwd
+    call; efficiency: per impl, the share of 1-thread matmul GFLOP/s per core assumed until measured (else 0.35).
+    max_call_s (full, quick): skip threshold, s; budget_s (full, quick): s per phase of one-process cases whose first
+    call is their warm-up; rank: the rank function (:func:`attention_rank`).
     """
 
     name: str
@@ -619,8 +577,13 @@ class Benchmark:
     build: Callable[[Case, int, float], AttentionFn]
     report: Callable[[Session], str]
     plots: Callable[[Session], None]
-    config: Callable[[argparse.Namespace], dict[str, Any]] = lambda args: {}
+    targets: Callable[[Session], list[Target]] | None = None
+    seqs: tuple[Sequence[int], Sequence[int]] | None = None
+    worlds: Sequence[int] | None = None
+    impls: Sequence[str] = ()
+    threads: int | None = None
     add_args: Callable[[argparse.ArgumentParser], None] = lambda parser: None
+    config: Callable[[argparse.Namespace], dict[str, Any]] = lambda args: {}
     label: Callable[[Case], str] = lambda case: case.impl
     flop: Callable[[Case], float] = useful_gflop
     efficiency: Mapping[str, float] = field(default_factory=dict)
@@ -635,25 +598,21 @@ class Session:
     """One run of a benchmark: the rows measured so far, the estimates, and the report they make."""
 
     def __init__(self, bench: Benchmark, args: argparse.Namespace) -> None:
-        self.bench, self.args = bench, args
-        self.out = Path(args.out)
-        self.started = time.perf_counter()
+        self.bench, self.args, self.out, self.started, self.text = bench, args, Path(args.out), time.perf_counter(), ""
+        self.command = " ".join(["python", "-m", bench.module, *sys.argv[1:]])
         self.rows: list[Row] = []
         self.targets: list[Target] = []
-        self.extra: dict[str, Any] = {}
-        """More for the JSON (the suite's fit search)."""
-        self.machine = machine_info(bench.packages)
+        self.extra: dict[str, Any] = {}  # more for the JSON (the suite's fit search)
+        self.machine, self.matmul_gflops = machine_info(bench.packages), {}
         self.cores: int = self.machine["usable_cpus"]
-        self.matmul_gflops: dict[str, float | None] = {}
         self.throughput = Throughput(self.cores, self.matmul(1, 2048, "start") or 50.0)
-        self.memory_seen: dict[tuple[str, int], tuple[int, float]] = {}
+        self.memory_seen: dict[tuple[str, int], tuple[int, float]] = {}  # (label, p): (seq, MiB per rank) last seen
         self.reuse = _reusable(args.reuse or [], self.machine["ds_ring_source_sha256"])
-        self.text = ""
         print(f"{bench.name}: fp32 matmul 2048², 1 thread: {self.throughput.matmul_per_core:.1f} GFLOP/s", flush=True)
 
     def matmul(self, threads: int, n: int, when: str) -> float | None:
         """fp32 ``n×n`` matmul GFLOP/s with ``threads`` threads in a fresh process; kept in the JSON under ``when``."""
-        (got,) = spawn_ranks(
+        (got,) = testing.spawn_ranks(
             _matmul_rank, 1, timeout_s=120, args=(n,), threads_per_rank=threads, process_group=False, preload=PRELOAD
         )
         self.matmul_gflops[f"n={n} threads={threads} {when}"] = got.value
@@ -661,15 +620,12 @@ class Session:
 
     def run(self, case: Case, *, calls: int | None = None) -> Row:
         """Measure ``case`` (or reuse, or skip it with the reason); append, print and save its row."""
-        procs = f"{case.world}×{case.threads}" + (
-            f" (>{self.cores} cores)" if case.world * case.threads > self.cores else ""
-        )
+        over = case.world * case.threads > self.cores
+        procs = f"{case.world}×{case.threads}" + (f" (>{self.cores} cores)" if over else "")
         row = Row(case, self.bench.label(case), procs, self.bench.flop(case))
         if case in self.reuse:
             old = self.reuse[case]
-            row = dataclasses.replace(
-                old, label=row.label, procs=procs, notes=[*old.notes, f"reused from {old.reused_from}"]
-            )
+            row = replace(old, label=row.label, procs=procs, notes=[*old.notes, f"reused from {old.reused_from}"])
         else:
             row.estimated_call_s, why = self._estimate(row)
             if why is not None:
@@ -681,11 +637,8 @@ class Session:
             self.throughput.record(row.label, case, row.useful_gflop, row.fwdbwd_s, (row.other_cpu_pct or 0.0) / 100)
             self.memory_seen[(row.label, case.world)] = (case.seq, row.peak_mib or 0.0)
         self.rows.append(row)
-        print(
-            f"  {row.label:>44} {fmt_seq(case.seq):>5} {procs:>5} fwd+bwd={row.fwdbwd_s or math.nan:.3f}s "
-            f"peak={row.peak_mib or math.nan:.0f}MiB/rank {'; '.join(row.notes)[:300]}",
-            flush=True,
-        )
+        print(f"  {row.label:>44} {fmt_seq(case.seq):>5} {procs:>5} fwd+bwd={row.fwdbwd_s or math.nan:.3f}s "
+              f"peak={row.peak_mib or math.nan:.0f}MiB/rank {'; '.join(row.notes)[:300]}", flush=True)  # fmt: skip
         self.write_json()
         return row
 
@@ -698,7 +651,7 @@ class Session:
         est_s, how = self.throughput.estimate_s(row.label, case, row.useful_gflop, efficiency)
         if est_s > self.args.max_call_s:
             return est_s, f"one fwd+bwd call estimated {how} > --max-call-s {self.args.max_call_s:.0f}"
-        seen, available = self.memory_seen.get((row.label, case.world)), _meminfo_mib("MemAvailable")
+        seen, available = self.memory_seen.get((row.label, case.world)), proc_mib("MemAvailable")
         if seen and seen[1] and available and seen[1] * case.seq / seen[0] * case.world > 0.8 * available:
             return est_s, (
                 f"estimated {seen[1] * case.seq / seen[0]:.0f} MiB per rank × {case.world} ranks (from "
@@ -707,50 +660,43 @@ class Session:
         return est_s, None
 
     def _measure(self, row: Row, calls: int) -> None:
-        """Launch the case, re-running it up to ``--retries`` times while disturbed; keep the least disturbed."""
+        """Launch the case, re-running it up to ``--retries`` times while disturbed; keep the least disturbed.
+        Disturbance: the share of all CPUs other processes used during the launch (``/proc/stat`` busy time
+        minus the ranks' and this process's own CPU time)."""
         args, case = self.args, row.case
         budget_s = getattr(args, "budget_s", None)
         assert budget_s is None or case.world == 1, "time-budgeted phases need one process"
-        protocol = Protocol(calls, budget_s, warmup=budget_s is None, timeout_s=args.timeout_s)
+        protocol = Protocol(calls, budget_s, args.timeout_s)
         timeout_s = max(300.0, 4.0 * (row.estimated_call_s or 0.0) * (calls + 1) + 120.0)
-        best: tuple[list[RankOutcome], float, float | None] | None = None
+        best: tuple[list[testing.RankOutcome], float, float | None] | None = None
+        own_cpu_s = lambda: sum(resource.getrusage(resource.RUSAGE_SELF)[:2])  # this process's user + system s
         for _ in range(1 + args.retries):
             if args.wait_idle_s > 0:
                 wait_for_idle(args.idle_threshold, args.wait_idle_s)
-            got = self._launch(case, protocol, timeout_s)
-            row.attempts_other_cpu_pct.append(100.0 * got[2] if got[2] is not None else None)
-            if best is None or (got[2] or 0.0) < (best[2] or 0.0):
-                best = got
-            measured = all(o.ok and o.value.fwdbwd for o in got[0])
-            if not measured or (got[2] or 0.0) <= OTHER_CPU_WARN:
+            (busy0, total0), own0, t0 = cpu_jiffies(), own_cpu_s(), time.perf_counter()
+            outcomes = testing.spawn_ranks(
+                self.bench.rank, case.world, timeout_s=timeout_s, args=(case, self.bench.build, protocol),
+                threads_per_rank=case.threads, process_group=case.group, grace_s=GRACE_AFTER_FAILURE_S, preload=PRELOAD,
+            )  # fmt: skip
+            wall, (busy1, total1) = time.perf_counter() - t0, cpu_jiffies()
+            ours, capacity = sum(o.cpu_s or 0.0 for o in outcomes) + own_cpu_s() - own0, (total1 - total0) / _CLK_TCK
+            other = max(0.0, (busy1 - busy0) / _CLK_TCK - ours) / capacity if capacity > 0 else None
+            row.attempts_other_cpu_pct.append(100.0 * other if other is not None else None)
+            if best is None or (other or 0.0) < (best[2] or 0.0):
+                best = (outcomes, wall, other)
+            if not all(o.ok and o.value.fwdbwd for o in outcomes) or (other or 0.0) <= OTHER_CPU_WARN:
                 break
         summarize(row, *best, budgeted=budget_s is not None)
 
-    def _launch(
-        self, case: Case, protocol: Protocol, timeout_s: float
-    ) -> tuple[list[RankOutcome], float, float | None]:
-        """(outcomes, wall s, share of all CPUs other processes used meanwhile): /proc/stat busy time minus
-        the ranks' and this process's own CPU time."""
-        busy0, total0 = cpu_jiffies()
-        own0, t0 = _own_cpu_s(), time.perf_counter()
-        outcomes = spawn_ranks(
-            self.bench.rank, case.world, timeout_s=timeout_s, args=(case, self.bench.build, protocol),
-            threads_per_rank=case.threads, process_group=case.group, grace_s=GRACE_AFTER_FAILURE_S, preload=PRELOAD,
-        )  # fmt: skip
-        wall = time.perf_counter() - t0
-        busy1, total1 = cpu_jiffies()
-        ours = sum(o.cpu_s or 0.0 for o in outcomes) + _own_cpu_s() - own0
-        capacity = (total1 - total0) / _CLK_TCK
-        return outcomes, wall, max(0.0, (busy1 - busy0) / _CLK_TCK - ours) / capacity if capacity > 0 else None
-
     def finish(self) -> str:
-        """Matmul ceiling and ds_ring digest at the end, the report, JSON and PNGs; returns the markdown."""
+        """Matmul ceiling and ds_ring digest at the end, the report and targets, JSON and PNGs; returns the markdown."""
         self.matmul(1, 2048, "end")
         self.extra["ds_ring_source_sha256_end"] = source_digest()
         self.extra["wall_s"] = time.perf_counter() - self.started
-        self.text = self.header() + "\n\n" + self.bench.report(self)
+        self.targets = self.bench.targets(self) if self.bench.targets else []
+        targets = [format_targets(self.targets)] if self.bench.targets else []
+        self.text = "\n\n".join([self.header(), self.bench.report(self), *targets])
         self.write_json()
-        self.out.mkdir(parents=True, exist_ok=True)
         self.bench.plots(self)
         return self.text
 
@@ -771,36 +717,22 @@ class Session:
             + (f" {reused} of {len(rows)} rows were reused from earlier undisturbed runs (--reuse)." if reused else "")
         )
 
-    @property
-    def command(self) -> str:
-        return " ".join(["python", "-m", self.bench.module, *sys.argv[1:]])
-
-    def write_json(self) -> Path:
-        """Write ``<out>/<name>.json`` atomically: machine, settings, every row with every rank's numbers."""
-        report = {
-            "benchmark": self.bench.name,
-            "mode": "quick" if self.args.quick else "full",
-            "command": self.command,
-            "args": vars(self.args),
-            "config": self.bench.config(self.args),
-            "machine": self.machine,
-            "matmul_gflops": self.matmul_gflops,
-            "rows": [dataclasses.asdict(r) for r in self.rows],
-            "targets": [dataclasses.asdict(t) for t in self.targets],
-            "report": self.text,
-            **self.extra,
-        }
-        path = self.out / f"{self.bench.name}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
-        tmp.replace(path)
-        return path
+    def write_json(self) -> None:
+        """Write ``<out>/<name>.json``: machine, settings, every row with every rank's numbers."""
+        write_json(self.out / f"{self.bench.name}.json", {
+            "benchmark": self.bench.name, "mode": "quick" if self.args.quick else "full", "command": self.command,
+            "args": vars(self.args), "config": self.bench.config(self.args), "machine": self.machine,
+            "matmul_gflops": self.matmul_gflops, "rows": [asdict(r) for r in self.rows],
+            "targets": [asdict(t) for t in self.targets], "report": self.text, **self.extra,
+        })  # fmt: skip
 
 
-def _own_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+def write_json(path: Path, data: Any) -> None:
+    """Write ``data`` to ``path`` atomically (a temporary file renamed over it), creating its directory."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    tmp.replace(path)
 
 
 def _reusable(paths: Sequence[str], digest: str) -> dict[Case, Row]:
@@ -809,18 +741,12 @@ def _reusable(paths: Sequence[str], digest: str) -> dict[Case, Row]:
     best: dict[Case, Row] = {}
     for path in paths:
         old = json.loads(Path(path).read_text())
-        if "matmul_gflops" not in old:  # rows of the benchmarks before this driver have no Case
-            print(f"--reuse {path}: not written by this driver, ignored", file=sys.stderr)
+        if {old["machine"].get("ds_ring_source_sha256"), old.get("ds_ring_source_sha256_end", digest)} != {digest}:
+            print(f"--reuse {path}: not measured with this ds_ring code by this driver, ignored", file=sys.stderr)
             continue
-        if {old["machine"]["ds_ring_source_sha256"], old.get("ds_ring_source_sha256_end", digest)} != {digest}:
-            print(f"--reuse {path}: measured with other ds_ring code, ignored", file=sys.stderr)
-            continue
-        for data in old["rows"]:
-            row = Row.from_json(data)
-            other = row.other_cpu_pct
-            if row.fwdbwd_s is None or other is None or other > 100 * OTHER_CPU_WARN:
-                continue
-            if row.case not in best or other < (best[row.case].other_cpu_pct or 0.0):
+        for row in map(Row.from_json, old["rows"]):
+            undisturbed = row.fwdbwd_s and row.other_cpu_pct is not None and row.other_cpu_pct <= 100 * OTHER_CPU_WARN
+            if undisturbed and (row.case not in best or row.other_cpu_pct < (best[row.case].other_cpu_pct or 0.0)):
                 row.reused_from = row.reused_from or f"{path} ({old['machine']['date_utc']})"
                 best[row.case] = row
     return best
@@ -851,30 +777,60 @@ class Column:
     fmt: str | Callable[[Any], str] = "{}"
 
 
-def markdown_table(rows: Sequence[Row], columns: Sequence[Column]) -> str:
+COLUMNS = {c.header: c for c in [
+    Column("impl", lambda r: r.label),
+    Column("seq", lambda r: r.case.seq, fmt_seq),
+    Column("causal", lambda r: "yes" if r.case.causal else "no"),
+    Column("procs × threads", lambda r: r.procs),
+    Column("fwd s", lambda r: r.fwd_s, "{:.3f}"),
+    Column("fwd+bwd s", lambda r: r.fwdbwd_s, "{:.3f}"),
+    Column("tokens/s", lambda r: r.tokens_per_s, "{:.0f}"),
+    Column("useful GFLOP/s", lambda r: r.gflops, "{:.1f}"),
+    Column("peak MiB/rank", lambda r: r.peak_mib, "{:.1f}"),
+    Column("inputs MiB/rank", lambda r: r.inputs_mib, "{:.1f}"),
+    Column("wall ÷ compute", lambda r: r.overlap_ratio, "{:.2f}"),
+    Column("warm-up err", lambda r: r.warmup_max_abs_err, "{:.1e}"),
+    Column("other load %", lambda r: r.other_cpu_pct, "{:.0f}"),
+    Column("notes", lambda r: "; ".join(r.notes)),
+]}  # fmt: skip
+"""The columns tables share, by header: :func:`markdown_table` takes a header for one of these."""
+
+
+def markdown_table(rows: Sequence[Any], columns: Sequence[Column | str]) -> str:
     """GitHub markdown table; a missing (None) value prints as '—'."""
 
-    def cell(row: Row, col: Column) -> str:
+    def cell(row: Any, col: Column) -> str:
         value = col.get(row)
         if value is None or (isinstance(value, float) and math.isnan(value)):
             return "—"
         return col.fmt(value) if callable(col.fmt) else col.fmt.format(value)
 
-    lines = ["| " + " | ".join(c.header for c in columns) + " |", "|" + "---|" * len(columns)]
-    return "\n".join(lines + ["| " + " | ".join(cell(r, c) for c in columns) + " |" for r in rows])
+    cols = [COLUMNS[c] if isinstance(c, str) else c for c in columns]
+    lines = ["| " + " | ".join(c.header for c in cols) + " |", "|" + "---|" * len(cols)]
+    return "\n".join(lines + ["| " + " | ".join(cell(r, c) for c in cols) + " |" for r in rows])
 
 
 def format_targets(targets: Sequence[Target]) -> str:
     """Markdown list: met / NOT met / info, the value and what it rests on."""
     if not targets:
         return "**Targets**: nothing measured to evaluate."
-    lines = ["**Targets** (reported, not asserted):", ""]
-    for t in targets:
-        shown = f"{t.value:.2f}" if isinstance(t.value, float) else str(t.value)
-        lines.append(
-            f"- [{ {True: 'met', False: 'NOT met', None: 'info'}[t.met] }] {t.target}: **{shown}** — {t.detail}"
-        )
-    return "\n".join(lines)
+    met = {True: "met", False: "NOT met", None: "info"}
+    shown = lambda v: f"{v:.2f}" if isinstance(v, float) else v
+    lines = [f"- [{met[t.met]}] {t.target}: **{shown(t.value)}** — {t.detail}" for t in targets]
+    return "\n".join(["**Targets** (reported, not asserted):", "", *lines])
+
+
+def compare(
+    target: str, num: Row | None, den: Row | None, attr: str = "fwdbwd_s",
+    met: Callable[[float], bool | None] = lambda x: None, note: str = "",
+) -> list[Target]:  # fmt: skip
+    """``[Target]`` of ``num.attr ÷ den.attr`` (how many times faster: a reference's time ÷ a row's), ``met(value)``,
+    both values (s or MiB) and ``note`` as its detail; ``[]`` while either row is not measured."""
+    if (x := ratio(num, den, attr)) is None:
+        return []
+    unit, spec = (" s", "{:.2f}") if attr.endswith("_s") else (" MiB", "{:.0f}")
+    a, b = (spec.format(getattr(r, attr)) + unit for r in (num, den))
+    return [Target(target, x, met(x), f"{a} vs {b}{note}")]
 
 
 @dataclass
@@ -889,82 +845,88 @@ class Series:
 
 
 def plot_panels(
-    path: Path, panels: Sequence[tuple[str, Sequence[Series]]], *, xlabel: str, ylabel: str, title: str,
-    xticks: Sequence[int], logy: bool = True, logx: bool = True,
-) -> Path:  # fmt: skip
-    """Side-by-side panels (title, series) sharing the y axis, x ticks labelled with :func:`fmt_seq`; a PNG."""
+    path: Path, panels: Sequence[tuple[str, Sequence[Series]]], *, xlabel: str, ylabel: str | Sequence[str],
+    title: str, xticks: Sequence[int], logy: bool = True,
+) -> None:  # fmt: skip
+    """Side-by-side panels (title, series), x on a log2 axis with ticks labelled by :func:`fmt_seq`; a PNG.
+    ``ylabel``: of the y axis the panels share, or one per panel (each its own y axis). A panel whose lines are
+    those of the panel before it gets no legend of its own."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullLocator
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), sharey=True, squeeze=False)
-    for ax, (panel_title, series) in zip(axes[0], panels, strict=True):
+    shared = isinstance(ylabel, str)
+    ylabels = [ylabel] + [""] * (len(panels) - 1) if shared else ylabel
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), sharey=shared, squeeze=False)
+    legend: list[str] = []
+    for ax, (panel_title, series), axis_label in zip(axes[0], panels, ylabels, strict=True):
         for s in series:
             xs, ys = zip(*sorted(zip(s.x, s.y, strict=True)), strict=True)
             ax.plot(xs, ys, s.style, label=s.label, **s.kwargs)
-        if logx:
-            ax.set_xscale("log", base=2)
+        ax.set_xscale("log", base=2)
         if logy:
             ax.set_yscale("log")
         ax.set_xticks(list(xticks), [fmt_seq(int(t)) for t in xticks])
         ax.xaxis.set_minor_locator(NullLocator())
-        ax.set(title=panel_title, xlabel=xlabel)
+        ax.set(title=panel_title, xlabel=xlabel, ylabel=axis_label)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    axes[0][0].set_ylabel(ylabel)
+        if legend != (legend := [s.label for s in series]):
+            ax.legend(fontsize=8 if len(legend) <= 8 else 6)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return path
+
+
+Figure = tuple[str, str, Sequence[tuple[str, Callable[["Row"], float | None], str]]]
+"""A figure of :func:`plot_rows`: (file name suffix, y label, phases: (line name suffix, value, matplotlib format))."""
+TIME: Figure = ("time", "fwd+bwd time per call, slowest rank (s)", [("", lambda r: r.fwdbwd_s, "-o")])
+MEMORY: Figure = ("memory", "peak working memory, largest rank (MiB)", [("", lambda r: r.peak_mib, "-o")])
 
 
 def plot_rows(
-    path: Path, rows: Sequence[Row], *, panel: Callable[[Row], str | None], ylabel: str, title: str,
-    phases: Sequence[tuple[str, Callable[[Row], float | None], str]] = (("", lambda r: r.fwdbwd_s, "-o"),),
-    x: Callable[[Row], int] = lambda r: r.case.seq, xlabel: str = "total sequence length", logy: bool = True,
-) -> Path | None:  # fmt: skip
-    """One panel per ``panel(row)`` (None: row left out), one line per (label, phase) with a colour per label."""
-    panels: dict[str, dict[str, Series]] = {}
-    labels = list(dict.fromkeys(r.label for r in rows))
-    for r in rows:
-        name = panel(r)
-        for suffix, y, style in phases if name is not None else ():
-            if y(r) is not None:
-                color = f"C{labels.index(r.label) % 10}"
-                s = panels.setdefault(name, {}).setdefault(
-                    f"{r.label} {suffix}".strip(),
-                    Series(f"{r.label} {suffix}".strip(), style=style, kwargs={"color": color}),
-                )
-                s.x.append(x(r))
+    session: Session, panel: Callable[[Row], str | None], title: str,
+    figures: Sequence[Figure] = (TIME, MEMORY), logy: bool = True,
+) -> None:  # fmt: skip
+    """``<out>/<name>_<figure>.png`` per figure, against the total sequence length: one panel per ``panel(row)``
+    (None: row left out), one line per (label, phase) with a colour per label."""
+    labels, ticks = list(dict.fromkeys(r.label for r in session.rows)), sorted({r.case.seq for r in session.rows})
+    for name, ylabel, phases in figures:
+        panels: dict[str, dict[str, Series]] = {}
+        for r, (suffix, y, style) in itertools.product(session.rows, phases):
+            if panel(r) is not None and y(r) is not None:
+                key, color = f"{r.label} {suffix}".strip(), f"C{labels.index(r.label) % 10}"
+                s = panels.setdefault(panel(r), {}).setdefault(key, Series(key, style=style, kwargs={"color": color}))
+                s.x.append(r.case.seq)
                 s.y.append(y(r))
-    if not panels:
-        return None
-    ticks = sorted({x(r) for r in rows})
-    items = [(name, list(series.values())) for name, series in panels.items()]
-    return plot_panels(path, items, xlabel=xlabel, ylabel=ylabel, title=title, xticks=ticks, logy=logy)
+        if items := [(title_, list(series.values())) for title_, series in panels.items()]:
+            path, xlabel = session.out / f"{session.bench.name}_{name}.png", "total sequence length"
+            plot_panels(path, items, xlabel=xlabel, ylabel=ylabel, title=title, xticks=ticks, logy=logy)
 
 
 def main(bench: Benchmark, argv: list[str] | None = None) -> int:
     """Parse the command line, run the benchmark's plan, print and write the report."""
+    listed = lambda v: " ".join(map(str, v)) if isinstance(v, Sequence) else f"{v:g}"
     p = argparse.ArgumentParser(prog=f"python -m {bench.module}", description=bench.title)
     p.add_argument("--quick", action="store_true", help="small sizes, one timed call")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="output directory")
-    p.add_argument("--calls", type=int, help=f"timed calls per phase (default {bench.calls}, quick 1)")
-    p.add_argument(
-        "--max-call-s", type=float,
-        help=f"skip a case whose one fwd+bwd call is estimated above this many s (default {bench.max_call_s[0]:.0f}, "
-        f"quick {bench.max_call_s[1]:.0f})",
-    )  # fmt: skip
-    if bench.budget_s:
-        p.add_argument(
-            "--budget-s",
-            type=float,
-            help=f"s per phase (default {bench.budget_s[0]:.0f}, quick {bench.budget_s[1]:.0f})",
-        )
+    by_mode: dict[str, tuple[Any, Any]] = {}  # option: its (full, quick) default, where the benchmark has the option
+    for flag, pair, kind, text, extra in (
+        ("--calls", (bench.calls, 1), int, "timed calls per phase", {}),
+        ("--max-call-s", bench.max_call_s, float, "skip a case estimated above this many s per fwd+bwd call", {}),
+        ("--budget-s", bench.budget_s, float, "s per phase", {}),
+        ("--seqs", bench.seqs, int, "total sequence lengths", {"nargs": "+"}),
+        ("--worlds", bench.worlds and (bench.worlds,) * 2, int, "rank counts", {"nargs": "+"}),
+        ("--impls", bench.impls and (bench.impls,) * 2, str, "implementations", {"nargs": "+", "choices": bench.impls}),
+    ):  # fmt: skip
+        if pair:
+            text += f" (default {listed(pair[0])}" + (f", quick {listed(pair[1])})" if pair[1] != pair[0] else ")")
+            p.add_argument(flag, type=kind, help=text, **extra)
+            by_mode[flag[2:].replace("-", "_")] = pair
     for flag, kind, default, text in (
+        ("--threads", int, bench.threads, f"torch threads of the one-process cases (default {bench.threads})"),
         ("--single-call-above-s", float, 120.0, "one timed call when a call is estimated above this many s"),
         ("--timeout-s", float, 600.0, "bound on every communication wait, s"),
         ("--wait-idle-s", float, 0.0, "before each case wait up to this many s for idle CPUs"),
@@ -972,14 +934,13 @@ def main(bench: Benchmark, argv: list[str] | None = None) -> int:
         ("--retries", int, 0, "re-run a case disturbed by other processes up to this many times"),
         ("--malloc-mmap-threshold", int, None, "glibc's MALLOC_MMAP_THRESHOLD_ for the ranks: large tensors mmap'ed"),
     ):
-        p.add_argument(flag, type=kind, default=default, help=text)
+        if flag != "--threads" or bench.threads:
+            p.add_argument(flag, type=kind, default=default, help=text)
     p.add_argument("--reuse", nargs="+", metavar="JSON", help="take undisturbed rows of earlier runs (same ds_ring)")
     bench.add_args(p)
     args = p.parse_args(argv)
-    args.calls = args.calls or (1 if args.quick else bench.calls)
-    args.max_call_s = args.max_call_s or bench.max_call_s[args.quick]
-    if bench.budget_s:
-        args.budget_s = args.budget_s or bench.budget_s[args.quick]
+    for name, pair in by_mode.items():  # the option's value if given, else the benchmark's default for this mode
+        setattr(args, name, getattr(args, name) or pair[args.quick])
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ.setdefault(var, "1")  # each rank sets its own count with torch.set_num_threads
     if args.malloc_mmap_threshold is not None:  # read by glibc when the fork server starts

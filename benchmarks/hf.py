@@ -1,32 +1,24 @@
 """Training a Hugging Face model sequence-parallel: ds_ring's strategies vs DeepSpeed's ALST.
 
-    python -m benchmarks.hf [--quick] [--seqs 4096 8192 16384] [--impls ...] [--out DIR]
+``python -m benchmarks.hf [--quick] [--seqs 4096 8192 16384] [--impls ...] [--out DIR]``: the model and task of
+``launch/train_hf.py`` (a random-initialised ``LlamaForCausalLM``: hidden 64, 2 layers, 4 heads, 2 K/V heads, fp32;
+the recall task), batch 1, on 2 rank processes × 1 thread, ZeRO 0, AdamW, no gradient clipping. One timed call is one
+whole training step on this rank's shard: forward, loss, backward, optimizer step. ``ring``, ``ulysses``, ``hybrid``
+(Ulysses 2 × ring 1: at 2 ranks the Ulysses exchange), ``ring dilated`` (``w = [S/8, S/2, S]``, ``r = [1, 2, 4]``):
+``ds_ring.initialize`` + ``ds_ring.integrations.hf``, ring on zigzag shards, the others contiguous. ``alst``:
+DeepSpeed 0.19's ALST as its tutorial runs it (``UlyssesSPAttentionHF``, core ``sdpa``,
+``deepspeed.initialize(mpu=...)``, contiguous shards with global ``position_ids`` and ``shift_labels``, per-rank mean
+losses all-gathered with autograd and weighted by token counts), its loss divided by the sequence-parallel size
+before ``backward`` so its gradients are the whole model's (without: 2×).
 
-The model and task of ``launch/train_hf.py`` (a random-initialised ``LlamaForCausalLM``: hidden 64,
-2 layers, 4 heads, 2 K/V heads, fp32; the recall task), batch 1, on 2 rank processes × 1 thread,
-ZeRO 0, AdamW, no gradient clipping. One timed call is one whole training step on this rank's
-shard: forward, loss, backward, optimizer step. Implementations:
-
-- ``ds_ring`` (``ring``, ``ulysses``, ``hybrid``, ``ring dilated``): ``ds_ring.initialize`` +
-  ``ds_ring.integrations.hf`` (``shard_batch``, ``causal_lm_loss``); dense ring on zigzag shards,
-  Ulysses and hybrid (Ulysses 2 × ring 1: at 2 ranks the same exchange as Ulysses) on contiguous
-  shards; ring dilated with ``w = [S/8, S/2, S]``, ``r = [1, 2, 4]``.
-- ``alst``: DeepSpeed 0.19's ALST as its tutorial runs it: ``UlyssesSPAttentionHF.register_with_transformers``
-  (core ``sdpa``), ``deepspeed.initialize(mpu=...)``, contiguous shards with global ``position_ids`` and
-  ``shift_labels`` (what ``UlyssesSPDataLoaderAdapter`` yields), the tutorial's loss (per-rank means
-  all-gathered with autograd, weighted by token counts) divided by the sequence-parallel size before
-  ``backward`` so its gradients are the whole model's (MEASURED.md: without it they are 2×).
-
-tokens/s = batch × S ÷ the slowest rank's median step time; memory = each rank's peak RSS during
-the timed steps above its RSS before the first of them (model, optimizer state and batch already
-there), and the process's peak RSS (interpreter, torch, DeepSpeed and transformers included).
-``CPU s/step``: CPU time the largest rank's process used per timed step — on a shared machine it
-compares the work done better than wall time, which also counts waiting for a core.
+tokens/s = batch × S ÷ the slowest rank's median step time; step MiB = each rank's peak RSS during the timed steps
+above its RSS before them (model, optimizer state and batch there); process peak MiB: the whole process (interpreter,
+torch, DeepSpeed, transformers). ``CPU s/step``: CPU time the largest rank's process used per timed step (on a shared
+machine a fairer measure of work than wall time).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -36,16 +28,10 @@ from types import SimpleNamespace
 from typing import Any
 
 from benchmarks import driver
-from benchmarks.driver import Case, Column, Protocol, RankResult, Session, Target, find, fmt_seq, ratio
+from benchmarks.driver import Case, Column, Protocol, RankResult, Session, Target, compare, find, fmt_seq, ratio
 
-IMPLS = ["ulysses", "ring", "hybrid", "ring dilated", "alst"]
-LABELS = {
-    "ulysses": "ds_ring Ulysses",
-    "ring": "ds_ring ring (zigzag)",
-    "hybrid": "ds_ring hybrid U2×R1",
-    "ring dilated": "ds_ring ring dilated",
-    "alst": "DeepSpeed ALST (UlyssesSPAttentionHF)",
-}
+LABELS = {"ulysses": "ds_ring Ulysses", "ring": "ds_ring ring (zigzag)", "hybrid": "ds_ring hybrid U2×R1",
+          "ring dilated": "ds_ring ring dilated", "alst": "DeepSpeed ALST (UlyssesSPAttentionHF)"}  # fmt: skip
 MODEL = SimpleNamespace(dim=64, layers=2, heads=4, kv_heads=2, init_std=0.2, seed=0)
 """``launch/train_hf.py``'s default model."""
 LR = 3e-3
@@ -69,14 +55,8 @@ def _ds_config(case: Case) -> dict[str, Any]:
         section["strategy"] = "ulysses" if case.impl == "ulysses" else "ring"
     if case.segment_lengths is not None:
         section.update(segment_lengths=list(case.segment_lengths), dilation_rates=list(case.dilation_rates))
-    return {
-        "train_micro_batch_size_per_gpu": case.batch,
-        "gradient_clipping": 0.0,
-        "zero_optimization": {"stage": 0},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9,
-        "ring_attention": section,
-    }
+    return {"train_micro_batch_size_per_gpu": case.batch, "gradient_clipping": 0.0, "zero_optimization": {"stage": 0},
+            "zero_allow_untested_optimizer": True, "steps_per_print": 10**9, "ring_attention": section}  # fmt: skip
 
 
 def _model_and_batch(case: Case) -> tuple[Any, dict[str, Any]]:
@@ -96,8 +76,7 @@ def _ds_ring_step(case: Case, rank: int) -> Callable[[], None]:
     import ds_ring
     from ds_ring.integrations.hf import causal_lm_loss, register_with_transformers, shard_batch
 
-    model, batch = _model_and_batch(case)
-    config = _ds_config(case)
+    (model, batch), config = _model_and_batch(case), _ds_config(case)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     engine, *_ = ds_ring.initialize(model=model, optimizer=optimizer, config=config, seq_len=case.seq)
     topology = register_with_transformers(model, config=config, topology=engine.mpu)
@@ -179,89 +158,47 @@ def train_rank(
 
 
 def plan(session: Session) -> None:
-    args = session.args
-    for seq in args.seqs or ([2048, 4096] if args.quick else [4096, 8192, 16384]):
-        for impl in args.impls or IMPLS:
+    for seq in session.args.seqs:
+        for impl in session.args.impls:
             session.run(_case(impl, seq))
 
 
-def _tokens_per_s(row: driver.Row) -> float | None:
-    return row.case.batch * row.case.seq / row.fwdbwd_s if row.fwdbwd_s else None
-
-
-def _largest(key: str) -> Callable[[driver.Row], float | None]:
-    """The largest rank's raw ``key`` (None unless every rank has it)."""
-
-    def get(row: driver.Row) -> float | None:
-        values = [r.get(key) for r in row.raw]
-        return max(values) if values and None not in values else None
-
-    return get
+def targets(session: Session) -> list[Target]:
+    rows, out = session.rows, []
+    seqs = sorted({r.case.seq for r in rows})
+    for seq in seqs:
+        alst, ulysses = find(rows, impl="alst", seq=seq), find(rows, impl="ulysses", seq=seq)
+        cpu = [r.largest("cpu_s_per_step") if r else None for r in (alst, ulysses)]
+        work = f"; CPU s/step ALST ÷ ds_ring Ulysses {cpu[0] / cpu[1]:.2f}" if None not in cpu else ""
+        out += compare(f"ds_ring Ulysses ≥ ALST throughput, {fmt_seq(seq)}", alst, ulysses, met=lambda x: x >= 1.0,
+                       note=f" step time (ALST vs ds_ring Ulysses){work}")  # fmt: skip
+    if seqs:
+        ring, alst = find(rows, impl="ring", seq=seqs[-1]), find(rows, impl="alst", seq=seqs[-1])
+        text = f"ring uses less memory per rank than ALST, {fmt_seq(seqs[-1])}"
+        out += compare(text, ring, alst, "peak_mib", lambda x: x < 1.0, " step MiB/rank (ds_ring ring vs ALST)")
+    return out
 
 
 def report(session: Session) -> str:
     rows = session.rows
-
-    def versus_alst(attr: str) -> Callable[[driver.Row], float | None]:
-        return lambda r: ratio(r, find(rows, impl="alst", seq=r.case.seq), attr)
-
-    columns = [
-        Column("impl", lambda r: r.label),
-        Column("seq", lambda r: r.case.seq, fmt_seq),
-        Column("procs × threads", lambda r: r.procs),
-        Column("step s", lambda r: r.fwdbwd_s, "{:.3f}"),
-        Column("tokens/s", _tokens_per_s, "{:.0f}"),
-        Column("tokens/s ÷ ALST", lambda r: ratio(find(rows, impl="alst", seq=r.case.seq), r), "{:.2f}"),
+    alst = lambda r: find(rows, impl="alst", seq=r.case.seq)
+    return driver.markdown_table(rows, [
+        "impl", "seq", "procs × threads", Column("step s", lambda r: r.fwdbwd_s, "{:.3f}"),
+        "tokens/s", Column("tokens/s ÷ ALST", lambda r: ratio(alst(r), r), "{:.2f}"),
         Column("step MiB/rank", lambda r: r.peak_mib, "{:.1f}"),
-        Column("step MiB ÷ ALST", versus_alst("peak_mib"), "{:.2f}"),
-        Column("process peak MiB/rank", _largest("peak_rss_mib"), "{:.0f}"),
-        Column("CPU s/step", _largest("cpu_s_per_step"), "{:.3f}"),
-        Column("other load %", lambda r: r.other_cpu_pct, "{:.0f}"),
-        Column("notes", lambda r: "; ".join(r.notes)),
-    ]
-    session.targets = _targets(rows)
-    return driver.markdown_table(rows, columns) + "\n\n" + driver.format_targets(session.targets)
-
-
-def _targets(rows: list[driver.Row]) -> list[Target]:
-    targets = []
-    seqs = sorted({r.case.seq for r in rows})
-    for seq in seqs:
-        speed = ratio(find(rows, impl="alst", seq=seq), find(rows, impl="ulysses", seq=seq))
-        if speed is not None:
-            cpu = [_largest("cpu_s_per_step")(find(rows, impl=impl, seq=seq)) for impl in ("alst", "ulysses")]
-            work = f"; CPU s/step ALST ÷ ds_ring Ulysses {cpu[0] / cpu[1]:.2f}" if None not in cpu else ""
-            targets.append(Target(f"ds_ring Ulysses ≥ ALST throughput, {fmt_seq(seq)}", speed, speed >= 1.0,
-                                  f"ALST step time ÷ ds_ring Ulysses step time{work}"))  # fmt: skip
-    if seqs:
-        longest = seqs[-1]
-        memory = ratio(find(rows, impl="ring", seq=longest), find(rows, impl="alst", seq=longest), "peak_mib")
-        if memory is not None:
-            targets.append(Target(f"ring uses less memory per rank than ALST, {fmt_seq(longest)}", memory,
-                                  memory < 1.0, "ds_ring ring step MiB/rank ÷ ALST step MiB/rank"))  # fmt: skip
-    return targets
-
-
-def plots(session: Session) -> None:
-    title = "HF Llama training step, 2 ranks × 1 thread, batch 1, fp32"
-    for name, ylabel, y in (
-        ("throughput", "tokens/s (whole job)", _tokens_per_s),
-        ("memory", "step working memory, largest rank (MiB)", lambda r: r.peak_mib),
-    ):
-        driver.plot_rows(
-            session.out / f"hf_{name}.png", session.rows, panel=lambda r: "", ylabel=ylabel, title=title,
-            phases=(("", y, "-o"),), logy=False,
-        )  # fmt: skip
-
-
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seqs", type=int, nargs="+", help="sequence lengths, multiples of 64 (default 4K 8K 16K)")
-    p.add_argument("--impls", nargs="+", choices=IMPLS, help="implementations (default all)")
+        Column("step MiB ÷ ALST", lambda r: ratio(r, alst(r), "peak_mib"), "{:.2f}"),
+        Column("process peak MiB/rank", lambda r: r.largest("peak_rss_mib"), "{:.0f}"),
+        Column("CPU s/step", lambda r: r.largest("cpu_s_per_step"), "{:.3f}"), "other load %", "notes",
+    ])  # fmt: skip
 
 
 BENCHMARK = driver.Benchmark(
     name="hf", module="benchmarks.hf", title="HF Llama training steps: ds_ring strategies vs DeepSpeed ALST, p = 2",
-    plan=plan, build=build, report=report, plots=plots, add_args=add_args, label=lambda case: LABELS[case.impl],
+    plan=plan, build=build, report=report, targets=targets, label=lambda case: LABELS[case.impl],
+    seqs=([4096, 8192, 16384], [2048, 4096]), impls=list(LABELS),
+    plots=lambda s: driver.plot_rows(s, lambda r: "", "HF Llama training step, 2 ranks × 1 thread, batch 1, fp32", [
+        ("throughput", "tokens/s (whole job)", [("", lambda r: r.tokens_per_s, "-o")]),
+        ("memory", "step working memory, largest rank (MiB)", [("", lambda r: r.peak_mib, "-o")])], logy=False),
     flop=lambda case: MODEL.layers * driver.useful_gflop(case), packages=("deepspeed", "transformers"), calls=3,
     rank=train_rank,
 )  # fmt: skip

@@ -9,10 +9,9 @@ bytes of one rank's q shard at each length::
 
     slope (q-shards) = (extra₂ − extra₁) / (b₂ − b₁)        fixed (MiB) = extra₁ − slope · b₁
 
-so a per-process cost that does not grow with the sequence does not count in the slope. On CUDA the
-allocator's peak (``torch.cuda.max_memory_allocated``) replaces the RSS. Results (and the time of the
-call, wall seconds of the slowest rank) go to ``DIR/memory.json`` after every configuration, with a
-plot ``DIR/memory.png``.
+so a per-process cost that does not grow with the sequence does not count in the slope. On CUDA the allocator's peak
+(``torch.cuda.max_memory_allocated``) replaces the RSS. Results (and the time of the call, wall seconds of the
+slowest rank) go to ``DIR/memory.json`` after every configuration, with a plot ``DIR/memory.png``.
 
     python -m benchmarks.memory                       # every call, p = 1, 2, 4, 8
     python -m benchmarks.memory --ranks 1 2 4 --calls dense_ring dilated_ring --label before
@@ -21,18 +20,16 @@ plot ``DIR/memory.png``.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import json
-import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from benchmarks import driver
 from ds_ring.testing import rank_results, spawn_ranks
 
 HEADS, HEAD_DIM = 8, 64
-MIB = 2**20
 
 
 @dataclass(frozen=True)
@@ -51,33 +48,12 @@ class Call:
 
 _LONGNET = {"segments": (1 / 32, 1 / 4, 1), "rates": (1, 4, 16), "tokens_per_rank": (16384, 32768)}
 CALLS = {
-    "dense_ring": Call("ring"),
-    "dense_ring_zigzag": Call("ring", layout="zigzag"),
-    "dense_allgather": Call("allgather", communication="allgather"),
-    "dense_ulysses": Call("ulysses"),
+    "dense_ring": Call("ring"), "dense_ring_zigzag": Call("ring", layout="zigzag"),
+    "dense_allgather": Call("allgather", communication="allgather"), "dense_ulysses": Call("ulysses"),
     "dense_hybrid": Call("hybrid"),
     "dilated_local": Call("ring", segments=(1 / 16, 1 / 8, 1 / 4), rates=(1, 2, 4), tokens_per_rank=(16384, 32768)),
-    "dilated_ring": Call("ring", **_LONGNET),
-    "dilated_allgather": Call("allgather", "allgather", **_LONGNET),
-}
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MIB
-
-
-def _hwm_mib() -> float:
-    with open("/proc/self/status") as f:
-        line = next(x for x in f if x.startswith("VmHWM:"))
-    return int(line.split()[1]) / 1024
-
-
-def _topology(strategy: str, world: int):
-    import ds_ring
-
-    ulysses = 2 if strategy == "hybrid" and world > 1 else (world if strategy == "ulysses" else 1)
-    return ds_ring.Topology(ulysses=ulysses, ring=world // ulysses)
+    "dilated_ring": Call("ring", **_LONGNET), "dilated_allgather": Call("allgather", "allgather", **_LONGNET),
+}  # fmt: skip
 
 
 def _measure(rank: int, world: int, call: Call, local_len: int, device: str) -> dict:
@@ -89,20 +65,19 @@ def _measure(rank: int, world: int, call: Call, local_len: int, device: str) -> 
     seq = local_len * world
     segments = None if call.segments is None else [max(1, int(seq * f)) for f in call.segments]
     rates = None if call.rates is None else list(call.rates)
-    topology = _topology(call.strategy, world)
+    ulysses = 2 if call.strategy == "hybrid" and world > 1 else (world if call.strategy == "ulysses" else 1)
+    topology = ds_ring.Topology(ulysses=ulysses, ring=world // ulysses)
     g = torch.Generator().manual_seed(rank)
-    shape = (1, local_len, HEADS, HEAD_DIM)
-    q, k, v, dout = (torch.randn(shape, generator=g).to(device) for _ in range(4))
+    q, k, v, dout = (torch.randn((1, local_len, HEADS, HEAD_DIM), generator=g).to(device) for _ in range(4))
     for x in (q, k, v):
         x.requires_grad_()
-    gc.collect()
+    driver.release_free_memory()  # gc, and (CPU) freed heap back to the OS before the baseline
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated() / MIB
+        base = torch.cuda.memory_allocated() / driver.MIB
     else:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        base = _rss_mib()
+        base = driver.current_rss_bytes() / driver.MIB
         Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     start = time.perf_counter()
     out = ds_ring.sequence_parallel_attention(
@@ -113,61 +88,41 @@ def _measure(rank: int, world: int, call: Call, local_len: int, device: str) -> 
     seconds = time.perf_counter() - start
     if device == "cuda":
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() / MIB
+        peak = torch.cuda.max_memory_allocated() / driver.MIB
     else:
-        peak = _hwm_mib()
-    return {"extra_mib": peak - base, "seconds": seconds, "q_shard_mib": q.numel() * q.element_size() / MIB}
+        peak = driver.proc_mib("VmHWM", "/proc/self/status")
+    return {"extra_mib": peak - base, "seconds": seconds, "q_shard_mib": q.numel() * q.element_size() / driver.MIB}
 
 
-@dataclass(frozen=True)
-class Result:
-    call: str
-    ranks: int
-    tokens_per_rank: tuple[int, int]
-    extra_mib: tuple[float, float]
-    """Max over ranks of the peak extra memory, MiB, at each length."""
-    seconds: tuple[float, float]
-    slope_q_shards: float
-    fixed_mib: float
-
-
-def measure(name: str, world: int, device: str, timeout_s: float) -> Result:
-    """Both lengths of one call on ``world`` ranks, each in fresh processes."""
-    call = CALLS[name]
-    points = []
+def measure(name: str, world: int, device: str, timeout_s: float) -> dict[str, Any]:
+    """Both lengths of one call on ``world`` ranks, each in fresh processes: ``extra_mib`` (max over ranks of
+    the peak extra memory, MiB) and ``seconds`` at each length, the slope (q-shards) and the fixed MiB."""
+    call, points = CALLS[name], []
     for local_len in call.tokens_per_rank:
-        values = rank_results(
-            spawn_ranks(_measure, world, timeout_s=timeout_s, args=(call, local_len, device), preload=("torch",))
-        )
-        points.append(
-            (max(v["extra_mib"] for v in values), max(v["seconds"] for v in values), values[0]["q_shard_mib"])
-        )
+        args = (call, local_len, device)
+        values = rank_results(spawn_ranks(_measure, world, timeout_s=timeout_s, args=args, preload=("torch",)))
+        extra, seconds = (max(v[key] for v in values) for key in ("extra_mib", "seconds"))
+        points.append((extra, seconds, values[0]["q_shard_mib"]))
     (e1, t1, b1), (e2, t2, b2) = points
     slope = (e2 - e1) / (b2 - b1)
-    return Result(name, world, call.tokens_per_rank, (e1, e2), (t1, t2), slope, e1 - slope * b1)
+    return {"call": name, "ranks": world, "tokens_per_rank": call.tokens_per_rank, "extra_mib": (e1, e2),
+            "seconds": (t1, t2), "slope_q_shards": slope, "fixed_mib": e1 - slope * b1}  # fmt: skip
 
 
-def _plot(results: dict[str, list[dict]], path: Path, labels: tuple[str, ...] = ("before", "after")) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for label, rows in ((label, results[label]) for label in labels if label in results):
-        for name in sorted({r["call"] for r in rows}):
-            mine = sorted((r for r in rows if r["call"] == name), key=lambda r: r["ranks"])
-            style = "--" if label == "before" else "-"
-            ranks = [r["ranks"] for r in mine]
-            axes[0].plot(ranks, [r["slope_q_shards"] for r in mine], style, marker="o", label=f"{name} ({label})")
-            axes[1].plot(ranks, [r["fixed_mib"] for r in mine], style, marker="o", label=f"{name} ({label})")
-    axes[0].set(xlabel="ranks", ylabel="slope (q-shards per rank)", xscale="log", title="activation memory slope")
-    axes[1].set(xlabel="ranks", ylabel="fixed MiB per rank", xscale="log", title="fixed cost")
-    for ax in axes:
-        ax.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
-    axes[0].legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+def plot(results: dict[str, list[dict]], path: Path, labels: tuple[str, ...] = ("before", "after")) -> None:
+    """Slope and fixed cost against the rank count: a line per (call, label), dashed for ``before``."""
+    panels = {"slope_q_shards": [], "fixed_mib": []}
+    for label in (label for label in labels if label in results):
+        for name in sorted({r["call"] for r in results[label]}):
+            mine = [r for r in results[label] if r["call"] == name]
+            ranks, style = [r["ranks"] for r in mine], "--o" if label == "before" else "-o"
+            for key, series in panels.items():
+                series.append(driver.Series(f"{name} ({label})", ranks, [r[key] for r in mine], style))
+    driver.plot_panels(
+        path, [("activation memory slope", panels["slope_q_shards"]), ("fixed cost", panels["fixed_mib"])],
+        xlabel="ranks", ylabel=["slope (q-shards per rank)", "fixed MiB per rank"], xticks=[1, 2, 4, 8], logy=False,
+        title="activation memory per rank of one fwd+bwd, fp32, 8 heads × 64, causal",
+    )  # fmt: skip
 
 
 def main() -> None:
@@ -188,15 +143,12 @@ def main() -> None:
             if CALLS[name].strategy == "hybrid" and world % 2:
                 continue  # hybrid needs a ulysses degree of 2 here
             r = measure(name, world, args.device, args.timeout_s)
-            print(
-                f"{name:18s} p={world}  slope {r.slope_q_shards:5.2f} q-shards  fixed {r.fixed_mib:6.1f} MiB  "
-                f"extra {r.extra_mib[0]:.0f}/{r.extra_mib[1]:.0f} MiB  time {r.seconds[0]:.2f}/{r.seconds[1]:.2f} s",
-                flush=True,
-            )
-            rows.append(asdict(r))
-            results[args.label] = rows
-            path.write_text(json.dumps(results, indent=1))
-    _plot(results, args.out / "memory.png")
+            (e1, e2), (t1, t2) = r["extra_mib"], r["seconds"]
+            print(f"{name:18s} p={world}  slope {r['slope_q_shards']:5.2f} q-shards  fixed {r['fixed_mib']:6.1f} MiB  "
+                  f"extra {e1:.0f}/{e2:.0f} MiB  time {t1:.2f}/{t2:.2f} s", flush=True)  # fmt: skip
+            results[args.label] = rows = [*rows, r]
+            driver.write_json(path, results)
+    plot(results, args.out / "memory.png")
 
 
 if __name__ == "__main__":

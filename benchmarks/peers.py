@@ -1,12 +1,10 @@
 """The libraries the benchmarks compare against: pinned versions, their explicit install, how each is called.
 
-    python -m benchmarks install-peers
-
-installs them into this interpreter with ``--no-deps`` plus their light pure-Python needs:
-dilated-attention-pytorch declares xformers (no CPU path; it would also pull a CUDA torch), which
-:func:`dap_attention` replaces with PyTorch SDPA at run time instead. A benchmark never installs
-anything: a case whose peer is missing is recorded as skipped, with this command in its notes.
-DeepSpeed and PyTorch's ``context_parallel`` come with ds_ring's own dependencies.
+``python -m benchmarks install-peers`` installs them into this interpreter with ``--no-deps`` plus their light
+pure-Python needs: dilated-attention-pytorch declares xformers (no CPU path; it would also pull a CUDA torch), which
+:func:`dap_attention` replaces with PyTorch SDPA at run time instead. A benchmark never installs anything: a case
+whose peer is missing is recorded as skipped, with this command in its notes. DeepSpeed and PyTorch's
+``context_parallel`` come with ds_ring's own dependencies.
 """
 
 from __future__ import annotations
@@ -20,19 +18,6 @@ from benchmarks.driver import AttentionFn, Case, Skip, causal_pairs, kept_positi
 
 if TYPE_CHECKING:
     from torch import Tensor
-
-__all__ = [
-    "PEERS",
-    "RAP",
-    "DAP",
-    "EFFICIENCY",
-    "dap_attention",
-    "deepspeed_attention",
-    "flop",
-    "install",
-    "rap_attention",
-    "torch_cp_attention",
-]
 
 RAP = "ring-attention-pytorch==0.5.20"
 DAP = "dilated-attention-pytorch==0.2.0"
@@ -48,6 +33,14 @@ def install() -> int:
     """``pip install --no-deps`` every requirement of :data:`PEERS` into this interpreter; pip's exit status."""
     print(f"benchmarks: installing {' '.join(PEERS)} (--no-deps)", flush=True)
     return subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", *PEERS], check=False).returncode
+
+
+def sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None = None) -> Tensor:
+    """PyTorch SDPA on ``[batch, seq, heads, head_dim]`` tensors (SDPA takes ``[batch, heads, seq, head_dim]``)."""
+    import torch.nn.functional as F
+
+    out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=causal, scale=scale)
+    return out.transpose(1, 2)
 
 
 def _dense_only(case: Case, why: str) -> None:
@@ -68,12 +61,8 @@ def rap_attention(case: Case) -> AttentionFn:
         from ring_attention_pytorch import ring_flash_attn
     except ImportError as exc:
         raise missing(RAP, exc) from exc
-
-    def attn(q: Tensor, k: Tensor, v: Tensor, segs: Any, rates: Any) -> Tensor:
-        bucket = min(RAP_BUCKET, q.shape[1])
-        return ring_flash_attn(q, k, v, None, case.causal, bucket, case.world > 1, False, None, case.world)
-
-    return attn
+    p, causal, bucket = case.world, case.causal, lambda q: min(RAP_BUCKET, q.shape[1])
+    return lambda q, k, v, *_: ring_flash_attn(q, k, v, None, causal, bucket(q), p > 1, False, None, p)
 
 
 def torch_cp_attention(case: Case) -> AttentionFn:
@@ -105,19 +94,12 @@ def deepspeed_attention(case: Case, rank: int, group: Any) -> AttentionFn:
     import os
 
     import deepspeed
-    import torch.nn.functional as F
     from deepspeed.sequence.layer import DistributedAttention
 
     os.environ["LOCAL_RANK"] = str(rank)
     deepspeed.init_distributed(dist_backend="gloo")
-
-    def sdpa(q: Tensor, k: Tensor, v: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=case.causal
-        )
-        return out.transpose(1, 2)
-
-    ds_attn = DistributedAttention(sdpa, group, scatter_idx=2, gather_idx=1)
+    local = lambda q, k, v, *args, **kwargs: sdpa(q, k, v, case.causal)
+    ds_attn = DistributedAttention(local, group, scatter_idx=2, gather_idx=1)
     return lambda q, k, v, segs, rates: ds_attn(q, k, v, 0)
 
 
@@ -143,13 +125,10 @@ def flop(case: Case) -> float:
     group i (``heads // n`` heads, the first ``heads % n`` one more) runs branch i at offset i % r."""
     if case.impl != "dap":
         return useful_gflop(case)
-    n = len(case.dilation_rates or ())
-    pairs = sum(
-        (case.heads // n + (i < case.heads % n))
-        * (case.seq // w)
-        * causal_pairs(kept_positions(w, i % r, r), case.causal)
-        for i, (w, r) in enumerate(zip(case.segment_lengths or (), case.dilation_rates or (), strict=True))
-    )
+    n, pairs = len(case.dilation_rates or ()), 0
+    for i, (w, r) in enumerate(zip(case.segment_lengths or (), case.dilation_rates or (), strict=True)):
+        heads = case.heads // n + (i < case.heads % n)
+        pairs += heads * (case.seq // w) * causal_pairs(kept_positions(w, i % r, r), case.causal)
     return useful_gflop(case, pairs)
 
 
@@ -157,22 +136,17 @@ def _install_fake_xformers() -> None:
     """A CPU stand-in for ``xformers.ops`` in ``sys.modules`` (this process only):
     ``memory_efficient_attention(q, k, v, attn_bias=None | LowerTriangularMask, p=0.0, scale=None)`` on
     ``[B, S, H, D]`` runs SDPA (top-left aligned causal mask, as in xformers); anything else raises."""
-    import torch.nn.functional as F
 
     class LowerTriangularMask:
         """Marker for a causal bias, as ``xformers.ops.LowerTriangularMask``."""
 
-    class AttentionOp:
-        """Placeholder for the ``xformers.ops.AttentionOp`` type used in signatures."""
-
     def memory_efficient_attention(query, key, value, attn_bias=None, p=0.0, scale=None, *, op=None):
         if p or (attn_bias is not None and not isinstance(attn_bias, LowerTriangularMask)):
             raise NotImplementedError(f"fake xformers: dropout {p} / attn_bias {type(attn_bias).__name__}")
-        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-        return F.scaled_dot_product_attention(q, k, v, is_causal=attn_bias is not None, scale=scale).transpose(1, 2)
+        return sdpa(query, key, value, attn_bias is not None, scale)
 
     ops = types.ModuleType("xformers.ops")
-    ops.LowerTriangularMask, ops.AttentionOp = LowerTriangularMask, AttentionOp
+    ops.LowerTriangularMask, ops.AttentionOp = LowerTriangularMask, type("AttentionOp", (), {})  # used in signatures
     ops.memory_efficient_attention = memory_efficient_attention
     pkg = types.ModuleType("xformers")
     pkg.__path__ = []  # a package, so that "import xformers.ops" resolves

@@ -1,16 +1,14 @@
 """The benchmark suite (issue 8): every figure of ds_ring's sequence parallelism in one run.
 
-    python -m benchmarks [--quick] [--out DIR]
+``python -m benchmarks [--quick] [--out DIR]``: dense causal attention over S total tokens (full 32K, ``--quick``
+4K), batch 1, 8 heads, head_dim 64, fp32, rank processes × 1 thread (``benchmarks/SUITE.md`` has the details):
 
-Dense causal attention over S total tokens (full 32K, ``--quick`` 4K), batch 1, 8 heads, head_dim 64,
-fp32, rank processes × 1 thread (``benchmarks/SUITE.md`` has the details):
-
-1. **Scaling, overlap, strong scaling**: ring, all-gather, Ulysses and hybrid (Ulysses 2 × ring p/2)
-   on p = 1, 2, 4, 8, zigzag shards; ``wall ÷ compute`` from the time blocked in ring waits.
-2. **Single process**: dense SDPA and ``ds_ring.dilated_attention`` (``w = S/16 · [1, 2, 4]``,
-   ``r = [1, 2, 4]``) with 1 and 2 threads, dilated-attention-pytorch on the same branches (2 threads).
-3. **Existing libraries** at p = 2: ring-attention-pytorch, DeepSpeed's ``DistributedAttention``,
-   PyTorch ``context_parallel``, next to ds_ring ring and Ulysses on the same contiguous shards.
+1. **Scaling, overlap, strong scaling**: ring, all-gather, Ulysses and hybrid (Ulysses 2 × ring p/2) on p = 1, 2, 4,
+   8, zigzag shards; ``wall ÷ compute`` from the time blocked in ring waits.
+2. **Single process**: dense SDPA and ``ds_ring.dilated_attention`` (``w = S/16 · [1, 2, 4]``, ``r = [1, 2, 4]``)
+   with 1 and 2 threads, dilated-attention-pytorch on the same branches (2 threads).
+3. **Existing libraries** at p = 2: ring-attention-pytorch, DeepSpeed's ``DistributedAttention``, PyTorch
+   ``context_parallel``, next to ds_ring ring and Ulysses on the same contiguous shards.
 4. **Largest total length within a per-rank memory budget** (full 512 MiB, quick 96 MiB) at p = 4.
 5. **Targets**, reported, never asserted.
 """
@@ -18,14 +16,12 @@ fp32, rank processes × 1 thread (``benchmarks/SUITE.md`` has the details):
 from __future__ import annotations
 
 import argparse
-import dataclasses
-from dataclasses import dataclass
 from typing import Any
 
-from benchmarks import dilated, driver, peers, ring
-from benchmarks.driver import Case, Column, Row, Session, Target, find, fmt_seq, ratio
+from benchmarks import driver, peers, ring, strategies
+from benchmarks.driver import Case, Column, Row, Session, Target, compare, find, fmt_seq, ratio
+from benchmarks.strategies import NAMES, STRATEGIES, label
 
-STRATEGIES = ["ring", "allgather", "ulysses", "hybrid"]
 RATES = (1, 2, 4)
 MODES = {
     False: {"seq": 32768, "worlds": [1, 2, 4, 8], "budget_mib": 512.0, "fit_step": 4096, "fit_probes": 5},
@@ -33,22 +29,6 @@ MODES = {
 }
 """Full (False) and quick (True) sizes: total tokens, rank counts, per-rank budget (MiB), search step, probes."""
 FIT_WORLD = 4
-NAMES = {
-    "ring": "ring", "allgather": "all-gather", "ulysses": "Ulysses", "hybrid": "hybrid U2×R(p/2)",
-    "rap": "ring-attention-pytorch 0.5.20 (ring)", "deepspeed": "DeepSpeed DistributedAttention + SDPA",
-    "torch_cp": "PyTorch context_parallel + SDPA", "dense": "dense SDPA", "ds_ring": "ds_ring.dilated_attention",
-    "dap": "dilated-attention-pytorch 0.2.0",
-}  # fmt: skip
-
-
-def label(case: Case) -> str:
-    if not case.group:
-        return f"{NAMES[case.impl]}, 1 process × {case.threads} thread{'s' if case.threads > 1 else ''}"
-    return f"ds_ring {NAMES[case.impl]} ({case.layout})" if case.impl in STRATEGIES else NAMES[case.impl]
-
-
-def build(case: Case, rank: int, timeout_s: float) -> driver.AttentionFn:
-    return ring.build(case, rank, timeout_s) if case.group else dilated.build(case, rank, timeout_s)
 
 
 def mode(args: argparse.Namespace) -> dict[str, Any]:
@@ -73,24 +53,14 @@ def plan(session: Session) -> None:
         session.run(Case(impl, seq, threads=threads, group=False, warmup_seq=warmup_seq, tag="single", **dilated))
     for impl in ("ring", "rap", "ulysses", "deepspeed", "torch_cp"):
         session.run(strategy(impl, seq, 2, layout="contiguous", tag="libraries"))
-    session.extra["fit"] = [dataclasses.asdict(fit_search(session, impl, m)) for impl in STRATEGIES]
+    session.extra["fit"] = [fit_search(session, impl, m) for impl in STRATEGIES]
 
 
-@dataclass
-class Fit:
-    """The fit search's answer for one strategy: (length, MiB per rank) of the largest length measured to
-    fit the budget and of the smallest measured not to, every probe, and why the search stopped early."""
-
-    label: str
-    fit: tuple[int, float] | None
-    over: tuple[int, float] | None
-    probes: list[dict[str, Any]]
-    notes: str
-
-
-def fit_search(session: Session, impl: str, m: dict[str, Any]) -> Fit:
+def fit_search(session: Session, impl: str, m: dict[str, Any]) -> dict[str, Any]:
     """The largest total length (a multiple of ``fit_step``) whose working memory per rank at p = 4 stays
-    within ``budget_mib``; every probe is one forward+backward in fresh rank processes.
+    within ``budget_mib``; every probe is one forward+backward in fresh rank processes. Returns the strategy's
+    ``label``, (length, MiB per rank) of the largest length measured to ``fit`` the budget and of the smallest
+    measured not to (``over``), every probe, and why the search stopped early (``notes``).
 
     Candidates come from a straight line through the two nearest measurements (through the origin and
     the scaling row at first), kept strictly between the largest length known to fit and the smallest
@@ -117,7 +87,8 @@ def fit_search(session: Session, impl: str, m: dict[str, Any]) -> Fit:
         notes.append(f"stopped after {m['fit_probes']} probes: the limit lies between the two lengths")
     if hi is None:
         notes.append("no probe exceeded the budget: the largest length is at least the one shown")
-    return Fit(label(strategy(impl, 0, FIT_WORLD)), lo, hi, probes, "; ".join(notes))
+    name = label(strategy(impl, 0, FIT_WORLD))
+    return {"label": name, "fit": lo, "over": hi, "probes": probes, "notes": "; ".join(notes)}
 
 
 def next_candidate(points: list[tuple[int, float]], lo: Any, hi: Any, budget: float, step: int) -> int | None:
@@ -138,42 +109,35 @@ def next_candidate(points: list[tuple[int, float]], lo: Any, hi: Any, budget: fl
     return candidate if candidate > floor else None
 
 
-def targets(rows: list[Row], seq: int, cores: int) -> list[Target]:
+def targets(session: Session) -> list[Target]:
     """Issue 8's targets on this run (reported, not asserted)."""
+    rows, seq, cores = [r for r in session.rows if r.case.tag != "fit"], mode(session.args)["seq"], session.cores
     at = fmt_seq(seq) + ("" if seq == 32768 else f" (the target is stated at 32K; this run uses {fmt_seq(seq)})")
     ring1, ring2, ring4 = (find(rows, impl="ring", world=p, tag="scaling") for p in (1, 2, 4))
-    out = []
-    if (mem := ratio(ring4, ring1, "peak_mib")) is not None:
-        ag4 = ratio(find(rows, impl="allgather", world=4, tag="scaling"), ring1, "peak_mib")
-        detail = f"{ring4.peak_mib:.0f} MiB vs {ring1.peak_mib:.0f} MiB" + (
-            f"; all-gather beside it: {ag4:.2f}" if ag4 else ""
-        )
-        out.append(Target(f"ring per-rank peak memory at p=4 ≤ 0.30 × p=1, {fmt_seq(seq)}", mem, mem <= 0.30, detail))
+    ag4 = ratio(find(rows, impl="allgather", world=4, tag="scaling"), ring1, "peak_mib")
+    out = compare(f"ring per-rank peak memory at p=4 ≤ 0.30 × p=1, {fmt_seq(seq)}", ring4, ring1, "peak_mib",
+                  lambda x: x <= 0.30, f"; all-gather beside it: {ag4:.2f}" if ag4 else "")  # fmt: skip
     for r in rows:
         if r.case.impl == "ring" and r.case.tag == "scaling" and r.overlap_ratio is not None:
             over = r.case.world > cores
             blocked = ", ".join(f"{b:.2f}" for b in r.blocked_s_per_rank or [])
             detail = f"blocked in waits per rank [{blocked}] s of {r.fwdbwd_s * r.calls:.2f} s"
             detail += f" ({r.case.world} ranks on {cores} cores: waits include time-slicing; info only)" if over else ""
-            met = None if over else r.overlap_ratio <= 1.15
-            out.append(
-                Target(f"ring fwd+bwd ≤ 1.15 × its compute-only time, p={r.case.world}", r.overlap_ratio, met, detail)
-            )
-    if (speed := ratio(ring1, ring2)) is not None:
-        load = max(ring1.other_cpu_pct or 0, ring2.other_cpu_pct or 0)
-        detail = f"ring zigzag {ring2.fwdbwd_s:.2f} s vs {ring1.fwdbwd_s:.2f} s; other load {load:.0f}%"
-        target = f"2 ranks on 2 cores ≥ 1.7× faster than 1 rank on 1 core, {at}"
-        out.append(Target(target, speed, speed >= 1.7 if cores >= 2 else None, detail))
+            text = f"ring fwd+bwd ≤ 1.15 × its compute-only time, p={r.case.world}"
+            out.append(Target(text, r.overlap_ratio, None if over else r.overlap_ratio <= 1.15, detail))
+    load = max((r.other_cpu_pct or 0 for r in (ring1, ring2) if r), default=0)
+    out += compare(f"2 ranks on 2 cores ≥ 1.7× faster than 1 rank on 1 core, {at}", ring1, ring2,
+                   met=lambda x: x >= 1.7 if cores >= 2 else None, note=f"; other load {load:.0f}%")  # fmt: skip
     segs = [seq // 16, seq // 8, seq // 4]
     pairs = driver.pairs_dilated(seq, 8, segs, RATES, True)
-    detail = (
-        f"the useful-work ratio caps it at {seq * (seq + 1) // 2 * 8 / pairs:.1f}× (every head computes every branch: "
-        f"{pairs / (8 * seq):.0f} key pairs per query vs {(seq + 1) / 2:.0f} dense)"
+    note = (
+        f"; the useful-work ratio caps it at {seq * (seq + 1) // 2 * 8 / pairs:.1f}× (every head computes every "
+        f"branch: {pairs / (8 * seq):.0f} key pairs per query vs {(seq + 1) / 2:.0f} dense)"
     )
     for t in (1, 2):
-        if (x := ratio(find(rows, impl="dense", threads=t), find(rows, impl="ds_ring", threads=t))) is not None:
-            target = f"dilated w={segs} r={list(RATES)} ≥ 20× faster than dense causal, {at}, {t} thread(s)"
-            out.append(Target(target, x, x >= 20.0, detail))
+        dense, dilated = find(rows, impl="dense", threads=t), find(rows, impl="ds_ring", threads=t)
+        text = f"dilated w={segs} r={list(RATES)} ≥ 20× faster than dense causal, {at}, {t} thread(s)"
+        out += compare(text, dense, dilated, met=lambda x: x >= 20.0, note=note)
     return out + library_targets(rows)
 
 
@@ -194,63 +158,45 @@ def library_targets(rows: list[Row]) -> list[Target]:
         pairs.append(("dilated-attention-pytorch (single process, 2 threads)", dil, dap, norm))
     out = []
     for name, mine, theirs, extra in pairs:
-        if (x := ratio(theirs, mine)) is None:
-            why = "; ".join((theirs.notes if theirs else []) or (mine.notes if mine else [])) or "not measured"
-            out.append(Target(f"at least as fast as {name}", "n/a", None, why[:400]))
-        else:
-            detail = f"{mine.label} {mine.fwdbwd_s:.2f} s vs {theirs.fwdbwd_s:.2f} s{extra}"
-            out.append(Target(f"at least as fast as {name}", x, x >= 1.0, detail))
+        why = "; ".join((theirs.notes if theirs else []) or (mine.notes if mine else [])) or "not measured"
+        note = f" ({mine.label}){extra}" if mine else extra
+        target = f"at least as fast as {name}"
+        missing = [Target(target, "n/a", None, why[:400])]
+        out += compare(target, theirs, mine, met=lambda x: x >= 1.0, note=note) or missing
     return out
 
 
 def report(session: Session) -> str:
     m, rows = mode(session.args), [r for r in session.rows if r.case.tag != "fit"]
     scaling = [r for r in rows if r.case.tag == "scaling"]
-    ref = find(scaling, world=1)
-    first = [
-        Column("implementation", lambda r: r.label),
-        Column("p", lambda r: r.case.world),
-        Column("procs × threads", lambda r: r.procs),
-        Column("fwd+bwd s", lambda r: r.fwdbwd_s, "{:.2f}"),
-        Column("tokens/s", lambda r: r.tokens_per_s, "{:.0f}"),
-    ]
-    mem, speed = (
-        Column("peak MiB/rank", lambda r: r.peak_mib, "{:.1f}"),
-        Column("speed-up vs 1 rank", lambda r: ratio(ref, r), "{:.2f}"),
-    )
-    mem_vs = Column("mem ÷ p=1", lambda r: ratio(r, ref, "peak_mib"), "{:.2f}")
-    gflops = Column("useful GFLOP/s", lambda r: r.gflops, "{:.1f}")
+    ref, seq = find(scaling, world=1), fmt_seq(m["seq"])
+    first = [Column("implementation", lambda r: r.label), Column("p", lambda r: r.case.world), "procs × threads",
+             "fwd+bwd s", "tokens/s"]  # fmt: skip
+    speed = Column("speed-up vs 1 rank", lambda r: ratio(ref, r), "{:.2f}")
     length = lambda i: lambda f: f"{fmt_seq(f[i][0])} ({f[i][1]:.1f} MiB)" if f[i] else None
-    fit_columns = [
-        Column("strategy", lambda f: f["label"]),
-        Column("largest S that fits", length("fit")),
-        Column("smallest S over budget", length("over")),
-        Column("probes", lambda f: len(f["probes"])),
-        Column("notes", lambda f: f["notes"]),
-    ]
-    session.targets = targets(rows, m["seq"], session.cores)
-    seq = fmt_seq(m["seq"])
-    return "\n\n".join(
-        [
-            f"**Scaling, overlap, strong scaling**: dense causal, S = {seq} total tokens, zigzag shards:",
-            driver.markdown_table(scaling, [*first, mem, mem_vs, speed, *ring.TAIL]),
-            f"**Single process and existing libraries**: S = {seq}, same shapes:",
-            driver.markdown_table(
-                [r for r in rows if r.case.tag != "scaling"], [*first, gflops, mem, speed, *ring.TAIL[1:]]
-            ),
-            f"**Largest total length within {m['budget_mib']:.0f} MiB of working memory per rank**, p = {FIT_WORLD}, "
-            f"dense causal (multiples of {m['fit_step']} tokens):",
-            driver.markdown_table(session.extra["fit"], fit_columns),
-            driver.format_targets(session.targets),
-        ]
-    )
+    fits = [Column("strategy", lambda f: f["label"]), Column("largest S that fits", length("fit")),
+            Column("smallest S over budget", length("over")), Column("probes", lambda f: len(f["probes"])),
+            Column("notes", lambda f: f["notes"])]  # fmt: skip
+    mem_vs = Column("mem ÷ p=1", lambda r: ratio(r, ref, "peak_mib"), "{:.2f}")
+    return "\n\n".join([
+        f"**Scaling, overlap, strong scaling**: dense causal, S = {seq} total tokens, zigzag shards:",
+        driver.markdown_table(scaling, [*first, "peak MiB/rank", mem_vs, speed, *ring.TAIL]),
+        f"**Single process and existing libraries**: S = {seq}, same shapes:",
+        driver.markdown_table([r for r in rows if r.case.tag != "scaling"],
+                              [*first, "useful GFLOP/s", "peak MiB/rank", speed, *ring.TAIL[1:]]),
+        f"**Largest total length within {m['budget_mib']:.0f} MiB of working memory per rank**, p = {FIT_WORLD}, "
+        f"dense causal (multiples of {m['fit_step']} tokens):",
+        driver.markdown_table(session.extra["fit"], fits),
+    ])  # fmt: skip
 
 
 def plots(session: Session) -> None:
-    """Memory and time against the rank count (a line per strategy; dashed: the p = 1 value ÷ p), and bars."""
+    """Memory and time against the rank count (a line per strategy; dashed: the p = 1 value ÷ p), and
+    ``suite_libraries.png``: tokens/s of every measured row, and the largest S within the memory budget."""
+    import matplotlib.pyplot as plt
+
     m, scaling = mode(session.args), [r for r in session.rows if r.case.tag == "scaling"]
-    ref = find(scaling, world=1)
-    title = f"dense causal, S={fmt_seq(m['seq'])}, B1 H8 D64 fp32, 1 thread per rank"
+    ref, title = find(scaling, world=1), f"dense causal, S={fmt_seq(m['seq'])}, B1 H8 D64 fp32, 1 thread per rank"
     for name, ylabel, attr in (
         ("memory", "peak working memory per rank (MiB)", "peak_mib"),
         ("time", "fwd+bwd time per call (s)", "fwdbwd_s"),
@@ -266,16 +212,6 @@ def plots(session: Session) -> None:
         if series:
             path = session.out / f"suite_{name}.png"
             driver.plot_panels(path, [("", series)], xlabel="ranks p", ylabel=ylabel, title=title, xticks=m["worlds"])
-    bars(session, m)
-
-
-def bars(session: Session, m: dict[str, Any]) -> None:
-    """``suite_libraries.png``: tokens/s of every measured row, and the largest S within the memory budget."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     timed = [r for r in session.rows if r.tokens_per_s and r.case.tag != "fit"]
     fits = [f for f in session.extra["fit"] if f["fit"]]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 0.35 * max(len(timed), 6) + 1.5))
@@ -297,8 +233,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 BENCHMARK = driver.Benchmark(
-    name="suite", module="benchmarks", title="ds_ring benchmark suite", plan=plan, build=build, report=report,
-    plots=plots, add_args=add_args, label=label, flop=peers.flop, efficiency=peers.EFFICIENCY,
-    packages=("ring-attention-pytorch", "dilated-attention-pytorch", "deepspeed"),
+    name="suite", module="benchmarks", title="ds_ring benchmark suite", plan=plan, build=strategies.build,
+    report=report, targets=targets, plots=plots, add_args=add_args, label=label, flop=peers.flop,
+    efficiency=peers.EFFICIENCY, packages=("ring-attention-pytorch", "dilated-attention-pytorch", "deepspeed"),
     config=lambda args: {**mode(args), "fit_world": FIT_WORLD, "dilated_rates": RATES},
 )  # fmt: skip

@@ -57,6 +57,11 @@ def test_tables_find_and_ratios():
         [a, b], [Column("impl", lambda r: r.label), Column("MiB", lambda r: r.peak_mib, "{:.1f}")]
     )
     assert table.splitlines() == ["| impl | MiB |", "|---|---|", "| ring | 10.0 |", "| rap | — |"]
+    shared = driver.markdown_table([a], ["impl", "fwd+bwd s", Column("p", lambda r: r.case.world)])
+    assert shared.splitlines()[2] == "| ring | 2.000 | 2 |"  # a plain header names one of driver.COLUMNS
+    (target,) = driver.compare("ring ≥ 2× faster than rap", b, a, met=lambda x: x >= 2.0, note="; quiet")
+    assert (target.value, target.met, target.detail) == (4.0, True, "8.00 s vs 2.00 s; quiet")
+    assert driver.compare("no rap row", None, a) == []
 
 
 def test_estimates_come_from_the_measured_rate():
