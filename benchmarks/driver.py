@@ -741,7 +741,8 @@ def _reusable(paths: Sequence[str], digest: str) -> dict[Case, Row]:
     best: dict[Case, Row] = {}
     for path in paths:
         old = json.loads(Path(path).read_text())
-        if {old["machine"].get("ds_ring_source_sha256"), old.get("ds_ring_source_sha256_end", digest)} != {digest}:
+        measured = old.get("machine", {}).get("ds_ring_source_sha256"), old.get("ds_ring_source_sha256_end", digest)
+        if set(measured) != {digest}:
             print(f"--reuse {path}: not measured with this ds_ring code by this driver, ignored", file=sys.stderr)
             continue
         for row in map(Row.from_json, old["rows"]):
@@ -920,13 +921,13 @@ def main(bench: Benchmark, argv: list[str] | None = None) -> int:
         ("--seqs", bench.seqs, int, "total sequence lengths", {"nargs": "+"}),
         ("--worlds", bench.worlds and (bench.worlds,) * 2, int, "rank counts", {"nargs": "+"}),
         ("--impls", bench.impls and (bench.impls,) * 2, str, "implementations", {"nargs": "+", "choices": bench.impls}),
+        ("--threads", bench.threads and (bench.threads,) * 2, int, "torch threads of the one-process cases", {}),
     ):  # fmt: skip
         if pair:
             text += f" (default {listed(pair[0])}" + (f", quick {listed(pair[1])})" if pair[1] != pair[0] else ")")
             p.add_argument(flag, type=kind, help=text, **extra)
             by_mode[flag[2:].replace("-", "_")] = pair
     for flag, kind, default, text in (
-        ("--threads", int, bench.threads, f"torch threads of the one-process cases (default {bench.threads})"),
         ("--single-call-above-s", float, 120.0, "one timed call when a call is estimated above this many s"),
         ("--timeout-s", float, 600.0, "bound on every communication wait, s"),
         ("--wait-idle-s", float, 0.0, "before each case wait up to this many s for idle CPUs"),
@@ -934,8 +935,7 @@ def main(bench: Benchmark, argv: list[str] | None = None) -> int:
         ("--retries", int, 0, "re-run a case disturbed by other processes up to this many times"),
         ("--malloc-mmap-threshold", int, None, "glibc's MALLOC_MMAP_THRESHOLD_ for the ranks: large tensors mmap'ed"),
     ):
-        if flag != "--threads" or bench.threads:
-            p.add_argument(flag, type=kind, default=default, help=text)
+        p.add_argument(flag, type=kind, default=default, help=text)
     p.add_argument("--reuse", nargs="+", metavar="JSON", help="take undisturbed rows of earlier runs (same ds_ring)")
     bench.add_args(p)
     args = p.parse_args(argv)

@@ -61,7 +61,8 @@ def plan(session: Session) -> None:
     args = session.args
     for seq in args.seqs:
         for kind in ("dense", "dilated"):
-            segs, rates = (None, None) if kind == "dense" else ((seq // 32, seq // 16, seq // 8), RATES)
+            doc = seq // DOCUMENTS
+            segs, rates = (None, None) if kind == "dense" else ((doc // 4, doc // 2, doc), RATES)
             for impl in ("packed", "one_by_one"):
                 session.run(Case(impl, seq, threads=args.threads, group=False, segment_lengths=segs,
                                  dilation_rates=rates, warmup_seq=seq // DOCUMENTS, tag=kind))  # fmt: skip

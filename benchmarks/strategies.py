@@ -29,7 +29,8 @@ def label(case: Case) -> str:
     the threads of one process."""
     name = NAMES[case.impl]
     if case.impl in STRATEGIES:
-        name = f"ds_ring {name}{' dilated' if case.segment_lengths else ''} ({case.layout})"
+        degrees = f" U{case.ulysses}×R{case.world // case.ulysses}" if case.impl == "hybrid" else ""
+        name = f"ds_ring {name}{degrees}{' dilated' if case.segment_lengths else ''} ({case.layout})"
     return name if case.group else f"{name}, 1 process × {case.threads} thread{'s' if case.threads > 1 else ''}"
 
 
@@ -43,10 +44,10 @@ def build(case: Case, rank: int, timeout_s: float) -> driver.AttentionFn:
         return dilated.build(case, rank, timeout_s)
     if case.impl in ("rap", "torch_cp"):
         return peers.rap_attention(case) if case.impl == "rap" else peers.torch_cp_attention(case)
-    topology = ds_ring.Topology(ulysses=case.ulysses, ring=case.world // case.ulysses)
+    topology = ds_ring.Topology(ulysses=case.ulysses, ring=case.world // case.ulysses, timeout_s=timeout_s)
     if case.impl == "deepspeed":
         return peers.deepspeed_attention(case, rank, topology.sequence_parallel_group)
-    kwargs = dict(causal=case.causal, topology=topology, strategy=case.impl, layout=case.layout, timeout_s=timeout_s)
+    kwargs = dict(causal=case.causal, topology=topology, strategy=case.impl, layout=case.layout)
     return functools.partial(ds_ring.sequence_parallel_attention, **kwargs)  # (q, k, v, segs, rates)
 
 

@@ -193,6 +193,9 @@ def report(session: Session) -> str:
 def plots(session: Session) -> None:
     """Memory and time against the rank count (a line per strategy; dashed: the p = 1 value ÷ p), and
     ``suite_libraries.png``: tokens/s of every measured row, and the largest S within the memory budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     m, scaling = mode(session.args), [r for r in session.rows if r.case.tag == "scaling"]

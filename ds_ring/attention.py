@@ -43,7 +43,7 @@ class RingDilatedAttention(nn.Module):
         strategy: ``"ring"``, ``"allgather"``, ``"ulysses"``, ``"hybrid"`` (with ``topology``).
         scale: softmax scale (default ``1/sqrt(head_dim)``).
         head_offset: global index of local head 0.
-        timeout_s: bound on every communication wait.
+        timeout_s: bound in seconds on every communication wait (``None``: the topology's; 300 s on a group).
 
     Shapes: ``forward(q [B, L, H, D], k [B, L, Hkv, D], v [B, L, Hkv, D], *, cu_seqlens=None) -> [B, L, H, D]``;
     ``cu_seqlens``: document boundaries of a packed sequence over the global sequence (see

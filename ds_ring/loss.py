@@ -13,6 +13,7 @@ from torch.distributed import ProcessGroup
 
 from ds_ring.comm.collectives import all_reduce
 from ds_ring.kernels.merge import accum_dtype
+from ds_ring.topology import Topology, sequence_group
 
 __all__ = ["sequence_parallel_cross_entropy"]
 
@@ -20,7 +21,7 @@ __all__ = ["sequence_parallel_cross_entropy"]
 def sequence_parallel_cross_entropy(
     logits: torch.Tensor,
     labels: torch.Tensor,
-    group: ProcessGroup | None = None,
+    group: ProcessGroup | Topology | None = None,
     *,
     ignore_index: int = -100,
     timeout_s: float | None = None,
@@ -30,7 +31,9 @@ def sequence_parallel_cross_entropy(
     Args:
         logits: local ``[..., vocab]`` (e.g. ``[batch, seq/p, vocab]``); computed in fp32 (fp64 stays fp64).
         labels: local ``[...]`` class indices; ``ignore_index`` marks tokens not counted (padding).
-        group: the sequence-parallel group (``None``: the default group).
+        group: a :class:`ds_ring.Topology` (its sequence-parallel group), or the sequence-parallel
+            process group itself (``None``: the default group).
+        timeout_s: bound in seconds on the one all-reduce (``None``: the topology's; 300 s for a plain group).
 
     Returns:
         A scalar equal on every rank to (sum of token losses) / (number of counted tokens), over
@@ -42,6 +45,7 @@ def sequence_parallel_cross_entropy(
     logits = logits.to(accum_dtype(logits.dtype))
     local_sum = F.cross_entropy(logits, labels.reshape(-1), ignore_index=ignore_index, reduction="sum")
     local_count = (labels != ignore_index).sum().to(local_sum.dtype)
+    group, timeout_s = sequence_group(group, timeout_s)
     global_sum, global_count = all_reduce(
         torch.stack([local_sum.detach(), local_count]), group=group, timeout_s=timeout_s
     )

@@ -13,6 +13,7 @@ from torch.distributed import ProcessGroup
 from ds_ring.comm.collectives import all_gather
 from ds_ring.comm.groups import global_ranks, group_rank, group_size
 from ds_ring.strategies.plan import LAYOUTS
+from ds_ring.topology import Topology, sequence_group
 
 __all__ = ["layout_chunks", "shard_sequence", "gather_sequence"]
 
@@ -32,12 +33,14 @@ def _num_chunks(world_size: int, layout: str) -> int:
 
 
 def shard_sequence(
-    x: torch.Tensor, group: ProcessGroup | None = None, *, layout: str = "contiguous", dim: int = 1
+    x: torch.Tensor, group: ProcessGroup | Topology | None = None, *, layout: str = "contiguous", dim: int = 1
 ) -> torch.Tensor:
-    """This rank's shard of the full sequence ``x`` along ``dim`` (no communication).
+    """This rank's shard of the full sequence ``x`` along ``dim`` (no communication) over ``group``: a
+    process group (``None``: the world) or a :class:`ds_ring.Topology`'s sequence-parallel group.
 
     Raises ``ValueError`` when the sequence does not split evenly: nothing is padded or dropped.
     """
+    group, _ = sequence_group(group)
     world = group_size(group)
     chunks = _num_chunks(world, layout)
     seq_len = x.shape[dim]
@@ -52,7 +55,7 @@ def shard_sequence(
 
 def gather_sequence(
     x_local: torch.Tensor,
-    group: ProcessGroup | None = None,
+    group: ProcessGroup | Topology | None = None,
     *,
     layout: str = "contiguous",
     dim: int = 1,
@@ -60,8 +63,11 @@ def gather_sequence(
 ) -> torch.Tensor:
     """The full sequence from every rank's shard: exact inverse of :func:`shard_sequence`.
 
-    Every rank of ``group`` must call it with shards of one shape. Not differentiable.
+    Every rank of ``group`` (as in :func:`shard_sequence`) must call it with shards of one shape. The
+    all-gather waits at most ``timeout_s`` seconds (``None``: the topology's; 300 s for a plain group).
+    Not differentiable.
     """
+    group, timeout_s = sequence_group(group, timeout_s)
     world = group_size(group)
     per_rank = len(layout_chunks(0, world, layout))
     if x_local.shape[dim] % per_rank:

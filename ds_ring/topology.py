@@ -27,7 +27,7 @@ from torch.distributed import ProcessGroup
 from ds_ring.comm.agree import agree
 from ds_ring.comm.wait import resolve_timeout
 
-__all__ = ["RankLayout", "rank_layout", "Topology", "ROLES"]
+__all__ = ["RankLayout", "rank_layout", "Topology", "ROLES", "sequence_group"]
 
 ROLES = (
     "sequence_parallel",
@@ -385,3 +385,13 @@ class Topology:
 
     def get_ring_rank(self) -> int:
         return self._coord(1)
+
+
+def sequence_group(
+    where: ProcessGroup | Topology | None, timeout_s: float | None = None
+) -> tuple[ProcessGroup | None, float | None]:
+    """The process group and wait bound of a call over ``where``: a :class:`Topology`'s sequence-parallel
+    group and, unless the call names one, the topology's timeout; a plain group (``None``: the world) as it is."""
+    if isinstance(where, Topology):
+        return where.sequence_parallel_group, where.timeout_s if timeout_s is None else timeout_s
+    return where, timeout_s

@@ -126,5 +126,5 @@ def test_communication_accepts_a_registered_exchange(monkeypatch):
     """A new exchange is one module plus one register_exchange line: the ds_config can then select it."""
     from ds_ring.strategies import sharded
 
-    monkeypatch.setitem(sharded._EXCHANGES, "ring_copy", sharded.get_exchange("ring"))
+    monkeypatch.setitem(sharded._REGISTRY.entries, "ring_copy", sharded.get_exchange("ring"))
     assert RingAttentionConfig(communication="ring_copy").communication == "ring_copy"

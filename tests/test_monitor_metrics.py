@@ -25,7 +25,7 @@ from ds_ring.hooks import hooks_active
 from ds_ring.monitor import METRICS, RingMonitor
 from launch.plot_metrics import read_metrics
 from tests.dist import CaseLog, run_distributed
-from tests.trainer_runs import ROOT, free_port, reap, run_torchrun
+from tests.trainer_runs import ROOT, torchrun_reaped
 
 B, L, H, D, STEPS = 1, 8, 2, 4, 3
 
@@ -106,10 +106,7 @@ def test_training_run_writes_every_metric_every_step_and_plots_them(tmp_path: Pa
     steps = 5
     args = ["--deepspeed_config", str(ROOT / "ds_configs" / "cpu_default.json"), "--seq", "512", "--steps",
             str(steps), "--save-every", "0", "--save-dir", str(tmp_path / "run")]  # fmt: skip
-    try:
-        done = run_torchrun(args, free_port(), tmp_path / "torchrun.log", timeout=150)
-    finally:
-        assert reap(str(tmp_path)) == []
+    done = torchrun_reaped(args, tmp_path, tmp_path / "torchrun.log", timeout=150)
     assert done.code == 0, done.output[-4000:]
     directory = tmp_path / "run" / "monitor" / "cpu_default"  # output_path "" -> <save-dir>/monitor
     metrics = read_metrics(directory)

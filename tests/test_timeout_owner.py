@@ -59,6 +59,10 @@ def _bounds(rank: int, world_size: int, tmp: str) -> list[str]:
     with log.case("a module over a topology"):
         module = RingDilatedAttention(causal=True, topology=fast, strategy="hybrid")
         assert waits(lambda: module(q, k, v).sum().backward()) == {4.0}
+    with log.case("the loss and gather_sequence given the topology: its timeout"):
+        logits, labels = torch.randn(1, 8, 5, dtype=torch.float64), torch.zeros(1, 8, dtype=torch.long)
+        assert waits(lambda: ds_ring.sequence_parallel_cross_entropy(logits, labels, slow)) == {7.0}
+        assert waits(lambda: ds_ring.gather_sequence(q.detach(), slow)) == {7.0}
     with log.case("a plain group: 300 s"):
         assert waits(lambda: ring_dilated_attention(q, k, v, causal=True).sum().backward()) == {DEFAULT_TIMEOUT_S}
     with log.case("the monitor's collectives: the section's"):

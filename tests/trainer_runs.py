@@ -141,6 +141,11 @@ def train_with_checkpoints(
     parameters to ``run/final.pt``; asserts that nothing it started is left running."""
     args = ["--deepspeed_config", str(config), "--seq", "512", "--steps", str(steps), "--save-every", str(save_every),
             "--save-dir", str(run / "ckpt"), "--final-params", str(run / "final.pt"), *extra]  # fmt: skip
+    return torchrun_reaped(args, run, log, timeout, max_restarts, **env)
+
+
+def torchrun_reaped(args: list[str], run: Path, log: Path, timeout: float, max_restarts: int = 0, **env: str) -> Exit:
+    """:func:`run_torchrun` on a free port, then assert that no process whose command line names ``run`` is left."""
     try:
         return run_torchrun(args, free_port(), log, timeout=timeout, max_restarts=max_restarts, **env)
     finally:

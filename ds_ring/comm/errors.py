@@ -24,7 +24,6 @@ class CommError(RuntimeError):
         self.op = op
         self.what = what
         self.cause = cause
-        self._fields: tuple[object, ...] = (rank, peer, step, op, what, cause)
         super().__init__(self._describe())
 
     def _describe(self) -> str:
@@ -34,7 +33,7 @@ class CommError(RuntimeError):
         )
 
     def __reduce__(self) -> tuple[type, tuple[object, ...]]:
-        return type(self), self._fields
+        return type(self), (self.rank, self.peer, self.step, self.op, self.what, self.cause)
 
 
 class CommTimeoutError(CommError):
@@ -43,10 +42,12 @@ class CommTimeoutError(CommError):
     def __init__(self, rank: int, peer: int, step: int, op: str, what: str, timeout_s: float) -> None:
         self.timeout_s = float(timeout_s)
         super().__init__(rank, peer, step, op, what, cause=f"no completion within {self.timeout_s} s")
-        self._fields = (rank, peer, step, op, what, self.timeout_s)
 
     def _describe(self) -> str:
         return (
             f"ds_ring: rank {self.rank} timed out after {self.timeout_s} s {self.what} "
             f"(op={self.op}, step={self.step}); the peer is slow, hung or dead"
         )
+
+    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
+        return type(self), (self.rank, self.peer, self.step, self.op, self.what, self.timeout_s)

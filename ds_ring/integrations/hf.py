@@ -265,8 +265,7 @@ def causal_lm_loss(logits: torch.Tensor, shift_labels: torch.Tensor, topology: T
         whole model on the full batch. Its gradient on each rank is that rank's tokens' share: the
         sum over the sequence group is the whole model's gradient (no division by the group size).
     """
-    group, timeout_s = topology.sequence_parallel_group, topology.timeout_s
-    return sequence_parallel_cross_entropy(logits, shift_labels, group, timeout_s=timeout_s)
+    return sequence_parallel_cross_entropy(logits, shift_labels, topology)
 
 
 def _section(config: str | os.PathLike | Mapping[str, Any] | None) -> RingAttentionConfig:

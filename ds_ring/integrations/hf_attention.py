@@ -125,7 +125,7 @@ class SequenceParallelAttention:
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
             self.section.segment_lengths, self.section.dilation_rates,
             causal=self.section.causal, scale=scaling, topology=self.topology, strategy=self.section.strategy,
-            communication=self.section.communication, layout=self.section.layout, timeout_s=self.section.timeout_s,
+            communication=self.section.communication, layout=self.section.layout,
             **({"cu_seqlens": kwargs["cu_seq_lens_q"]} if len(bounds) > 2 else {}),
         )  # fmt: skip
         return out, None

@@ -127,7 +127,6 @@ class Exchange(ABC):
 
 
 _REGISTRY: Registry[Exchange] = Registry("communication")
-_EXCHANGES = _REGISTRY.entries  # name -> exchange
 
 
 def register_exchange(name: str, exchange: Exchange) -> None:
