@@ -17,63 +17,14 @@ import torch
 from torch import nn
 
 from ds_ring.config import SECTION, RingAttentionConfig
-from ds_ring.integrations.packing import document_positions
+from ds_ring.integrations.hf.documents import document_positions
 from ds_ring.parallel import sequence_parallel_attention
 from ds_ring.sharding import shard_sequence
 from ds_ring.topology import Topology
 
-__all__ = ["SequenceParallelAttention", "check_model_config", "refuse_padding"]
+__all__ = ["SequenceParallelAttention"]
 
 AttentionFunction = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
-
-
-def _text_config(config: Any) -> Any:
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def _has_sliding_window(config: Any) -> bool:
-    layer_types = getattr(config, "layer_types", None)
-    return getattr(config, "sliding_window", None) is not None and (
-        layer_types is None or "sliding_attention" in layer_types
-    )
-
-
-def check_model_config(config: Any, section: RingAttentionConfig, world_size: int) -> None:
-    """Refuse a model whose attention ds_ring cannot compute exactly, from its (text) config alone.
-
-    Raises:
-        ValueError: a sliding window, logit soft-capping, or heads that the section's strategy
-            cannot split over ``world_size`` ranks — naming the config field and the fix.
-    """
-    config = _text_config(config)
-    name = type(config).__name__
-    if _has_sliding_window(config):
-        raise ValueError(
-            f"{name}.sliding_window = {config.sliding_window}: ds_ring attends over whole sequences (or LongNet's "
-            f"dilated segments) and has no sliding window; set sliding_window=None (Qwen2: use_sliding_window=False)"
-        )
-    softcap = getattr(config, "attn_logit_softcapping", None)
-    if softcap is not None:
-        raise ValueError(
-            f"{name}.attn_logit_softcapping = {softcap}: ds_ring's kernels do not cap attention logits; set "
-            f"attn_logit_softcapping=None"
-        )
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    try:
-        section.check(world_size=world_size, num_heads=heads, num_kv_heads=kv_heads)
-    except ValueError as err:
-        raise ValueError(f"{name}.num_attention_heads = {heads}: {err}") from None
-
-
-def refuse_padding(attention_mask: torch.Tensor | None) -> None:
-    """``ValueError`` when a 2-D ``attention_mask [batch, seq]`` masks any token (padding)."""
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise ValueError(
-            "attention_mask has zeros (padded tokens): ds_ring attends over whole sequences and ignores the "
-            "mask; pack the documents instead (position_ids restarting at 0 mark where each begins), or keep "
-            "the padding tokens, give them label -100 and drop attention_mask"
-        )
 
 
 class SequenceParallelAttention:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["IGNORE_INDEX", "document_bounds", "document_positions", "shift_labels"]
+__all__ = ["IGNORE_INDEX", "document_bounds", "document_positions", "shift_labels", "refuse_padding"]
 
 IGNORE_INDEX = -100
 """Label of a token that is not counted (transformers' and PyTorch's convention)."""
@@ -64,3 +64,13 @@ def shift_labels(labels: torch.Tensor, bounds: Sequence[int], ignore_index: int 
     shifted[:, :-1] = labels[:, 1:]
     shifted[:, [end - 1 for end in bounds[1:]]] = ignore_index
     return shifted
+
+
+def refuse_padding(attention_mask: torch.Tensor | None) -> None:
+    """``ValueError`` when a 2-D ``attention_mask [batch, seq]`` masks any token (padding)."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError(
+            "attention_mask has zeros (padded tokens): ds_ring attends over whole sequences and ignores the "
+            "mask; pack the documents instead (position_ids restarting at 0 mark where each begins), or keep "
+            "the padding tokens, give them label -100 and drop attention_mask"
+        )

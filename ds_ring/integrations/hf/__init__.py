@@ -1,0 +1,38 @@
+"""Hugging Face transformers models, sequence-parallel through ds_ring (a drop-in for DeepSpeed's ALST).
+
+DeepSpeed's ALST (``deepspeed.runtime.sequence_parallel.ulysses_sp``) overwrites transformers'
+attention registry entry with a Ulysses wrapper and shards the data loader's batches; it offers
+Ulysses only, dense only. This package plugs into the same place with every ds_ring strategy
+(``ring``, ``allgather``, ``ulysses``, ``hybrid``), dense or LongNet-dilated, chosen by the
+ds_config's ``ring_attention`` section::
+
+    from ds_ring.integrations.hf import SequenceParallelDataLoader, causal_lm_loss, register_with_transformers
+
+    engine, *_ = ds_ring.initialize(model=model, optimizer=optimizer, config="ds_config.json")
+    topology = register_with_transformers(config="ds_config.json", topology=engine.mpu)
+    for batch in SequenceParallelDataLoader(loader, topology):     # full batches in, this rank's shards out
+        loss = causal_lm_loss(engine(**batch).logits, batch["shift_labels"], topology)
+        engine.backward(loss)
+        engine.step()
+
+Every rank of a sequence-parallel group must load the same full batches (a sampler over the
+data-parallel replicas: ``topology.get_data_parallel_world_size()`` / ``get_data_parallel_rank()``).
+Gradients follow ds_ring's contract: each rank's gradient is its tokens' share, and the sum over the
+sequence group (what ZeRO's reduction does) is the whole model's gradient.
+
+The package is laid out by job: :mod:`.registration` (what goes into transformers' registries),
+:mod:`.attention` (what runs inside the model), :mod:`.batches` and :mod:`.documents` (what prepares
+batches), :mod:`.loss`. transformers is imported on first use (``pip install ds_ring[hf]``).
+"""
+
+from ds_ring.integrations.hf.batches import SequenceParallelDataLoader, shard_batch
+from ds_ring.integrations.hf.loss import causal_lm_loss
+from ds_ring.integrations.hf.registration import register_with_transformers, unregister_from_transformers
+
+__all__ = [
+    "register_with_transformers",
+    "unregister_from_transformers",
+    "shard_batch",
+    "SequenceParallelDataLoader",
+    "causal_lm_loss",
+]

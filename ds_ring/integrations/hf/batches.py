@@ -1,0 +1,165 @@
+"""Batches for a sequence-parallel Hugging Face model: full batches in, this rank's shard out.
+
+:func:`shard_batch` turns a full-sequence batch into this rank's ``input_ids``, global ``position_ids``,
+labels shifted before sharding, and the documents of a packed batch; :class:`SequenceParallelDataLoader`
+applies it to every batch of a loader. Nothing here runs inside the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from ds_ring.config import RingAttentionConfig
+from ds_ring.integrations.hf.documents import IGNORE_INDEX, document_bounds, refuse_padding, shift_labels
+from ds_ring.integrations.hf.registration import registration_for
+from ds_ring.sharding import layout_chunks, shard_sequence
+from ds_ring.topology import Topology
+
+__all__ = ["shard_batch", "SequenceParallelDataLoader"]
+
+# Keys of a full batch that shard_batch consumes: the mask (refused unless all ones) and labels
+# become shift_labels; documents are re-derived from position_ids.
+_CONSUMED = ("labels", "attention_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def shard_batch(batch: Mapping[str, Any], topology: Topology, *, pad_to_multiple: bool = False) -> dict[str, Any]:
+    """This rank's part of a full-sequence batch, for a model registered with :func:`register_with_transformers`.
+
+    Args:
+        batch: ``input_ids [b, S]``; optional ``labels [b, S]`` (default: ``input_ids``),
+            ``position_ids [b or 1, S]`` (default ``arange(S)``; restarting at 0 where a packed
+            document begins), ``attention_mask [b, S]`` of ones; any other ``[b, S, ...]`` tensor is
+            sharded alike, anything not a tensor copied.
+        topology: the registered topology.
+        pad_to_multiple: pad ``S`` up to a multiple of the layout's chunk count (pad tokens get label
+            -100 and never reach a counted token), rather than raise.
+
+    Returns:
+        ``input_ids``, ``position_ids`` (global positions, in the registered section's layout,
+        zigzag included) and ``shift_labels`` ``[b, S/p]`` (labels moved left by one *before*
+        sharding; -100 where a token has no next token in its document), and ``cu_seq_lens_q`` =
+        ``cu_seq_lens_k`` (int32 ``[0, e1, ..., S]``: the documents of the whole sequence, the same on
+        every rank; transformers forwards them to the attention). Call the model with all of it.
+
+    Raises:
+        ValueError: no ``input_ids``, a mask with zeros, position ids that do not count up from 0 per
+            document or rows packed differently, a tensor of another length, or a length that does
+            not split into the layout's chunks (without ``pad_to_multiple``) — naming the multiple.
+    """
+    registration = registration_for(topology)
+    section = registration.section if registration is not None else RingAttentionConfig(enabled=False)
+    input_ids = batch.get("input_ids")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError(f"batch['input_ids'] must be a [batch, seq] tensor, got {_describe(input_ids)}")
+    rows, seq_len = input_ids.shape
+    refuse_padding(batch.get("attention_mask"))
+    positions = batch.get("position_ids")
+    positions = torch.arange(seq_len, device=input_ids.device)[None] if positions is None else positions
+    positions = _sequence_tensor(batch, "position_ids", positions, rows, seq_len).expand(rows, seq_len)
+    bounds = document_bounds(positions)
+    labels = _sequence_tensor(batch, "labels", batch.get("labels", input_ids), rows, seq_len)
+    sequences = {"input_ids": input_ids, "shift_labels": shift_labels(labels, bounds)}
+    copied = {}
+    for key, value in batch.items():
+        if key in _CONSUMED or key in sequences or key == "position_ids":
+            continue
+        if isinstance(value, torch.Tensor):
+            sequences[key] = _sequence_tensor(batch, key, value, rows, seq_len)
+        else:
+            copied[key] = value
+
+    sp = topology.get_sequence_parallel_world_size()
+    multiple = sp * len(layout_chunks(0, sp, section.layout))
+    pad = -seq_len % multiple
+    if pad and not pad_to_multiple:
+        raise ValueError(
+            f"sequence length {seq_len} does not split into {multiple} equal chunks (sequence_parallel_size {sp}"
+            f"{', ×2 for zigzag' if section.layout == 'zigzag' else ''}); make lengths a multiple of {multiple}, "
+            f"or pass pad_to_multiple=True"
+        )
+    if pad:
+        sequences = {
+            key: _pad(value, pad, IGNORE_INDEX if key == "shift_labels" else 0) for key, value in sequences.items()
+        }
+        positions, bounds = _pad_positions(positions, bounds, pad, causal=section.causal)
+
+    group = topology.sequence_parallel_group
+    sharded = {key: shard_sequence(value, group, layout=section.layout, dim=1) for key, value in sequences.items()}
+    sharded["position_ids"] = shard_sequence(positions.contiguous(), group, layout=section.layout, dim=1)
+    documents = torch.tensor(bounds, dtype=torch.int32, device=input_ids.device)
+    return {**copied, **sharded, "cu_seq_lens_q": documents, "cu_seq_lens_k": documents}
+
+
+class SequenceParallelDataLoader:
+    """Wraps a data loader of full-sequence dict batches; yields :func:`shard_batch` of each.
+
+    The equivalent of ALST's ``UlyssesSPDataLoaderAdapter``, without its communication: every rank
+    of a sequence-parallel group must load the same batches. ``len()`` is the wrapped loader's.
+    ``device``: where the sharded tensors go (``None``: where the loader put them).
+    """
+
+    def __init__(
+        self,
+        dataloader: Iterable[Mapping[str, Any]],
+        topology: Topology,
+        *,
+        pad_to_multiple: bool = False,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.dataloader = dataloader
+        self.topology = topology
+        self.pad_to_multiple = pad_to_multiple
+        self.device = device
+
+    def __len__(self) -> int:
+        return len(self.dataloader)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for batch in self.dataloader:
+            sharded = shard_batch(batch, self.topology, pad_to_multiple=self.pad_to_multiple)
+            if self.device is not None:
+                sharded = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in sharded.items()}
+            yield sharded
+
+
+def _describe(value: Any) -> str:
+    return f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def _sequence_tensor(batch: Mapping[str, Any], key: str, value: Any, rows: int, seq_len: int) -> torch.Tensor:
+    """``value`` checked to be ``[rows (or 1 for position_ids), seq_len, ...]``."""
+    ok_rows = (rows, 1) if key == "position_ids" else (rows,)
+    if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[0] not in ok_rows:
+        raise ValueError(
+            f"batch[{key!r}] must be a [batch, seq, ...] tensor like input_ids {tuple(batch['input_ids'].shape)}, "
+            f"got {_describe(value)}"
+        )
+    if value.shape[1] != seq_len:
+        raise ValueError(
+            f"batch[{key!r}] has {value.shape[1]} tokens per row but input_ids has {seq_len}; give every "
+            f"sequence tensor the same length"
+        )
+    return value
+
+
+def _pad(value: torch.Tensor, pad: int, fill: int) -> torch.Tensor:
+    tail = value.new_full((value.shape[0], pad, *value.shape[2:]), fill)
+    return torch.cat([value, tail], dim=1)
+
+
+def _pad_positions(
+    positions: torch.Tensor, bounds: list[int], pad: int, *, causal: bool
+) -> tuple[torch.Tensor, list[int]]:
+    """Positions of ``pad`` appended tokens, and the documents afterwards.
+
+    Causal: they continue the last document (no counted token sees a later one). Otherwise they form
+    a document of their own, so no counted token attends to them.
+    """
+    steps = torch.arange(pad, dtype=positions.dtype, device=positions.device).expand(positions.shape[0], pad)
+    end = bounds[-1] + pad
+    if causal:
+        return torch.cat([positions, positions[:, -1:] + 1 + steps], dim=1), [*bounds[:-1], end]
+    return torch.cat([positions, steps], dim=1), [*bounds, end]

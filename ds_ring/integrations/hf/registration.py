@@ -1,0 +1,231 @@
+"""Registration with transformers: ds_ring's attention in the registry entry a model calls.
+
+DeepSpeed's ALST overwrites transformers' attention registry entry with its Ulysses wrapper; this
+module plugs into the same place with every ds_ring strategy, and puts back exactly what it replaced.
+It also refuses, from the model's config and before any communication, what the attention cannot compute.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ds_ring.config import SECTION, RingAttentionConfig, load_config
+from ds_ring.integrations.hf.attention import SequenceParallelAttention
+from ds_ring.integrations.hf.documents import refuse_padding
+from ds_ring.topology import Topology
+
+__all__ = [
+    "register_with_transformers",
+    "unregister_from_transformers",
+    "registration_for",
+    "check_model_config",
+]
+
+
+@dataclass(frozen=True)
+class _Registration:
+    """What :func:`register_with_transformers` installed, and how to put back what it replaced."""
+
+    section: RingAttentionConfig
+    topology: Topology
+    replaced: tuple[tuple[Any, str, bool, Any], ...]  # (interface, key, had its own entry, that entry)
+
+
+_active: _Registration | None = None
+
+
+def register_with_transformers(
+    model_name_or_path: Any = None,
+    *,
+    core_attn_implementation: str = "sdpa",
+    config: str | os.PathLike | Mapping[str, Any] | None = None,
+    topology: Topology | None = None,
+    disable_in_eval: bool = False,
+) -> Topology:
+    """Make transformers' ``core_attn_implementation`` attention run ds_ring sequence-parallel attention.
+
+    Like ALST's ``UlyssesSPAttentionHF.register_with_transformers``: the registry entry every model
+    with ``config._attn_implementation == core_attn_implementation`` calls is replaced (models built
+    before or after), so the model's own code paths for that implementation stay as they are. The
+    replacement converts HF's ``[b, heads, s, d]`` to ds_ring's ``[b, s, heads, d]`` and back, passes
+    GQA K/V heads without repeating them, uses the model's ``scaling`` and returns ``(out, None)``.
+    Unless ``disable_in_eval``, the mask transformers would build for that implementation is not
+    built either (the attention needs none). A second call replaces the first.
+
+    Args:
+        model_name_or_path: optional: a model, a config, or a model name / local directory whose
+            config is read (nothing else) to check heads and features now, before any communication.
+        core_attn_implementation: the registry entry to replace: ``"sdpa"``, ``"flash_attention_2"``, ...
+        config: the whole ds_config (JSON path or dict); its ``ring_attention`` section chooses
+            strategy, communication, layout, segment_lengths, dilation_rates and degrees. ``None``:
+            dense ring attention over every rank. A ds_config without the section (or with
+            ``enabled: false``) registers nothing and gives a data-parallel-only topology.
+        topology: the process groups to use (e.g. ``engine.mpu`` after ``ds_ring.initialize``); its
+            degrees must be the section's. ``None``: built from the section, starting
+            ``torch.distributed`` from the launcher's environment if it is not started.
+        disable_in_eval: ``model.eval()`` runs the original attention on whole sequences.
+
+    Returns:
+        The :class:`ds_ring.Topology`: the ``mpu`` for ``deepspeed.initialize``, and what
+        :func:`shard_batch`, :class:`SequenceParallelDataLoader` and :func:`causal_lm_loss` take.
+
+    Raises:
+        ValueError: before any communication, naming the field and the fix: ``eager`` or an unknown
+            implementation, a model config with a sliding window, logit soft-capping or heads the
+            strategy cannot split, a malformed section, or a topology with other degrees.
+    """
+    global _active
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    section = _section(config)
+    _check_implementation(core_attn_implementation, ALL_ATTENTION_FUNCTIONS)
+    model_config = _model_config(model_name_or_path, core_attn_implementation)
+    if topology is None and not dist.is_initialized():
+        from ds_ring.engine import init_distributed
+
+        init_distributed(section.timeout_s)
+    world_size = topology.world_size if topology is not None else dist.get_world_size()
+    if model_config is not None and section.enabled:
+        check_model_config(model_config, section, world_size)
+    degrees = section.degrees(world_size)
+    if topology is None:
+        topology = Topology.from_config(section, world_size)
+    elif degrees != (topology.data_parallel, topology.ulysses, topology.ring):
+        raise ValueError(
+            f"topology has data_parallel {topology.data_parallel} × ulysses {topology.ulysses} × ring "
+            f"{topology.ring} but {SECTION} gives {' × '.join(map(str, degrees))}; pass the topology built from "
+            f"this ds_config (engine.mpu of ds_ring.initialize), or topology=None"
+        )
+    unregister_from_transformers()
+    replaced = []
+    if section.enabled:
+        original = ALL_ATTENTION_FUNCTIONS[core_attn_implementation]
+        attention = SequenceParallelAttention(section, topology, original, disable_in_eval=disable_in_eval)
+        replaced.append(_replace(ALL_ATTENTION_FUNCTIONS, core_attn_implementation, attention))
+        if not disable_in_eval and core_attn_implementation in ALL_MASK_ATTENTION_FUNCTIONS:
+            replaced.append(_replace(ALL_MASK_ATTENTION_FUNCTIONS, core_attn_implementation, _no_mask))
+    _active = _Registration(section, topology, tuple(replaced))
+    return topology
+
+
+def registration_for(topology: Topology) -> _Registration | None:
+    """The registration made with ``topology`` (its section: layout, causal, branches), or ``None``."""
+    return _active if _active is not None and _active.topology is topology else None
+
+
+def unregister_from_transformers() -> None:
+    """Put back exactly the registry entries :func:`register_with_transformers` replaced (no-op if none)."""
+    global _active
+    if _active is None:
+        return
+    for interface, key, had_entry, entry in reversed(_active.replaced):
+        if had_entry:
+            interface[key] = entry
+        else:
+            del interface[key]
+    _active = None
+
+
+def _section(config: str | os.PathLike | Mapping[str, Any] | None) -> RingAttentionConfig:
+    if config is None:
+        return RingAttentionConfig()
+    if isinstance(config, Mapping) and SECTION not in config and "strategy" in config:
+        raise ValueError(
+            f"config must be a whole ds_config (with a {SECTION!r} section), got what looks like the section "
+            f"itself; pass {{{SECTION!r}: {{...}}, ...}}"
+        )
+    section = load_config(config)
+    if not section.enabled:  # every attention on the whole sequence its rank holds
+        return RingAttentionConfig(enabled=False, sequence_parallel_size=1, timeout_s=section.timeout_s)
+    return section
+
+
+def _check_implementation(name: str, registry: Mapping[str, Any]) -> None:
+    if name == "eager" or name.endswith("|eager"):
+        raise ValueError(
+            f"core_attn_implementation {name!r} materialises [seq, seq] attention weights and cannot run sequence "
+            f"parallel; use 'sdpa' (build the model with attn_implementation='sdpa') or a flash attention"
+        )
+    if name not in registry:
+        raise ValueError(f"core_attn_implementation {name!r} is not one of transformers' {sorted(registry)}")
+
+
+def _model_config(model_name_or_path: Any, implementation: str) -> Any:
+    """The model's config: from a model, a config, or a name / directory (``AutoConfig``); ``None`` if none."""
+    if model_name_or_path is None:
+        return None
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(model_name_or_path, PretrainedConfig):
+        return model_name_or_path
+    if hasattr(model_name_or_path, "config"):  # a built model: check the implementation it calls
+        config = model_name_or_path.config
+        used = getattr(config, "_attn_implementation", None)
+        if used != implementation:
+            raise ValueError(
+                f"the model's config._attn_implementation is {used!r} but core_attn_implementation is "
+                f"{implementation!r}; build the model with attn_implementation={implementation!r} (or register "
+                f"{used!r}) so that its attention calls the replaced entry"
+            )
+        return config
+    return AutoConfig.from_pretrained(model_name_or_path)
+
+
+def _replace(interface: Any, key: str, value: Any) -> tuple[Any, str, bool, Any]:
+    """Set ``interface[key]`` (the instance's own entry, as ALST does); return how to undo it."""
+    own = interface._local_mapping  # GeneralInterface: the instance's entries override the class-wide ones
+    undo = (interface, key, key in own, own.get(key))
+    interface[key] = value
+    return undo
+
+
+def _no_mask(*, attention_mask: torch.Tensor | None = None, **_: Any) -> None:
+    """The mask function of the replaced implementation: ds_ring needs no mask, so none is built."""
+    refuse_padding(attention_mask)
+    return None
+
+
+def _text_config(config: Any) -> Any:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _has_sliding_window(config: Any) -> bool:
+    layer_types = getattr(config, "layer_types", None)
+    return getattr(config, "sliding_window", None) is not None and (
+        layer_types is None or "sliding_attention" in layer_types
+    )
+
+
+def check_model_config(config: Any, section: RingAttentionConfig, world_size: int) -> None:
+    """Refuse a model whose attention ds_ring cannot compute exactly, from its (text) config alone.
+
+    Raises:
+        ValueError: a sliding window, logit soft-capping, or heads that the section's strategy
+            cannot split over ``world_size`` ranks — naming the config field and the fix.
+    """
+    config = _text_config(config)
+    name = type(config).__name__
+    if _has_sliding_window(config):
+        raise ValueError(
+            f"{name}.sliding_window = {config.sliding_window}: ds_ring attends over whole sequences (or LongNet's "
+            f"dilated segments) and has no sliding window; set sliding_window=None (Qwen2: use_sliding_window=False)"
+        )
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        raise ValueError(
+            f"{name}.attn_logit_softcapping = {softcap}: ds_ring's kernels do not cap attention logits; set "
+            f"attn_logit_softcapping=None"
+        )
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    try:
+        section.check(world_size=world_size, num_heads=heads, num_kv_heads=kv_heads)
+    except ValueError as err:
+        raise ValueError(f"{name}.num_attention_heads = {heads}: {err}") from None
