@@ -20,10 +20,12 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from ds_ring.comm.groups import group_size
 from ds_ring.functional import ring_attention_call
 from ds_ring.kernels.dilation import make_branches
 from ds_ring.parallel import AttentionCall, sequence_parallel_call
 from ds_ring.topology import Topology
+from ds_ring.zero import require_marked
 
 __all__ = ["RingDilatedAttention", "MultiheadRingDilatedAttention"]
 
@@ -97,6 +99,11 @@ class RingDilatedAttention(nn.Module):
     communication = property(lambda self: self.call.communication, doc="How K/V move along the ring.")
     layout = property(lambda self: self.call.layout, doc="How the sequence was sharded.")
     timeout_s = property(lambda self: self.call.timeout_s, doc="Bound on every communication wait, in seconds.")
+
+    @property
+    def parallel_size(self) -> int:
+        """Ranks the sequence is sharded over (the topology's sequence-parallel group, or ``group``)."""
+        return self.topology.get_sequence_parallel_world_size() if self.topology is not None else group_size(self.group)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None
@@ -187,6 +194,7 @@ class MultiheadRingDilatedAttention(nn.Module):
             )
         if is_causal and not self.attention.causal:
             raise ValueError("is_causal=True but this module was built with causal=False; build it with causal=True")
+        require_marked(self.q_proj.weight, self.attention.parallel_size, where=type(self).__name__)
         key = query if key is None else key
         value = key if value is None else value
         if not self.batch_first:

@@ -24,6 +24,7 @@ from ds_ring.config import SECTION, MonitoringConfig, RingAttentionConfig, load_
 from ds_ring.launch_env import discover_launch_env
 from ds_ring.monitor import RingMonitor, at_clean_exit, flush_writer
 from ds_ring.topology import Topology
+from ds_ring.zero import gradient_scale, mark_parameters
 
 __all__ = ["initialize", "install", "init_distributed", "agree_on_section", "attach_monitor"]
 
@@ -119,25 +120,15 @@ def _check_heads(model: nn.Module, section: RingAttentionConfig, world_size: int
             )
 
 
-def _zero3_over_sequence_data_parallel(model: nn.Module, ds_config: dict[str, Any], topology: Topology) -> dict:
-    """Make ZeRO-3 reduce gradients over the sequence-data-parallel group, like stages 1 and 2.
-
-    DeepSpeed 0.19's stage 3 partitions parameters over ``mpu.get_data_parallel_group()`` (the pure
-    data-parallel group, so sequence-parallel ranks never add up their gradient shares) and its
-    default reduce-scatter path divides by the whole partition group (``dp·sp``) where stages 1-2
-    divide by ``dp``. Partitioning the parameters over the sequence-data-parallel group here and
-    taking the all-reduce path (``reduce_scatter: false``, which divides by ``group size / sp``)
-    gives every stage the same gradients.
-    """
+def _zero3_all_reduce(ds_config: dict[str, Any], topology: Topology) -> dict:
+    """At ZeRO 3 with sequence parallelism, DeepSpeed's all-reduce path, which divides the all-rank gradient sum
+    by the data-parallel degree as stages 0-2 do (its reduce-scatter path divides by every rank:
+    :mod:`ds_ring.zero`). DeepSpeed partitions the parameters itself, over every rank (the topology's
+    ``get_data_parallel_group``), in the dtype the ds_config's ``bf16`` / ``fp16`` give."""
     zero = dict(ds_config.get("zero_optimization", {}))
     if int(zero.get("stage", 0)) != 3 or topology.get_sequence_parallel_world_size() == 1:
         return ds_config
-    zero["reduce_scatter"] = False
-    ds_config = {**ds_config, "zero_optimization": zero}
-    deepspeed.zero.Init(
-        module=model, data_parallel_group=topology.sequence_data_parallel_group, config_dict_or_path=ds_config
-    )
-    return ds_config
+    return {**ds_config, "zero_optimization": {**zero, "reduce_scatter": False}}
 
 
 def _check_monitor_backend(section: RingAttentionConfig, ds_config: Mapping[str, Any]) -> None:
@@ -234,7 +225,7 @@ def initialize(
     topology = Topology.from_config(section, world_size)
     install(model, section, topology)
     config_for_deepspeed = {key: value for key, value in ds_config.items() if key != SECTION}
-    config_for_deepspeed = _zero3_over_sequence_data_parallel(model, config_for_deepspeed, topology)
+    config_for_deepspeed = _zero3_all_reduce(config_for_deepspeed, topology)
     initialized = deepspeed.initialize(
         model=model,
         model_parameters=model_parameters,
@@ -243,5 +234,7 @@ def initialize(
         mpu=topology,
         **deepspeed_kwargs,
     )
+    sequence_parallel = topology.get_sequence_parallel_world_size()
+    mark_parameters(model, gradient_scale(config_for_deepspeed.get("zero_optimization"), sequence_parallel))
     attach_monitor(initialized[0], model, section.monitoring, timeout_s=section.timeout_s)
     return initialized

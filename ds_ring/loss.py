@@ -25,6 +25,7 @@ def sequence_parallel_cross_entropy(
     *,
     ignore_index: int = -100,
     timeout_s: float | None = None,
+    gradient_scale: float = 1.0,
 ) -> torch.Tensor:
     """Mean cross-entropy over every counted token of the sequences sharded across ``group``.
 
@@ -34,6 +35,9 @@ def sequence_parallel_cross_entropy(
         group: a :class:`ds_ring.Topology` (its sequence-parallel group), or the sequence-parallel
             process group itself (``None``: the default group).
         timeout_s: bound in seconds on the one all-reduce (``None``: the topology's; 300 s for a plain group).
+        gradient_scale: factor on this rank's gradient share (not on the value): the sequence-parallel degree
+            for an engine that divides the all-rank gradient sum by every rank (ZeRO 3's reduce-scatter path,
+            :mod:`ds_ring.zero`), else 1.
 
     Returns:
         A scalar equal on every rank to (sum of token losses) / (number of counted tokens), over
@@ -49,6 +53,6 @@ def sequence_parallel_cross_entropy(
     global_sum, global_count = all_reduce(
         torch.stack([local_sum.detach(), local_count]), group=group, timeout_s=timeout_s
     )
-    share = local_sum / global_count.clamp(min=1)
-    # Same value on every rank (the global mean); gradient of this rank's share only.
+    share = local_sum * gradient_scale / global_count.clamp(min=1)
+    # Same value on every rank (the global mean); gradient of this rank's (scaled) share only.
     return share + (global_sum / global_count.clamp(min=1) - share).detach()

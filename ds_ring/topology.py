@@ -215,7 +215,9 @@ class Topology:
 
     It is DeepSpeed's ``mpu``: pass it as ``deepspeed.initialize(..., mpu=topology)``. ZeRO then
     reduces gradients over :attr:`sequence_data_parallel_group` (all ``D·U·R`` ranks) and divides by
-    its size / sequence-parallel size = ``D``; the data loader splits batches over the ``D``
+    its size / sequence-parallel size = ``D`` (ZeRO-3's reduce-scatter path, DeepSpeed's default,
+    divides by all ``D·U·R``: see :mod:`ds_ring.loss`), ZeRO-3 partitions parameters over all ranks
+    (:meth:`get_data_parallel_group`); the data loader splits batches over the ``D``
     data-parallel replicas; the model-parallel group is this rank alone (no tensor or pipeline
     parallelism), so gradient norms count every replicated parameter once. It deliberately has no
     ``initialize_sequence_parallel`` attribute: DeepSpeed takes that as the sign of its own
@@ -328,7 +330,13 @@ class Topology:
     # The mpu interface DeepSpeed reads ------------------------------------------------------------
 
     def get_data_parallel_group(self) -> ProcessGroup:
-        return self.data_parallel_group
+        """The group ZeRO-3 partitions parameters over: every rank of the topology (as with DeepSpeed's own
+        sequence-parallel mpu). DeepSpeed asks it only to partition (``deepspeed.initialize`` at ZeRO 3
+        converting the model) and for MoE / pipeline groups; the data loader's replicas are
+        :meth:`get_data_parallel_world_size` / :meth:`get_data_parallel_rank` (the ``D`` replicas), and
+        gradients are reduced over :meth:`get_sequence_data_parallel_group` at every stage. The pure
+        data-parallel group is :attr:`data_parallel_group`."""
+        return self.sequence_data_parallel_group
 
     def get_data_parallel_world_size(self) -> int:
         return self.layout.data_parallel

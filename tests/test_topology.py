@@ -155,7 +155,7 @@ def _groups_rank(rank: int, world: int) -> list[str]:
             assert view == dict(
                 sp=u * r, sp_rank=rank % (u * r), sp_group=list(layout.group_of("sequence_parallel", rank)),
                 sdp=world, sdp_rank=rank, sdp_group=list(range(world)),
-                dp=d, dp_group=list(layout.group_of("data_parallel", rank)),
+                dp=d, dp_group=list(range(world)),  # the group ZeRO-3 partitions over: every rank
                 mp=1, tp_rank=0, tp=1, pp=1,
             ), view  # fmt: skip
             # ZeRO divides the gradients summed over the sequence-data-parallel group by this:

@@ -2,7 +2,9 @@
 
 World size 4, as 4 sequence-parallel ranks and as 2 data × 2 sequence-parallel ranks: a few SGD
 steps of a small model through ``ds_ring.initialize`` give the same parameters (fp32) as one
-process training the same model on the full sequences and the full batch.
+process training the same model on the full sequences and the full batch. The same model handed to
+``deepspeed.initialize(mpu=topology)`` at ZeRO 3 (whose reduce-scatter divides by every rank) refuses at
+its first forward, naming ``ds_ring.initialize`` (the Hugging Face path scales its loss instead).
 """
 
 import copy
@@ -104,6 +106,22 @@ def _rank(rank: int, world: int, sequence_parallel: int, stages: list[int]) -> l
             for (name, _), g, e in zip(engine.module.named_parameters(), got, expected, strict=True):
                 torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
             engine.destroy()
+    with log.case("deepspeed.initialize(mpu=topology) at ZeRO 3: the first forward refuses, naming ds_ring.initialize"):
+        from ds_ring.engine import install
+
+        config = _config(3, sequence_parallel, per_replica)
+        section = ds_ring.load_config(config)
+        topology = ds_ring.Topology.from_config(section, world)
+        model = _model()
+        install(model, section, topology)
+        deepspeed_config = {k: v for k, v in config.items() if k != "ring_attention"}
+        engine, *_ = deepspeed.initialize(
+            model=model, config=deepspeed_config, optimizer=_optimizer(model), mpu=topology
+        )
+        local = ds_ring.shard_sequence(tokens[:per_replica], topology)
+        with pytest.raises(ValueError, match="build the engine with ds_ring.initialize"):
+            engine(local, ds_ring.shard_sequence(torch.arange(SEQ), topology, dim=0))
+        engine.destroy()
     return log.failures
 
 

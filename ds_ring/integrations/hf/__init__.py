@@ -22,9 +22,12 @@ sequence group (what ZeRO's reduction does) is the whole model's gradient.
 
 The package is laid out by job: :mod:`.registration` (what goes into transformers' registries),
 :mod:`.attention` (what runs inside the model), :mod:`.batches` and :mod:`.documents` (what prepares
-batches), :mod:`.loss`. transformers is imported on first use (``pip install ds_ring[hf]``).
+batches), :mod:`.loss`, and :mod:`.alst`: DeepSpeed ALST's names (``UlyssesSPAttentionHF``,
+``UlyssesSPDataLoaderAdapter``) with ALST's semantics, so an ALST user changes one import.
+transformers is imported on first use (``pip install ds_ring[hf]``).
 """
 
+from ds_ring.integrations.hf.alst import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
 from ds_ring.integrations.hf.batches import SequenceParallelDataLoader, shard_batch
 from ds_ring.integrations.hf.loss import causal_lm_loss
 from ds_ring.integrations.hf.registration import register_with_transformers, unregister_from_transformers
@@ -35,4 +38,6 @@ __all__ = [
     "shard_batch",
     "SequenceParallelDataLoader",
     "causal_lm_loss",
+    "UlyssesSPAttentionHF",
+    "UlyssesSPDataLoaderAdapter",
 ]

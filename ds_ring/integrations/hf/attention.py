@@ -10,7 +10,7 @@ here imports transformers.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from ds_ring.integrations.hf.documents import document_positions
 from ds_ring.parallel import sequence_parallel_attention
 from ds_ring.sharding import shard_sequence
 from ds_ring.topology import Topology
+from ds_ring.zero import parameter_gradient_scale
 
 __all__ = ["SequenceParallelAttention"]
 
@@ -41,12 +42,22 @@ class SequenceParallelAttention:
     """
 
     def __init__(
-        self, section: RingAttentionConfig, topology: Topology, original: AttentionFunction, *, disable_in_eval: bool
+        self,
+        section: RingAttentionConfig,
+        topology: Topology,
+        original: AttentionFunction,
+        *,
+        disable_in_eval: bool,
+        zero_optimization: Mapping[str, Any] | None = None,
     ) -> None:
         self.section = section
         self.topology = topology
         self.original = original
         self.disable_in_eval = disable_in_eval
+        self.zero_optimization = zero_optimization
+        self.gradient_scale: int | None = None
+        """What ds_ring's losses scale each rank's gradient share by for the engine of the model that calls
+        this (:mod:`ds_ring.zero`), read off the first module's parameters at its first call."""
         self._checked_shapes: set[tuple[int, int, int]] = set()
         self._expected_positions: tuple[tuple[int, ...], torch.Tensor] | None = None
 
@@ -69,6 +80,8 @@ class SequenceParallelAttention:
                 dropout=dropout, scaling=scaling, sliding_window=sliding_window, softcap=softcap, **kwargs,
             )  # fmt: skip
         self._refuse_features(module, dropout, sliding_window, softcap, kwargs)
+        if self.gradient_scale is None:
+            self._read_gradient_scale(module)
         bounds = self._document_bounds(kwargs)
         self._check_shapes(module, query, key, bounds[-1])
         self._check_positions(kwargs.get("position_ids"), bounds)
@@ -108,6 +121,14 @@ class SequenceParallelAttention:
                 f"{type(module).__name__} attends {'causally' if causal else 'bidirectionally'} but {SECTION}.causal "
                 f"is {self.section.causal}; set causal to {str(bool(causal)).lower()}"
             )
+
+    def _read_gradient_scale(self, module: nn.Module) -> None:
+        """The scale the model's engine needs (from its parameters and the ds_config given at registration),
+        before any gradient exists; the same for every layer of a model."""
+        self.gradient_scale = parameter_gradient_scale(
+            module.parameters(), self.zero_optimization, self.topology.get_sequence_parallel_world_size(),
+            where=type(module).__name__,
+        )  # fmt: skip
 
     def _document_bounds(self, kwargs: dict) -> list[int]:
         if kwargs.get("position_ids") is None:

@@ -7,26 +7,40 @@ applies it to every batch of a loader. Nothing here runs inside the model.
 
 from __future__ import annotations
 
+import hashlib
+import io
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
+from ds_ring.comm.agree import agree
+from ds_ring.comm.collectives import all_gather
+from ds_ring.comm.spans import group_members
 from ds_ring.config import RingAttentionConfig
 from ds_ring.integrations.hf.documents import IGNORE_INDEX, document_bounds, refuse_padding, shift_labels
 from ds_ring.integrations.hf.registration import registration_for
 from ds_ring.sharding import layout_chunks, shard_sequence
 from ds_ring.topology import Topology
 
-__all__ = ["shard_batch", "SequenceParallelDataLoader"]
+__all__ = ["shard_batch", "agree_on_batch", "gather_batches", "SequenceParallelDataLoader"]
+
+_FINGERPRINTED = ("input_ids", "labels", "position_ids", "attention_mask")
 
 # Keys of a full batch that shard_batch consumes: the mask (refused unless all ones) and labels
 # become shift_labels; documents are re-derived from position_ids.
 _CONSUMED = ("labels", "attention_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
-def shard_batch(batch: Mapping[str, Any], topology: Topology, *, pad_to_multiple: bool = False) -> dict[str, Any]:
+def shard_batch(
+    batch: Mapping[str, Any], topology: Topology, *, pad_to_multiple: bool = False, check_same: bool = True
+) -> dict[str, Any]:
     """This rank's part of a full-sequence batch, for a model registered with :func:`register_with_transformers`.
+
+    Collective over the topology's sequence-parallel group (unless ``check_same=False``): every rank of it
+    must pass the same full batch, which one small exchange checks before anything else (shapes and a
+    blake2b digest of ``input_ids``, ``labels``, ``position_ids``, ``attention_mask``; the digest reads a
+    device tensor back to the host, once per batch).
 
     Args:
         batch: ``input_ids [b, S]``; optional ``labels [b, S]`` (default: ``input_ids``),
@@ -36,6 +50,8 @@ def shard_batch(batch: Mapping[str, Any], topology: Topology, *, pad_to_multiple
         topology: the registered topology.
         pad_to_multiple: pad ``S`` up to a multiple of the layout's chunk count (pad tokens get label
             -100 and never reach a counted token), rather than raise.
+        check_same: agree that the group's ranks hold the same batch (``False`` only where they do by
+            construction, e.g. batches the ranks gathered from one another).
 
     Returns:
         ``input_ids``, ``position_ids`` (global positions, in the registered section's layout,
@@ -45,10 +61,13 @@ def shard_batch(batch: Mapping[str, Any], topology: Topology, *, pad_to_multiple
         every rank; transformers forwards them to the attention). Call the model with all of it.
 
     Raises:
-        ValueError: no ``input_ids``, a mask with zeros, position ids that do not count up from 0 per
-            document or rows packed differently, a tensor of another length, or a length that does
-            not split into the layout's chunks (without ``pad_to_multiple``) — naming the multiple.
+        ValueError: ranks of the group holding different batches (on every rank, naming each rank's
+            shapes or digest and the fix); no ``input_ids``, a mask with zeros, position ids that do not
+            count up from 0 per document or rows packed differently, a tensor of another length, or a length
+            that does not split into the layout's chunks (without ``pad_to_multiple``) — naming the multiple.
     """
+    if check_same:
+        agree_on_batch(batch, topology)
     registration = registration_for(topology)
     section = registration.section if registration is not None else RingAttentionConfig(enabled=False)
     input_ids = batch.get("input_ids")
@@ -93,11 +112,57 @@ def shard_batch(batch: Mapping[str, Any], topology: Topology, *, pad_to_multiple
     return {**copied, **sharded, "cu_seq_lens_q": documents, "cu_seq_lens_k": documents}
 
 
+_SAME_BATCH = (
+    "every rank of a sequence-parallel group must load the same full batch and shard it: sample over the "
+    "data-parallel replicas only (e.g. DistributedSampler(dataset, "
+    "num_replicas=topology.get_data_parallel_world_size(), rank=topology.get_data_parallel_rank())), or wrap "
+    "the loader in UlyssesSPDataLoaderAdapter, which gathers "
+    "the ranks' batches and runs each whole in turn"
+)
+
+
+def agree_on_batch(batch: Mapping[str, Any], topology: Topology) -> None:
+    """Collective over the sequence-parallel group: ``ValueError`` on every rank unless all hold ``batch`` alike.
+
+    Compared: the shapes of ``input_ids``, ``labels``, ``position_ids`` and ``attention_mask`` and one 64-bit
+    blake2b digest of their bytes (a device tensor is copied to the host for it), in one small all-gather.
+    """
+    shapes, digest = [], hashlib.blake2b(digest_size=8)
+    for key in _FINGERPRINTED:
+        value = batch.get(key)
+        if isinstance(value, torch.Tensor):
+            shapes.append(f"{key} {list(value.shape)}")
+            digest.update(key.encode())
+            digest.update(value.detach().contiguous().cpu().view(torch.uint8).numpy())
+    fields = {"batch shapes": ", ".join(shapes), "batch contents (blake2b)": digest.hexdigest()}
+    agree(fields, group=topology.sequence_parallel_group, op="shard_batch", timeout_s=topology.timeout_s,
+          fix=_SAME_BATCH, cache=False)  # fmt: skip
+
+
+def gather_batches(batch: Mapping[str, Any], topology: Topology) -> list[dict[str, Any]]:
+    """Every sequence-parallel rank's ``batch`` (any lengths; tensors on the CPU), in sequence-parallel rank order.
+
+    Collective over the topology's sequence-parallel group: two all-gathers (sizes, then the batches
+    serialised with ``torch.save``; tensors, numbers, strings and containers of them), bounded by the
+    topology's timeout.
+    """
+    buffer = io.BytesIO()
+    torch.save({k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}, buffer)
+    blob = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+    group, timeout_s = topology.sequence_parallel_group, topology.timeout_s
+    ranks = group_members(group)
+    sizes = all_gather(torch.tensor([blob.numel()]), ranks, group=group, op="gather_batches", timeout_s=timeout_s)
+    numels = [int(size) for size in sizes]
+    parts = all_gather(blob, ranks, group=group, numels=numels, op="gather_batches", timeout_s=timeout_s)
+    return [torch.load(io.BytesIO(part.numpy().tobytes()), weights_only=True) for part in parts]
+
+
 class SequenceParallelDataLoader:
     """Wraps a data loader of full-sequence dict batches; yields :func:`shard_batch` of each.
 
-    The equivalent of ALST's ``UlyssesSPDataLoaderAdapter``, without its communication: every rank
-    of a sequence-parallel group must load the same batches. ``len()`` is the wrapped loader's.
+    Every rank of a sequence-parallel group must load the same batches (checked on every batch:
+    :func:`agree_on_batch`); ``len()`` is the wrapped loader's. To run sequence parallel over a loader
+    whose ranks load different samples, use :class:`UlyssesSPDataLoaderAdapter`.
     ``device``: where the sharded tensors go (``None``: where the loader put them).
     """
 

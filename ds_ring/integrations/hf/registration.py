@@ -8,6 +8,7 @@ It also refuses, from the model's config and before any communication, what the 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -15,29 +16,47 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ds_ring.config import SECTION, RingAttentionConfig, load_config
+from ds_ring.config import SECTION, RingAttentionConfig, load_config, read_ds_config
 from ds_ring.integrations.hf.attention import SequenceParallelAttention
 from ds_ring.integrations.hf.documents import refuse_padding
 from ds_ring.topology import Topology
 
 __all__ = [
+    "Registration",
     "register_with_transformers",
     "unregister_from_transformers",
     "registration_for",
+    "registration_for_group",
     "check_model_config",
+    "HUB_KERNEL",
 ]
+
+HUB_KERNEL = re.compile(r"^[^/:]+/[^/:]+(?:@[^/:]+)?(?::[^/:]+)?$")
+"""A hub kernel's attention implementation name, ``"org/repo[@revision][:function]"`` (e.g.
+``"kernels-community/flash-attn2"``): transformers registers it on first use."""
 
 
 @dataclass(frozen=True)
-class _Registration:
-    """What :func:`register_with_transformers` installed, and how to put back what it replaced."""
+class Registration:
+    """What :func:`register_with_transformers` installed, and how to put back what it replaced.
+
+    ``attention`` is the function in transformers' registry (``None`` when the section is disabled);
+    it knows, once the model has run, the gradient scale its engine needs (:mod:`ds_ring.zero`).
+    """
 
     section: RingAttentionConfig
     topology: Topology
+    attention: SequenceParallelAttention | None
     replaced: tuple[tuple[Any, str, bool, Any], ...]  # (interface, key, had its own entry, that entry)
 
+    @property
+    def gradient_scale(self) -> int:
+        """What ds_ring's losses multiply each rank's gradient share by for this model's engine (1 until the
+        model has run)."""
+        return 1 if self.attention is None or self.attention.gradient_scale is None else self.attention.gradient_scale
 
-_active: _Registration | None = None
+
+_active: Registration | None = None
 
 
 def register_with_transformers(
@@ -61,11 +80,14 @@ def register_with_transformers(
     Args:
         model_name_or_path: optional: a model, a config, or a model name / local directory whose
             config is read (nothing else) to check heads and features now, before any communication.
-        core_attn_implementation: the registry entry to replace: ``"sdpa"``, ``"flash_attention_2"``, ...
-        config: the whole ds_config (JSON path or dict); its ``ring_attention`` section chooses
-            strategy, communication, layout, segment_lengths, dilation_rates and degrees. ``None``:
-            dense ring attention over every rank. A ds_config without the section (or with
-            ``enabled: false``) registers nothing and gives a data-parallel-only topology.
+        core_attn_implementation: the registry entry to replace: ``"sdpa"``, ``"flash_attention_2"``,
+            ``"flex_attention"``, a hub kernel (``"kernels-community/flash-attn2"``: transformers registers it
+            first), ...
+        config: the whole ds_config (JSON/YAML path or dict) the engine is built with; its ``ring_attention``
+            section chooses strategy, communication, layout, segment_lengths, dilation_rates and degrees, and
+            its ``zero_optimization`` how the engine reduces gradients (:mod:`ds_ring.zero`). ``None``: dense
+            ring attention over every rank, DeepSpeed's ZeRO defaults. A ds_config without the section (or
+            with ``enabled: false``) registers nothing and gives a data-parallel-only topology.
         topology: the process groups to use (e.g. ``engine.mpu`` after ``ds_ring.initialize``); its
             degrees must be the section's. ``None``: built from the section, starting
             ``torch.distributed`` from the launcher's environment if it is not started.
@@ -84,7 +106,7 @@ def register_with_transformers(
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    section = _section(config)
+    section, zero_optimization = _section(config)
     _check_implementation(core_attn_implementation, ALL_ATTENTION_FUNCTIONS)
     model_config = _model_config(model_name_or_path, core_attn_implementation)
     if topology is None and not dist.is_initialized():
@@ -105,19 +127,27 @@ def register_with_transformers(
         )
     unregister_from_transformers()
     replaced = []
+    attention = None
     if section.enabled:
         original = ALL_ATTENTION_FUNCTIONS[core_attn_implementation]
-        attention = SequenceParallelAttention(section, topology, original, disable_in_eval=disable_in_eval)
+        attention = SequenceParallelAttention(
+            section, topology, original, disable_in_eval=disable_in_eval, zero_optimization=zero_optimization
+        )
         replaced.append(_replace(ALL_ATTENTION_FUNCTIONS, core_attn_implementation, attention))
         if not disable_in_eval and core_attn_implementation in ALL_MASK_ATTENTION_FUNCTIONS:
             replaced.append(_replace(ALL_MASK_ATTENTION_FUNCTIONS, core_attn_implementation, _no_mask))
-    _active = _Registration(section, topology, tuple(replaced))
+    _active = Registration(section, topology, attention, tuple(replaced))
     return topology
 
 
-def registration_for(topology: Topology) -> _Registration | None:
+def registration_for(topology: Topology) -> Registration | None:
     """The registration made with ``topology`` (its section: layout, causal, branches), or ``None``."""
     return _active if _active is not None and _active.topology is topology else None
+
+
+def registration_for_group(group: dist.ProcessGroup) -> Registration | None:
+    """The registration whose topology has ``group`` as its sequence-parallel group, or ``None``."""
+    return _active if _active is not None and _active.topology.sequence_parallel_group is group else None
 
 
 def unregister_from_transformers() -> None:
@@ -133,26 +163,37 @@ def unregister_from_transformers() -> None:
     _active = None
 
 
-def _section(config: str | os.PathLike | Mapping[str, Any] | None) -> RingAttentionConfig:
+def _section(
+    config: str | os.PathLike | Mapping[str, Any] | None,
+) -> tuple[RingAttentionConfig, Mapping[str, Any] | None]:
+    """The validated section, and the ds_config's ``zero_optimization`` (``None``: not given)."""
     if config is None:
-        return RingAttentionConfig()
+        return RingAttentionConfig(), None
     if isinstance(config, Mapping) and SECTION not in config and "strategy" in config:
         raise ValueError(
             f"config must be a whole ds_config (with a {SECTION!r} section), got what looks like the section "
             f"itself; pass {{{SECTION!r}: {{...}}, ...}}"
         )
-    section = load_config(config)
+    ds_config = read_ds_config(config)
+    section = load_config(ds_config)
     if not section.enabled:  # every attention on the whole sequence its rank holds
-        return RingAttentionConfig(enabled=False, sequence_parallel_size=1, timeout_s=section.timeout_s)
-    return section
+        section = RingAttentionConfig(enabled=False, sequence_parallel_size=1, timeout_s=section.timeout_s)
+    return section, ds_config.get("zero_optimization")
 
 
 def _check_implementation(name: str, registry: Mapping[str, Any]) -> None:
+    """``ValueError`` unless ``name`` is an implementation ds_ring can replace; a hub kernel name is registered
+    by transformers first (as ALST does), so its entry exists to be replaced."""
     if name == "eager" or name.endswith("|eager"):
         raise ValueError(
             f"core_attn_implementation {name!r} materialises [seq, seq] attention weights and cannot run sequence "
-            f"parallel; use 'sdpa' (build the model with attn_implementation='sdpa') or a flash attention"
+            f"parallel; use 'sdpa' (build the model with attn_implementation='sdpa'), a flash attention, "
+            f"'flex_attention' or a hub kernel such as 'kernels-community/flash-attn2'"
         )
+    if HUB_KERNEL.match(name) and name not in registry:
+        from transformers.modeling_flash_attention_utils import lazy_import_flash_attention
+
+        lazy_import_flash_attention(name)
     if name not in registry:
         raise ValueError(f"core_attn_implementation {name!r} is not one of transformers' {sorted(registry)}")
 
@@ -165,14 +206,14 @@ def _model_config(model_name_or_path: Any, implementation: str) -> Any:
 
     if isinstance(model_name_or_path, PretrainedConfig):
         return model_name_or_path
-    if hasattr(model_name_or_path, "config"):  # a built model: check the implementation it calls
+    if hasattr(model_name_or_path, "config"):  # a built model, or a wrapper of one (PEFT): check what it calls
         config = model_name_or_path.config
         used = getattr(config, "_attn_implementation", None)
-        if used != implementation:
+        if used is not None and used != implementation:  # None: a wrapper's config that does not say
             raise ValueError(
-                f"the model's config._attn_implementation is {used!r} but core_attn_implementation is "
-                f"{implementation!r}; build the model with attn_implementation={implementation!r} (or register "
-                f"{used!r}) so that its attention calls the replaced entry"
+                f"core_attn_implementation {implementation!r} does not match the model's config._attn_implementation "
+                f"{used!r}; build the model with attn_implementation={implementation!r} (or register {used!r}) so "
+                f"that its attention calls the replaced entry"
             )
         return config
     return AutoConfig.from_pretrained(model_name_or_path)

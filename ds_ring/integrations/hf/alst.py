@@ -1,0 +1,179 @@
+"""DeepSpeed ALST's names and signatures, with ALST's semantics, on ds_ring: change one import.
+
+``from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter``
+becomes ``from ds_ring.integrations.hf import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter``; ALST's calls
+stay as they are. With ALST's arguments alone ds_ring does what ALST does (Ulysses, dense attention,
+contiguous shards) and the returned ``mpu`` (a :class:`ds_ring.Topology`) goes to ``deepspeed.initialize``
+at ZeRO 0-3; a ``ring_attention`` section in the ds_config given as ``config=`` switches strategy,
+branches and layout. Both are thin: they call :func:`register_with_transformers` and
+:func:`~ds_ring.integrations.hf.batches.shard_batch`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ds_ring.config import SECTION, read_ds_config
+from ds_ring.integrations.hf.batches import gather_batches, shard_batch
+from ds_ring.integrations.hf.registration import (
+    register_with_transformers,
+    registration_for_group,
+    unregister_from_transformers,
+)
+from ds_ring.topology import Topology
+
+__all__ = ["UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter"]
+
+
+class UlyssesSPAttentionHF:
+    """ALST's registration entry point (a namespace: ds_ring's attention function is what gets registered)."""
+
+    @classmethod
+    def register_with_transformers(
+        cls,
+        model_name_or_path: Any,
+        core_attn_implementation: str,
+        sequence_parallel_size: int,
+        micro_batch_size: int,
+        seq_length: int | None = None,
+        seq_length_is_variable: bool = True,
+        disable_in_eval: bool = False,
+        max_length: int | None = None,
+        *,
+        config: str | os.PathLike | Mapping[str, Any] | None = None,
+    ) -> Topology | None:
+        """ALST's ``register_with_transformers``: ds_ring attention for ``core_attn_implementation``; the ``mpu``.
+
+        Args:
+            model_name_or_path: a model (or a wrapper with a ``config``, as PEFT's), a config, or a model
+                name / local directory, read for its config only.
+            core_attn_implementation: ``"sdpa"``, a flash attention, ``"flex_attention"`` or a hub kernel name.
+            sequence_parallel_size: ranks sharing one sequence; 1 registers nothing and returns ``None``.
+            micro_batch_size: sequences per micro-batch (checked, as ALST does; ds_ring needs no fixed size).
+            seq_length: the sequence length, if fixed; must split into ``sequence_parallel_size`` shards.
+            seq_length_is_variable: ``False`` requires ``seq_length`` (ALST's fixed-shape path; ds_ring plans
+                per shape either way).
+            disable_in_eval: ``model.eval()`` runs the original attention on whole sequences.
+            max_length: ALST's deprecated name of ``seq_length``.
+            config: ds_ring's addition: a whole ds_config whose ``ring_attention`` section chooses strategy,
+                branches and layout (its ``sequence_parallel_size``, if set, must be this one) and whose
+                ``zero_optimization`` is the engine's. ``None``: dense Ulysses, DeepSpeed's ZeRO defaults.
+
+        Returns:
+            The :class:`ds_ring.Topology` (``None`` for ``sequence_parallel_size == 1``): pass it as
+            ``deepspeed.initialize(..., mpu=mpu)``; ``deepspeed.utils.groups`` then gives its groups.
+
+        Raises:
+            ValueError: as ALST does (a fixed shape without ``seq_length``, a length that does not split,
+                an implementation that does not match the model's, ``eager``) and as
+                :func:`register_with_transformers` does — before any communication.
+        """
+        if sequence_parallel_size == 1:
+            return None
+        seq_length = seq_length if seq_length is not None else max_length
+        for name, value in (("sequence_parallel_size", sequence_parallel_size), ("micro_batch_size", micro_batch_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not seq_length_is_variable and seq_length is None:
+            raise ValueError(
+                "seq_length_is_variable=False needs seq_length (the fixed sequence length of every batch); pass "
+                "seq_length, or leave seq_length_is_variable=True"
+            )
+        if seq_length is not None and seq_length % sequence_parallel_size:
+            raise ValueError(
+                f"seq_length {seq_length} is not divisible by sequence_parallel_size {sequence_parallel_size}; use "
+                f"a length that splits into {sequence_parallel_size} shards"
+            )
+        return register_with_transformers(
+            model_name_or_path,
+            core_attn_implementation=core_attn_implementation,
+            config=_ds_config(config, sequence_parallel_size),
+            disable_in_eval=disable_in_eval,
+        )
+
+    @classmethod
+    def unregister_from_transformers(cls, core_attn_implementation: str | None = None) -> None:
+        """Put back what :meth:`register_with_transformers` replaced."""
+        unregister_from_transformers()
+
+
+def _ds_config(config: str | os.PathLike | Mapping[str, Any] | None, sequence_parallel_size: int) -> dict[str, Any]:
+    """The ds_config to register with: ``config``'s, its section's degree checked; else ALST's dense Ulysses."""
+    ds_config = {} if config is None else read_ds_config(config)
+    section = dict(ds_config.get(SECTION) or {"strategy": "ulysses"})
+    given = section.setdefault("sequence_parallel_size", sequence_parallel_size)
+    if given != sequence_parallel_size:
+        raise ValueError(
+            f"{SECTION}.sequence_parallel_size is {given} in the ds_config but sequence_parallel_size="
+            f"{sequence_parallel_size} was passed; make them equal (or leave it out of the section)"
+        )
+    return {**ds_config, SECTION: section}
+
+
+class UlyssesSPDataLoaderAdapter:
+    """ALST's data loader adapter: every rank's batch runs whole, sequence-parallel, one after another.
+
+    Each rank of a sequence-parallel group loads its own batches (e.g. a ``DistributedSampler`` over the
+    world). For every batch of the wrapped loader the ranks gather one another's batch
+    (:func:`~ds_ring.integrations.hf.batches.gather_batches`, any lengths), then yield, in
+    sequence-parallel rank order, this rank's shard of each (:func:`shard_batch`: ``input_ids``,
+    global ``position_ids``, ``shift_labels``, and the documents ``cu_seq_lens_q`` / ``cu_seq_lens_k``
+    ds_ring's attention needs). ``len()`` is ALST's: the loader's length times ``sp_world_size``.
+
+    Args:
+        dl: the loader to wrap; batches are dicts of ``[batch, seq, ...]`` tensors (non-tensors are copied).
+        sp_rank, sp_group, sp_world_size: this rank's sequence-parallel rank, the group and its size
+            (``deepspeed.utils.groups._get_sequence_parallel_*()`` after ``deepspeed.initialize(mpu=...)``).
+        device: where the yielded tensors go.
+        topology: ds_ring's addition; default: the topology registered with ``sp_group`` as its
+            sequence-parallel group.
+
+    Raises:
+        ValueError: ``sp_rank`` / ``sp_world_size`` that are not ``sp_group``'s, or no registration for
+            ``sp_group`` — before any communication.
+    """
+
+    def __init__(
+        self,
+        dl: Iterable[Mapping[str, Any]],
+        sp_rank: int,
+        sp_group: dist.ProcessGroup,
+        sp_world_size: int,
+        device: torch.device | str | None,
+        *,
+        topology: Topology | None = None,
+    ) -> None:
+        topology = topology if topology is not None else _registered_topology(sp_group)
+        if (sp_rank, sp_world_size) != (dist.get_rank(sp_group), dist.get_world_size(sp_group)):
+            raise ValueError(
+                f"sp_rank {sp_rank} / sp_world_size {sp_world_size} are not this rank's place in sp_group (rank "
+                f"{dist.get_rank(sp_group)} of {dist.get_world_size(sp_group)}); pass "
+                f"groups._get_sequence_parallel_rank() and groups._get_sequence_parallel_world_size()"
+            )
+        self.dl, self.sp_rank, self.sp_group, self.sp_world_size = dl, sp_rank, sp_group, sp_world_size
+        self.device, self.topology = device, topology
+
+    def __len__(self) -> int:
+        return len(self.dl) * self.sp_world_size
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for batch in self.dl:
+            for gathered in gather_batches(batch, self.topology):
+                sharded = shard_batch(gathered, self.topology, check_same=False)
+                yield {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in sharded.items()}
+
+
+def _registered_topology(group: dist.ProcessGroup) -> Topology:
+    registration = registration_for_group(group)
+    if registration is None:
+        raise ValueError(
+            "UlyssesSPDataLoaderAdapter: no ds_ring registration has sp_group as its sequence-parallel group; call "
+            "UlyssesSPAttentionHF.register_with_transformers (or register_with_transformers) first and pass its "
+            "mpu's group, or pass topology="
+        )
+    return registration.topology
