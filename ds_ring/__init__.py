@@ -9,13 +9,12 @@ from importlib import import_module
 from typing import Any
 
 from ds_ring.attention import MultiheadRingDilatedAttention, RingDilatedAttention
+from ds_ring.calls import ring_dilated_attention, sequence_parallel_attention
 from ds_ring.checkpoint import load_checkpoint, save_checkpoint
-from ds_ring.functional import ring_dilated_attention
 from ds_ring.hooks import Event, register_hook
 from ds_ring.kernels import dilated_attention, merge
 from ds_ring.loss import sequence_parallel_cross_entropy
 from ds_ring.monitor import NumericsError, RingMonitor, run_main
-from ds_ring.parallel import sequence_parallel_attention
 from ds_ring.reference import dilated_attention_reference
 from ds_ring.sharding import gather_sequence, shard_sequence
 from ds_ring.topology import Topology

@@ -5,9 +5,10 @@ DeepSpeed ``DistributedAttention`` can wrap); ``MultiheadRingDilatedAttention`` 
 output projections and is a drop-in attention for a transformer block (``batch_first``, the call
 convention of ``nn.MultiheadAttention``).
 
-``RingDilatedAttention`` holds *how* to attend as one :class:`ds_ring.parallel.AttentionCall` plus
+``RingDilatedAttention`` holds *how* to attend as one :class:`ds_ring.strategies.AttentionCall` plus
 where (group or topology, strategy), so a trainer can install a strategy into every module of a
-model after building it (:meth:`RingDilatedAttention.configure`).
+model after building it (:meth:`RingDilatedAttention.configure`); every forward goes through the
+entry layer (:func:`ds_ring.calls.attend`), prepared once per key.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from ds_ring.calls import attend, group_placement, topology_placement
 from ds_ring.comm.groups import group_size
-from ds_ring.functional import ring_attention_call
 from ds_ring.kernels.dilation import make_branches
-from ds_ring.parallel import AttentionCall, sequence_parallel_call
+from ds_ring.strategies import AttentionCall
 from ds_ring.topology import Topology
 from ds_ring.zero import require_marked
 
@@ -36,7 +37,8 @@ class RingDilatedAttention(nn.Module):
     Args:
         segment_lengths, dilation_rates: LongNet branches over the *global* sequence (``None``: dense).
         causal: causal mask by global position.
-        communication: ``"ring"`` or ``"allgather"``.
+        communication: ``"ring"`` or ``"allgather"`` (``None``: the strategy's default, see
+            :func:`ds_ring.sequence_parallel_attention`).
         layout: ``"contiguous"`` or ``"zigzag"`` (how the sequence was sharded).
         group: sequence-parallel process group (``None``: the default group, or a single process
             when ``torch.distributed`` is not initialised). Ignored when ``topology`` is given.
@@ -58,7 +60,7 @@ class RingDilatedAttention(nn.Module):
         dilation_rates: Sequence[int] | None = None,
         *,
         causal: bool = False,
-        communication: str = "ring",
+        communication: str | None = None,
         layout: str = "contiguous",
         group: ProcessGroup | None = None,
         topology: Topology | None = None,
@@ -110,8 +112,8 @@ class RingDilatedAttention(nn.Module):
     ) -> torch.Tensor:
         call = self.call if cu_seqlens is None else dataclasses.replace(self.call, cu_seqlens=cu_seqlens)
         if self.topology is not None:
-            return sequence_parallel_call(q, k, v, call, self.topology, self.strategy)
-        return ring_attention_call(q, k, v, call, self.group)
+            return attend(q, k, v, call, topology_placement(self.topology), self.strategy)
+        return attend(q, k, v, call, group_placement(self.group), "ring", op="ring_dilated_attention")
 
     def extra_repr(self) -> str:
         return (

@@ -29,6 +29,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ds_ring.comm.agree import agree
+from ds_ring.topology import control_world
 
 __all__ = ["COMPLETE", "LATEST", "save_checkpoint", "load_checkpoint", "checkpoint_files"]
 
@@ -38,10 +39,11 @@ COMPLETE = "ds_ring_complete.json"
 
 
 def _agreement(engine: Any) -> dict[str, Any]:
-    """How the ranks agree on a checkpoint: uncached, bounded by the engine's :class:`ds_ring.Topology`'s
-    timeout (300 s for an engine without one)."""
-    timeout_s = getattr(getattr(engine, "mpu", None), "timeout_s", None)
-    return dict(timeout_s=timeout_s, fix=_SAME_DIRECTORY, cache=False)
+    """How the ranks agree on a checkpoint: uncached, over the engine's :class:`ds_ring.Topology`'s control group
+    of every rank and bounded by its timeout (an engine without one: the world, 300 s)."""
+    mpu = getattr(engine, "mpu", None)
+    group = mpu.control_group(None) if hasattr(mpu, "control_group") else control_world()
+    return dict(group=group, timeout_s=getattr(mpu, "timeout_s", None), fix=_SAME_DIRECTORY, cache=False)
 
 
 def save_checkpoint(engine: Any, save_dir: str | os.PathLike, tag: str, client_state: dict | None = None) -> Path:

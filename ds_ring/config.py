@@ -35,9 +35,7 @@ from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from ds_ring.comm.wait import DEFAULT_TIMEOUT_S
-from ds_ring.kernels.dilation import make_branches
-from ds_ring.parallel import strategy_names
-from ds_ring.strategies import exchanges, plan_shards
+from ds_ring.strategies import AttentionCall, Degrees, Shape, exchanges, get_strategy, strategy_names
 from ds_ring.topology import RankLayout
 
 __all__ = ["RingAttentionConfig", "MonitoringConfig", "load_config", "read_ds_config", "SECTION"]
@@ -98,9 +96,11 @@ class RingAttentionConfig(DeepSpeedConfigModel):
     """``"ring"``/``"allgather"`` (K/V move between sequence shards), ``"ulysses"`` (all-to-all from
     sequence to head sharding), or ``"hybrid"`` (Ulysses inside ``ulysses_degree`` ranks, ring across)."""
 
-    communication: str = "ring"
+    communication: str | None = None
     """How the ring dimension moves K/V: ``"ring"`` (passed rank to rank, O(n/p) memory), ``"allgather"``
-    (fewer syncs), or any exchange registered with ``ds_ring.strategies.register_exchange``."""
+    (fewer syncs), or any exchange registered with ``ds_ring.strategies.register_exchange``. Absent: the
+    strategy's default (``ring``; strategy ``allgather`` all-gathers; ``ulysses`` has no ring dimension and
+    refuses one)."""
 
     sequence_parallel_size: int | None = Field(None, ge=1)
     """Ranks that share one sequence (default: ``ulysses_degree × ring_degree``, or the whole world)."""
@@ -139,23 +139,18 @@ class RingAttentionConfig(DeepSpeedConfigModel):
 
     @field_validator("strategy", "communication")
     @classmethod
-    def _registered(cls, value: str, info: ValidationInfo) -> str:
+    def _registered(cls, value: str | None, info: ValidationInfo) -> str | None:
         names = strategy_names() if info.field_name == "strategy" else exchanges()
-        if value not in names:
+        if value is not None and value not in names:
             raise ValueError(f"{SECTION}.{info.field_name} {value!r} is not one of {list(names)}")
         return value
 
     @model_validator(mode="after")
     def _consistent(self) -> RingAttentionConfig:
         try:
-            make_branches(2**62, self.segment_lengths, self.dilation_rates)
+            self._strategy_check(None, None)
         except ValueError as err:
-            raise ValueError(f"{SECTION}.segment_lengths / dilation_rates: {err}") from None
-        if self.layout == "zigzag" and self.segment_lengths is not None:
-            raise ValueError(
-                f"{SECTION}.layout 'zigzag' supports dense attention only, got segment_lengths="
-                f"{self.segment_lengths}; remove segment_lengths/dilation_rates or use layout 'contiguous'"
-            )
+            raise ValueError(f"{SECTION}: {err}") from None
         if self.strategy in ("ring", "allgather") and self.ulysses_degree not in (None, 1):
             raise ValueError(
                 f"{SECTION}.ulysses_degree is {self.ulysses_degree} but strategy {self.strategy!r} has no Ulysses "
@@ -188,44 +183,41 @@ class RingAttentionConfig(DeepSpeedConfigModel):
             raise ValueError(f"{SECTION}: {err}") from None
         return layout.data_parallel, layout.ulysses, layout.ring
 
+    def call(self) -> AttentionCall:
+        """The section as the attention call every module makes (its strategy's default communication filled in)."""
+        communication = self.communication or get_strategy(self.strategy).default_communication()
+        segments, rates = self.segment_lengths, self.dilation_rates
+        return AttentionCall(segments, rates, self.causal, None, communication, self.layout, timeout_s=self.timeout_s)
+
+    def _strategy_check(self, shape: Shape | None, degrees: Degrees | None) -> None:
+        get_strategy(self.strategy).check(self.call(), shape, degrees)
+
     def check(
         self, *, world_size: int, num_heads: int, num_kv_heads: int | None = None, seq_len: int | None = None
     ) -> None:
         """Check the section against the run (ranks, model heads, sequence length), before any collective.
 
-        Without ``seq_len`` the shard and segment checks wait for the first attention call (which
-        raises the same errors before communicating).
+        The strategy's own :meth:`~ds_ring.strategies.Strategy.check` decides, with the rules every call is
+        checked by. Without ``seq_len`` the shard and segment checks wait for the first attention call
+        (which raises the same errors before communicating).
         """
         _, ulysses, ring = self.degrees(world_size)
         sp = ulysses * ring
-        # Strategy "ulysses" splits the heads over the whole sequence-parallel group, hybrid over its ulysses ranks.
-        head_split = sp if self.strategy == "ulysses" else ulysses
-        if num_heads % head_split:
-            raise ValueError(
-                f"{SECTION}: the model's {num_heads} attention heads are not divisible by ulysses degree {head_split}; "
-                f"use a {'sequence_parallel_size' if self.strategy == 'ulysses' else 'ulysses_degree'} that divides "
-                f"{num_heads}"
-            )
-        if seq_len is None:
-            return
-        chunks = sp * (2 if self.layout == "zigzag" else 1)
-        if seq_len % chunks:
-            raise ValueError(
-                f"{SECTION}: sequence length {seq_len} must be divisible by {chunks} (sequence_parallel_size {sp}"
-                f"{', ×2 for zigzag' if self.layout == 'zigzag' else ''}); pad or trim the data to a multiple of "
-                f"{chunks}"
-            )
-        if self.strategy == "ulysses":
-            return
-        try:  # the ring dimension holds ulysses·seq/sp consecutive tokens per rank
-            plan_shards(
-                seq_len // ring, num_heads // ulysses, max(1, (num_kv_heads or num_heads) // ulysses), 0, ring,
-                self.segment_lengths, self.dilation_rates, layout=self.layout,
-            )  # fmt: skip
+        if seq_len is not None:
+            chunks = sp * (2 if self.layout == "zigzag" else 1)
+            if seq_len % chunks:
+                raise ValueError(
+                    f"{SECTION}: sequence length {seq_len} must be divisible by {chunks} (sequence_parallel_size {sp}"
+                    f"{', ×2 for zigzag' if self.layout == 'zigzag' else ''}); pad or trim the data to a multiple of "
+                    f"{chunks}"
+                )
+        rows = seq_len // sp if seq_len is not None else 2 * sp  # any even shard when the length is not known
+        shape = Shape(1, rows, num_heads, num_kv_heads or num_heads, 1)
+        try:
+            self._strategy_check(shape, Degrees(ulysses, ring))
         except ValueError as err:
-            raise ValueError(
-                f"{SECTION}.segment_lengths {self.segment_lengths} with sequence length {seq_len}: {err}"
-            ) from None
+            length = f" with sequence length {seq_len}" if seq_len is not None else ""
+            raise ValueError(f"{SECTION} (strategy {self.strategy!r}, {num_heads} heads{length}): {err}") from None
 
 
 def read_ds_config(ds_config: str | PathLike | Mapping[str, Any]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import deepspeed
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from ds_ring.attention import MultiheadRingDilatedAttention, RingDilatedAttention
 from ds_ring.comm.agree import agree
@@ -23,10 +24,10 @@ from ds_ring.comm.wait import DEFAULT_TIMEOUT_S
 from ds_ring.config import SECTION, MonitoringConfig, RingAttentionConfig, load_config, read_ds_config
 from ds_ring.launch_env import discover_launch_env
 from ds_ring.monitor import RingMonitor, at_clean_exit, flush_writer
-from ds_ring.topology import Topology
+from ds_ring.topology import Topology, control_world
 from ds_ring.zero import gradient_scale, mark_parameters
 
-__all__ = ["initialize", "install", "init_distributed", "agree_on_section", "attach_monitor"]
+__all__ = ["initialize", "install", "init_distributed", "process_group_backend", "agree_on_section", "attach_monitor"]
 
 MONITOR_BACKENDS = ("csv_monitor", "tensorboard", "wandb", "comet")
 _attached: RingMonitor | None = None  # the monitor of the last ds_ring.initialize in this process
@@ -48,23 +49,33 @@ def _restart_safe_store(timeout: timedelta) -> dist.Store | None:
     return dist.PrefixStore(f"ds_ring/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
+def process_group_backend() -> str:
+    """The backend ds_ring starts ``torch.distributed`` with: the accelerator's (gloo on a CPU), and on CUDA
+    ``"cpu:gloo,cuda:nccl"`` (as torchtitan does), so every process group takes the small CPU tensors of
+    control traffic (agreements, metrics, guards, checkpoint tags) on gloo and the data on NCCL."""
+    backend = get_accelerator().communication_backend_name()
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+
+
 def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Start ``torch.distributed`` once, from whatever launcher started this process.
 
     Reads the rank from the launcher's environment (``deepspeed``, ``torchrun``, SLURM, or
-    ``mpirun`` through mpi4py — keeping ``MASTER_ADDR`` if set), then calls
-    ``deepspeed.init_distributed`` with the accelerator's backend (gloo on CPU, NCCL on CUDA).
-    Under ``torchrun`` the rendezvous keys are private to the restart attempt, so
-    ``--max-restarts`` restarts rendezvous afresh.
+    ``mpirun`` through mpi4py — keeping ``MASTER_ADDR`` if set), starts the process group with
+    :func:`process_group_backend` and hands it to DeepSpeed (``deepspeed.init_distributed`` adopts it).
+    Under ``torchrun`` the rendezvous keys are private to the restart attempt, so ``--max-restarts``
+    restarts rendezvous afresh.
     """
     if dist.is_initialized():
         return
     discover_launch_env()
-    backend, timeout = get_accelerator().communication_backend_name(), timedelta(seconds=timeout_s)
+    backend, timeout = process_group_backend(), timedelta(seconds=timeout_s)
     store = _restart_safe_store(timeout)
-    if store is not None:  # deepspeed.init_distributed adopts the group
+    if store is not None:
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
 
 
@@ -81,7 +92,8 @@ def agree_on_section(section: RingAttentionConfig, seq_len: int | None = None) -
             fields.update({f"{SECTION}.{key}.{inner}": v for inner, v in value.items()})
         else:
             fields[f"{SECTION}.{key}"] = value
-    agree(fields, op="ds_ring.initialize", timeout_s=section.timeout_s, fix=_SAME_SECTION, cache=False)
+    agree(fields, group=control_world(), op="ds_ring.initialize", timeout_s=section.timeout_s, fix=_SAME_SECTION,
+          cache=False)  # fmt: skip
 
 
 _SAME_SECTION = f"give every rank the same {SECTION} section (the same ds_config on every node) and the same seq_len"
@@ -145,12 +157,18 @@ def _check_monitor_backend(section: RingAttentionConfig, ds_config: Mapping[str,
 
 
 def attach_monitor(
-    engine: Any, model: nn.Module, monitoring: MonitoringConfig, *, timeout_s: float | None = None
+    engine: Any,
+    model: nn.Module,
+    monitoring: MonitoringConfig,
+    *,
+    timeout_s: float | None = None,
+    group: ProcessGroup | None = None,
 ) -> RingMonitor:
     """Attach the section's monitoring hooks to ``engine`` as ``engine.ring_monitor`` (metrics go to
     ``engine.monitor``, whose buffering backends :func:`ds_ring.run_main` flushes before the process
-    ends); its collectives are bounded by ``timeout_s`` (``None``: 300 s). The monitor of an earlier
-    ``ds_ring.initialize`` in this process is closed."""
+    ends); its collectives run over ``group`` (every rank, CPU tensors: the topology's control group) and are
+    bounded by ``timeout_s`` (``None``: 300 s). The monitor of an earlier ``ds_ring.initialize`` in this
+    process is closed."""
     global _attached, _forget_flush
     if _attached is not None:
         _attached.close()
@@ -166,6 +184,7 @@ def attach_monitor(
         model=model,
         writer=getattr(engine, "monitor", None),
         timeout_s=timeout_s,
+        group=group,
     )
     engine.ring_monitor = _attached
     return _attached
@@ -236,5 +255,7 @@ def initialize(
     )
     sequence_parallel = topology.get_sequence_parallel_world_size()
     mark_parameters(model, gradient_scale(config_for_deepspeed.get("zero_optimization"), sequence_parallel))
-    attach_monitor(initialized[0], model, section.monitoring, timeout_s=section.timeout_s)
+    attach_monitor(
+        initialized[0], model, section.monitoring, timeout_s=section.timeout_s, group=topology.control_group(None)
+    )
     return initialized

@@ -17,6 +17,7 @@ sequence-parallel rank order.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,9 +26,10 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ds_ring.comm.agree import agree
+from ds_ring.comm.groups import takes_cpu
 from ds_ring.comm.wait import resolve_timeout
 
-__all__ = ["RankLayout", "rank_layout", "Topology", "ROLES", "sequence_group"]
+__all__ = ["RankLayout", "rank_layout", "Topology", "ROLES", "sequence_group", "control_world", "needs_control_twins"]
 
 ROLES = (
     "sequence_parallel",
@@ -182,21 +184,52 @@ def rank_layout(world_size: int, *, data_parallel: int = 1, ulysses: int = 1, ri
     return layout
 
 
-def _create_groups(layout: RankLayout, rank: int, world: ProcessGroup) -> dict[str, ProcessGroup]:
-    """This rank's group of every role; every rank runs the same ``new_group`` calls in the same order.
+_world_twins: weakref.WeakKeyDictionary[ProcessGroup, ProcessGroup] = weakref.WeakKeyDictionary()
+
+
+def needs_control_twins(group: ProcessGroup | None = None) -> bool:
+    """Whether groups made from ``group``'s default backend need a gloo twin for control traffic (they do
+    when it takes no CPU tensors: plain NCCL). The same on every rank."""
+    return not takes_cpu(group)
+
+
+def control_world(group: ProcessGroup | None = None) -> ProcessGroup | None:
+    """``group`` (``None``: the world) when its backend takes CPU tensors, else a gloo group of the same
+    ranks, made once per group. Collective on its first call: every rank calls it at the same point."""
+    if not dist.is_initialized() or not needs_control_twins(group):
+        return group
+    world = dist.group.WORLD if group is None else group
+    twin = _world_twins.get(world)
+    if twin is None:
+        twin = _world_twins[world] = dist.new_group(dist.get_process_group_ranks(world), backend="gloo")
+    return twin
+
+
+def _create_groups(
+    layout: RankLayout, rank: int, world: ProcessGroup, control: ProcessGroup | None, twins: bool
+) -> tuple[dict[str, ProcessGroup], dict[int, ProcessGroup | None]]:
+    """This rank's group of every role, and the control group of each (by ``id``); every rank runs the same
+    ``new_group`` calls in the same order.
 
     A rank set that several roles share (e.g. sequence parallel = ulysses when ``ring == 1``) gets
-    one process group; the set of all ranks is ``world`` itself.
+    one process group; the set of all ranks is ``world`` itself (its control group: ``control``). With
+    ``twins`` every other set also gets a gloo group, for control traffic.
     """
-    made: dict[tuple[int, ...], ProcessGroup] = {}
+    made: dict[tuple[int, ...], tuple[ProcessGroup, ProcessGroup | None]] = {}
     mine: dict[str, ProcessGroup] = {}
+    controls: dict[int, ProcessGroup | None] = {id(world): control}
     for role in ROLES:
         for ranks in layout.groups(role):
             if ranks not in made:
-                made[ranks] = world if len(ranks) == layout.world_size else dist.new_group(list(ranks))
+                if len(ranks) == layout.world_size:
+                    made[ranks] = (world, control)
+                else:
+                    group = dist.new_group(list(ranks))
+                    made[ranks] = (group, dist.new_group(list(ranks), backend="gloo") if twins else group)
             if rank in ranks:
-                mine[role] = made[ranks]
-    return mine
+                mine[role] = made[ranks][0]
+                controls[id(made[ranks][0])] = made[ranks][1]
+    return mine, controls
 
 
 @dataclass(frozen=True, eq=False, init=False)
@@ -237,6 +270,7 @@ class Topology:
 
     layout: RankLayout
     rank: int
+    world_group: ProcessGroup | None = field(repr=False)
     sequence_parallel_group: ProcessGroup = field(repr=False)
     ulysses_group: ProcessGroup = field(repr=False)
     ring_group: ProcessGroup = field(repr=False)
@@ -244,6 +278,7 @@ class Topology:
     sequence_data_parallel_group: ProcessGroup = field(repr=False)
     model_parallel_group: ProcessGroup = field(repr=False)
     timeout_s: float
+    _controls: dict[int, ProcessGroup | None] = field(repr=False)
 
     def __init__(
         self,
@@ -266,14 +301,18 @@ class Topology:
             )
         # Agree before checking: degrees that differ between ranks (some of them maybe invalid) then
         # fail on every rank with each rank's values, instead of some ranks raising while others wait.
-        agree(dict(data_parallel=data_parallel, ulysses=ulysses, ring=ring), group=group, op="Topology",
+        control = control_world(group)
+        agree(dict(data_parallel=data_parallel, ulysses=ulysses, ring=ring), group=control, op="Topology",
               timeout_s=timeout_s, fix=_SAME_DEGREES, cache=False)  # fmt: skip
         layout = rank_layout(world_size, data_parallel=data_parallel, ulysses=ulysses, ring=ring)
         rank = dist.get_rank(group)
-        groups = _create_groups(layout, rank, dist.group.WORLD if group is None else group)
+        world = dist.group.WORLD if group is None else group
+        groups, controls = _create_groups(layout, rank, world, control, needs_control_twins(group))
         object.__setattr__(self, "layout", layout)
         object.__setattr__(self, "rank", rank)
+        object.__setattr__(self, "world_group", group)
         object.__setattr__(self, "timeout_s", timeout_s)
+        object.__setattr__(self, "_controls", {**controls, id(group): control})
         for role, pg in groups.items():
             object.__setattr__(self, f"{role}_group", pg)
 
@@ -294,12 +333,27 @@ class Topology:
             )
         timeout_s = _read(section, "timeout_s")
         degrees = {key: _read(section, key) for key in DEGREE_KEYS}
-        agree(degrees, op="Topology.from_config", timeout_s=timeout_s, fix=_SAME_DEGREES, cache=False)
+        agree(degrees, group=control_world(), op="Topology.from_config", timeout_s=timeout_s, fix=_SAME_DEGREES,
+              cache=False)  # fmt: skip
         layout = RankLayout.from_config(section, world_size)
         return cls(layout.data_parallel, layout.ulysses, layout.ring, timeout_s=timeout_s)
 
     def __copy__(self) -> Topology:
         return self
+
+    def control_group(self, group: ProcessGroup | None) -> ProcessGroup | None:
+        """The group for control traffic (agreements, metrics, guards, checkpoint tags: small CPU tensors)
+        among the ranks of ``group`` — one of this topology's groups, or ``None``/:attr:`world_group` for all
+        of them: the group itself when its backend takes CPU tensors (gloo, or ``"cpu:gloo,cuda:nccl"``),
+        else the gloo twin made with the topology.
+
+        Raises:
+            ValueError: ``group`` is not one of this topology's groups.
+        """
+        try:
+            return self._controls[id(group)]
+        except KeyError:
+            raise ValueError("ds_ring: control_group() takes one of this Topology's process groups") from None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Topology:
         """A topology is a handle on process groups, which cannot be copied: copies share it

@@ -42,6 +42,8 @@ MALFORMED = [
     ({"segment_lengths": [1024]}, ["dilation_rates", "None"]),
     ({"layout": "spiral"}, ["layout", "spiral"]),
     ({"layout": "zigzag", "segment_lengths": [8], "dilation_rates": [1]}, ["zigzag", "[8]"]),
+    ({"strategy": "allgather", "communication": "ring"}, ["strategy 'allgather'", "communication is 'ring'"]),
+    ({"strategy": "ulysses", "communication": "allgather"}, ["strategy 'ulysses'", "no ring dimension"]),
     ({"strategy": "ring", "ulysses_degree": 2}, ["ulysses_degree", "2", "hybrid"]),
     ({"strategy": "ulysses", "ring_degree": 2}, ["ring_degree", "2"]),
     ({"strategy": "hybrid", "ring_degree": 2}, ["hybrid", "ulysses_degree"]),
@@ -97,7 +99,7 @@ def test_section_must_be_an_object(tmp_path):
 RUN_MISMATCHES = [
     (dict(sequence_parallel_size=4), dict(world_size=6, num_heads=8, seq_len=1024), ["4", "world size 6"]),
     (dict(strategy="ulysses", sequence_parallel_size=4), dict(world_size=4, num_heads=6, seq_len=1024),
-     ["6 attention heads", "ulysses degree 4"]),
+     ["6 heads", "multiple of 4", "strategy 'hybrid'"]),
     (dict(sequence_parallel_size=3), dict(world_size=3, num_heads=8, seq_len=1000), ["1000", "divisible by 3"]),
     (dict(sequence_parallel_size=2, layout="zigzag"), dict(world_size=2, num_heads=8, seq_len=1026),
      ["1026", "zigzag"]),

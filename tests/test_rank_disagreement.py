@@ -3,9 +3,9 @@
 Two gloo ranks; rank 1 differs from rank 0 in one thing per case (each alone a valid call): sequence
 length, heads, head_dim, segment_lengths, dilation_rates, dtype, causal, communication, layout,
 strategy, cu_seqlens, and more; the Topology's degrees; the ds_config section of ``ds_ring.initialize``.
-Four ranks for the staged agreement of ``hybrid`` (ulysses 2 × ring 2). Every case must raise on
-every rank (a rank that raised while another hung would fail the run at its deadline); the seconds
-to the error are printed, not asserted.
+Four ranks for ``hybrid`` (ulysses 2 × ring 2): one agreement over the whole sequence-parallel group.
+Every case must raise on every rank (a rank that raised while another hung would fail the run at its
+deadline); the seconds to the error are printed, not asserted.
 """
 
 from __future__ import annotations
@@ -17,9 +17,6 @@ import pytest
 import torch
 
 import ds_ring
-from ds_ring.strategies.call import AttentionCall
-from ds_ring.strategies.hybrid import hybrid_attention_call
-from ds_ring.strategies.ulysses import ulysses_attention_call
 from tests.dist import CaseLog, run_distributed
 
 TIMEOUT_S = 10.0
@@ -78,14 +75,15 @@ def _attention_rank(rank: int, world: int) -> tuple[list[str], dict[str, float]]
                                  q, k, v, topology=topology, timeout_s=TIMEOUT_S, **_options(call, calls)))  # fmt: skip
     heads = {**BASE, **(DIFFERS["heads"][0] if rank == 1 else {})}
     q, k, v = _inputs(**heads)
-    alone = [torch.distributed.new_group([r]) for r in range(world)][rank]  # hybrid's ring of one
-    bounded = AttentionCall(timeout_s=TIMEOUT_S)
-    for op, run in [
-        ("ring_dilated_attention", lambda: ds_ring.ring_dilated_attention(q, k, v, timeout_s=TIMEOUT_S)),
-        ("ulysses_attention", lambda: ulysses_attention_call(q, k, v, bounded, None)),
-        ("hybrid_attention", lambda: hybrid_attention_call(q, k, v, bounded, None, alone)),
-    ]:
-        _expect_disagreement(log, seconds, f"{op}: heads", [f"disagree on {op}", DIFFERS["heads"][1]], run)
+    for name, op, run in [
+        ("ring_dilated_attention", "ring_dilated_attention",
+         lambda: ds_ring.ring_dilated_attention(q, k, v, timeout_s=TIMEOUT_S)),
+        ("ulysses", "sequence_parallel_attention",
+         lambda: ds_ring.sequence_parallel_attention(q, k, v, topology=topology, strategy="ulysses")),
+        ("hybrid", "sequence_parallel_attention",
+         lambda: ds_ring.sequence_parallel_attention(q, k, v, topology=topology, strategy="hybrid")),
+    ]:  # fmt: skip
+        _expect_disagreement(log, seconds, f"{name}: heads", [f"disagree on {op}", DIFFERS["heads"][1]], run)
     _expect_disagreement(log, seconds, "Topology degrees", ["ring: rank 0 has 2, rank 1 has 1", "same degrees"],
                          lambda: ds_ring.Topology(ulysses=1 + rank, ring=2 - rank, timeout_s=TIMEOUT_S))  # fmt: skip
     with log.case("a repeated call is agreed once: the second makes no exchange"):
@@ -96,7 +94,7 @@ def _attention_rank(rank: int, world: int) -> tuple[list[str], dict[str, float]]
                 before = len(events)
                 ds_ring.sequence_parallel_attention(q, k, v, topology=topology, timeout_s=TIMEOUT_S)
                 agreements = [e for e in events[before:] if e.op.startswith("agree:")]
-                assert len(agreements) == (2 if _ == 0 else 0), agreements  # outer call and ring_dilated_attention
+                assert len(agreements) == (1 if _ == 0 else 0), agreements  # prepared once, then run bare
     return log.failures, seconds
 
 
@@ -138,8 +136,8 @@ def test_initialize_with_sections_that_differ_raises_on_every_rank() -> None:
     _report(run_distributed(_initialize_rank, 2, timeout=90))
 
 
-def _staged_rank(rank: int, world: int) -> tuple[list[str], dict[str, float]]:
-    """ulysses 2 × ring 2: rank 3 differs; ranks sharing no group with it raise as well."""
+def _hybrid_rank(rank: int, world: int) -> tuple[list[str], dict[str, float]]:
+    """ulysses 2 × ring 2: rank 3 differs; ranks sharing no ulysses or ring group with it raise as well."""
     log, seconds = CaseLog(), {}
     topology = ds_ring.Topology(ulysses=2, ring=2, timeout_s=TIMEOUT_S)
     segments = [32, 2 * L] if rank == 3 else [16, 2 * L]
@@ -148,9 +146,6 @@ def _staged_rank(rank: int, world: int) -> tuple[list[str], dict[str, float]]:
     hybrid = dict(topology=topology, strategy="hybrid", timeout_s=TIMEOUT_S)
     _expect_disagreement(log, seconds, "hybrid via sequence_parallel_attention", needles,
                          lambda: ds_ring.sequence_parallel_attention(q, k, v, segments, [1, 2], **hybrid))  # fmt: skip
-    call, groups = AttentionCall(segments, [1, 2], timeout_s=TIMEOUT_S), (topology.ulysses_group, topology.ring_group)
-    _expect_disagreement(log, seconds, "hybrid_attention over (ulysses, ring) groups", needles,
-                         lambda: hybrid_attention_call(q, k, v, call, *groups))  # fmt: skip
     return log.failures, seconds
 
 
@@ -167,5 +162,5 @@ def test_attention_calls_that_differ_raise_on_every_rank() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_staged_agreement_of_hybrid_reaches_every_rank() -> None:
-    _report(run_distributed(_staged_rank, 4, timeout=90))
+def test_hybrid_agreement_reaches_every_rank() -> None:
+    _report(run_distributed(_hybrid_rank, 4, timeout=90))

@@ -61,6 +61,7 @@ def agree(
     timeout_s: float | None = None,
     fix: str | None = None,
     cache: bool = True,
+    device: torch.device | str | None = None,
 ) -> None:
     """Raise ``ValueError`` on every rank of ``group`` unless all of them pass equal ``fields``.
 
@@ -78,7 +79,10 @@ def agree(
         fix: what the error tells the user to change (default: make the same call on every rank).
         cache: skip the exchange for a fingerprint already agreed for ``(group, op)`` (steady state:
             only the local digest, microseconds). ``False`` for rare calls that must always be
-            checked (see the cache's limit in the module docstring): a topology, a config, a checkpoint.
+            checked (see the cache's limit in the module docstring), and for callers that cache themselves.
+        device: where the exchanged integers live (``None``: the CPU). Control traffic belongs on a group
+            whose backend takes CPU tensors (:func:`ds_ring.comm.groups.takes_cpu`); only a caller with no
+            such group passes the data's device (one host read of the gathered table follows).
 
     A world of one, or no process group, agrees with itself.
 
@@ -109,7 +113,7 @@ def agree(
         _digest("\0".join(names)),
         _digest("\0".join(f"{n}={t}" for n, t in zip(names, texts, strict=True))),
     ]
-    exchange = _Exchange(stages, op, timeout_s)
+    exchange = _Exchange(stages, op, timeout_s, device)
     rows = exchange.gather_ints(row)
     strangers = sum(r[0] != _MARKER for r in rows)
     if strangers:
@@ -139,12 +143,18 @@ def agree(
 class _Exchange:
     """All-gathers over the stages of an agreement; every rank gets every rank's values, in one order."""
 
-    def __init__(self, stages: list[dist.ProcessGroup | None], op: str, timeout_s: float | None) -> None:
-        self.stages, self.op, self.timeout_s = stages, f"agree:{op}", timeout_s
+    def __init__(
+        self,
+        stages: list[dist.ProcessGroup | None],
+        op: str,
+        timeout_s: float | None,
+        device: torch.device | str | None,
+    ) -> None:
+        self.stages, self.op, self.timeout_s, self.device = stages, f"agree:{op}", timeout_s, device
 
     def gather_ints(self, values: list[int]) -> list[list[int]]:
         """Every rank's ``values`` (the same count on every rank), one list per rank."""
-        table = torch.tensor(values, dtype=torch.int64).view(1, -1)
+        table = torch.tensor(values, dtype=torch.int64, device=self.device).view(1, -1)
         for stage in self.stages:
             table = self._gather(table, stage)
         return table.tolist()
@@ -156,6 +166,8 @@ class _Exchange:
         padded = torch.zeros(1, max(1, *lengths), dtype=torch.uint8)
         if blob:
             padded[0, : len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        if self.device is not None:
+            padded = padded.to(self.device)
         for stage in self.stages:
             padded = self._gather(padded, stage)
         rows = padded.tolist()

@@ -14,6 +14,7 @@ import logging
 import math
 
 import torch
+from torch.distributed import ProcessGroup
 
 from ds_ring.comm.collectives import all_reduce
 from ds_ring.comm.groups import group_rank, group_size
@@ -55,12 +56,13 @@ def nonfinite_report(out: torch.Tensor, lse: torch.Tensor) -> str | None:
 
 class NumericsGuard:
     """A hook checking attention forwards; ``mode`` is one of :data:`GUARD_MODES` other than ``off``;
-    ``timeout_s`` bounds :meth:`agree_to_skip`'s all-reduce (``None``: 300 s)."""
+    :meth:`agree_to_skip`'s all-reduce runs over ``group`` (every rank, CPU tensors; ``None``: the world),
+    bounded by ``timeout_s`` (``None``: 300 s)."""
 
-    def __init__(self, mode: str, timeout_s: float | None = None) -> None:
+    def __init__(self, mode: str, timeout_s: float | None = None, group: ProcessGroup | None = None) -> None:
         if mode not in GUARD_MODES[1:]:
             raise ValueError(f"ds_ring: numerics_guard must be one of {list(GUARD_MODES[1:])} here, got {mode!r}")
-        self.mode, self.timeout_s = mode, timeout_s
+        self.mode, self.timeout_s, self.group = mode, timeout_s, group
         self.rank = group_rank(None)
         self.found: list[str] = []  # messages since the last agree_to_skip() / reset()
         self._warned: set[tuple[object, str]] = set()
@@ -90,6 +92,6 @@ class NumericsGuard:
         """Collective over the world: the ranks that found a NaN / Inf since the last call (empty: none)."""
         flags = torch.zeros(group_size(None), dtype=torch.float64)
         flags[self.rank] = 1.0 if self.found else 0.0
-        total = all_reduce(flags, op=f"{MONITOR_OP_PREFIX}guard", step=step, timeout_s=self.timeout_s)
+        total = all_reduce(flags, group=self.group, op=f"{MONITOR_OP_PREFIX}guard", step=step, timeout_s=self.timeout_s)
         self.found.clear()
         return [rank for rank, flag in enumerate(total.tolist()) if not math.isclose(flag, 0.0)]

@@ -13,9 +13,11 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
+from torch.distributed import ProcessGroup
 
 from ds_ring.comm.collectives import all_gather
-from ds_ring.comm.groups import group_rank, group_size
+from ds_ring.comm.groups import group_rank
+from ds_ring.comm.spans import group_members
 from ds_ring.monitor.timeline import MONITOR_OP_PREFIX, RankTotals
 
 __all__ = ["METRICS", "EventWriter", "MetricsReporter", "rank_metrics"]
@@ -58,11 +60,13 @@ def _min_max(values: list[float]) -> tuple[float, float]:
 
 
 class MetricsReporter:
-    """Gathers :func:`rank_metrics` from every rank (an all-gather bounded by ``timeout_s``, ``None``: 300 s)
-    and writes min / max from rank 0."""
+    """Gathers :func:`rank_metrics` from every rank (an all-gather over ``group``, every rank, on CPU
+    tensors: ``None`` is the world; bounded by ``timeout_s``, ``None``: 300 s) and writes min / max from rank 0."""
 
-    def __init__(self, writer: EventWriter | None, timeout_s: float | None = None) -> None:
-        self.writer, self.timeout_s = writer, timeout_s
+    def __init__(
+        self, writer: EventWriter | None, timeout_s: float | None = None, group: ProcessGroup | None = None
+    ) -> None:
+        self.writer, self.timeout_s, self.group = writer, timeout_s, group
         self.rank = group_rank(None)
 
     def report(self, step: int, values: list[float], scalars: Mapping[str, Any]) -> dict[str, float]:
@@ -71,8 +75,10 @@ class MetricsReporter:
         ``scalars`` (e.g. the loss) are written as ``ds_ring/<name>`` with rank 0's value.
         """
         mine = torch.tensor(values, dtype=torch.float64)
-        ranks = list(range(group_size(None)))
-        rows = all_gather(mine, ranks, op=f"{MONITOR_OP_PREFIX}metrics", step=step, timeout_s=self.timeout_s)
+        rows = all_gather(
+            mine, group_members(self.group), group=self.group, op=f"{MONITOR_OP_PREFIX}metrics", step=step,
+            timeout_s=self.timeout_s,
+        )  # fmt: skip
         table = torch.stack(rows).tolist()
         summary: dict[str, float] = {}
         for i, name in enumerate(METRICS):

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.utils.hooks import RemovableHandle
 
 from ds_ring.comm.groups import group_rank
@@ -48,6 +49,8 @@ class RingMonitor:
         model: its attention modules label events with their names (for messages).
         writer: DeepSpeed's ``engine.monitor`` (anything with ``write_events``).
         timeout_s: bound in seconds on the metrics and guard collectives (``None``: 300 s).
+        group: the group of every rank those collectives (small CPU tensors) take: one whose backend takes
+            CPU tensors (``topology.control_group(None)``; ``None``: the world).
     """
 
     def __init__(
@@ -60,6 +63,7 @@ class RingMonitor:
         model: nn.Module | None = None,
         writer: EventWriter | None = None,
         timeout_s: float | None = None,
+        group: ProcessGroup | None = None,
     ) -> None:
         if numerics_guard not in GUARD_MODES:
             raise ValueError(f"ds_ring: numerics_guard must be one of {list(GUARD_MODES)}, got {numerics_guard!r}")
@@ -70,8 +74,8 @@ class RingMonitor:
         self._labels: Mapping[str, Any] | None = None
         self._started = time.perf_counter()
         self.timeline = StepTimeline() if metrics else None
-        self.reporter = MetricsReporter(writer, timeout_s) if metrics else None
-        self.guard = NumericsGuard(numerics_guard, timeout_s) if numerics_guard != "off" else None
+        self.reporter = MetricsReporter(writer, timeout_s, group) if metrics else None
+        self.guard = NumericsGuard(numerics_guard, timeout_s, group) if numerics_guard != "off" else None
         self.watchdog = Watchdog(self.rank, step_timeout_s) if watchdog else None
         if self.timeline is not None:
             self._hooks.append(register_hook(self.timeline, phases=PHASES))

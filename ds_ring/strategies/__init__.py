@@ -1,18 +1,47 @@
 """Strategies: how attention over sequence shards is computed and how K/V move between ranks.
 
-Importing this package registers the built-in exchanges (``ring``, ``allgather``).
+Importing this package registers the built-in exchanges (``ring``, ``allgather``: how a ring dimension
+moves K/V blocks) and strategies (one line each: a new strategy is one module plus one line here).
 """
 
-from ds_ring.strategies import allgather, ring  # noqa: F401  (registration)
+from ds_ring.strategies import allgather, ring  # noqa: F401  (exchange registration)
+from ds_ring.strategies.base import (
+    AttentionCall,
+    Bound,
+    Degrees,
+    Placement,
+    Shape,
+    Strategy,
+    get_strategy,
+    register_strategy,
+    strategy_names,
+)
+from ds_ring.strategies.hybrid import Hybrid
 from ds_ring.strategies.plan import ShardPlan, plan_shards
+from ds_ring.strategies.sequence import SequenceShards
 from ds_ring.strategies.sharded import CommSpec, exchanges, get_exchange, register_exchange, sharded_attention
+from ds_ring.strategies.ulysses import Ulysses
+
+register_strategy(SequenceShards("ring"))
+register_strategy(SequenceShards("allgather", exchange="allgather"))
+register_strategy(Ulysses())
+register_strategy(Hybrid())
 
 __all__ = [
+    "AttentionCall",
+    "Bound",
     "CommSpec",
+    "Degrees",
+    "Placement",
+    "Shape",
     "ShardPlan",
+    "Strategy",
     "exchanges",
     "get_exchange",
+    "get_strategy",
     "plan_shards",
     "register_exchange",
+    "register_strategy",
     "sharded_attention",
+    "strategy_names",
 ]

@@ -15,73 +15,83 @@ and ``2R-1-r`` of ``2R``: the ring group's own zigzag layout, so dense causal wo
 from __future__ import annotations
 
 import torch
-from torch.distributed import ProcessGroup
 
-from ds_ring.comm.groups import group_rank, group_size
-from ds_ring.kernels.dilation import Branch, check_cu_seqlens, make_branches
-from ds_ring.strategies.call import AttentionCall, Output
+from ds_ring.kernels.dilation import make_branches
+from ds_ring.strategies.base import AttentionCall, Bound, Degrees, Placement, Shape, Strategy
+from ds_ring.strategies.blocks import Options
 from ds_ring.strategies.plan import plan_shards
 from ds_ring.strategies.sharded import CommSpec, get_exchange, sharded_attention
 from ds_ring.strategies.ulysses import attend_local_heads, check_layout, heads_to_sequence, split_heads, to_heads
 
-__all__ = ["hybrid_attention_call"]
+__all__ = ["Hybrid"]
 
 
-def hybrid_attention_call(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    call: AttentionCall,
-    ulysses_group: ProcessGroup | None,
-    ring_group: ProcessGroup | None,
-) -> Output:
-    """Dilated (or dense) attention over a sequence sharded across ``ulysses × ring`` ranks.
+def _tuple(values) -> tuple[int, ...] | None:
+    return None if values is None else tuple(values)
 
-    Args:
-        q: local shard ``[batch, seq/p, heads, head_dim]`` with ``heads % U == 0``;
-            k, v: ``[batch, seq/p, kv_heads, head_dim]`` (fewer K/V heads than ``U`` are replicated).
-        call: the other arguments (see :func:`ds_ring.ring_dilated_attention`); ``communication`` moves
-            K/V along the ring dimension; ``layout="zigzag"`` with ``R > 1`` is for dense attention only.
-        ulysses_group: the ``U`` ranks of this all-to-all, holding consecutive shards in rank order.
-        ring_group: the ``R`` ranks with this ulysses index, in sequence order.
 
-    Returns:
-        The local output shard ``[batch, seq/p, heads, head_dim]`` (and, with ``call.return_lse``, the LSE).
+class Hybrid(Strategy):
+    """``strategy="hybrid"``: all-to-all inside the ulysses group (``heads % U == 0``; fewer K/V heads than ``U``
+    are replicated), then ``communication`` moves K/V across the ring group on blocks of ``U·L`` rows."""
 
-    Raises:
-        ValueError: bad shapes (on this rank, before any communication); ranks whose calls differ
-            (on every rank of ``ulysses × ring``, naming the field and each rank's value); heads not
-            divisible by ``U``, an unknown communication, or a branch / layout the ring dimension
-            cannot shard — all before any data moves.
-    """
-    call.check("hybrid_attention", (ulysses_group, ring_group), q, k, v)
-    exchange = get_exchange(call.communication)
-    degree, ring_size = group_size(ulysses_group), group_size(ring_group)
-    split = split_heads(q.shape[2], k.shape[2], degree, q.device)
-    check_layout(call.layout, q.shape[1])
-    block = q.shape[1] * degree
-    offset = call.head_offset + group_rank(ulysses_group) * split.heads
-    segment_lengths, dilation_rates = call.segment_lengths, call.dilation_rates
-    branches = make_branches(block * ring_size, segment_lengths, dilation_rates)
-    documents = check_cu_seqlens(call.cu_seqlens, block * ring_size)
-    plan = None
-    if ring_size > 1:
-        if call.layout == "zigzag" and any(b != Branch(block * ring_size, 1) for b in branches):
+    name = "hybrid"
+
+    def check(self, call: AttentionCall, shape: Shape | None, degrees: Degrees | None) -> None:
+        get_exchange(call.communication)
+        make_branches(2**62 if shape is None else shape.rows, call.segment_lengths, call.dilation_rates)
+        if shape is None or degrees is None:
+            return
+        split_heads(shape.heads, shape.kv_heads, degrees.ulysses)  # heads % ulysses
+        check_layout(call.layout, shape.rows)
+        if degrees.ring == 1:
+            return
+        block = shape.rows * degrees.ulysses
+        dense = [(block * degrees.ring, 1)]
+        branches = [(b.segment, b.rate) for b in make_branches(block * degrees.ring, call.segment_lengths,
+                                                               call.dilation_rates)]  # fmt: skip
+        if call.layout == "zigzag" and branches != dense:
             raise ValueError(
-                f"strategy 'hybrid' with a ring degree of {ring_size} supports layout='zigzag' for dense attention "
-                f"only, got segment_lengths={segment_lengths} dilation_rates={dilation_rates}; use "
+                f"strategy 'hybrid' with a ring degree of {degrees.ring} supports layout='zigzag' for dense attention "
+                f"only, got segment_lengths={call.segment_lengths} dilation_rates={call.dilation_rates}; use "
                 f"layout='contiguous', or strategy 'ulysses', which supports zigzag with dilation"
             )
-        plan = plan_shards(
-            block, split.heads, split.kv_heads, group_rank(ring_group), ring_size, segment_lengths, dilation_rates,
-            layout=call.layout, head_offset=offset, device=q.device, causal=call.causal, documents=documents,
+        plan_shards(
+            block, shape.heads // degrees.ulysses, max(1, shape.kv_heads // degrees.ulysses), 0, degrees.ring,
+            _tuple(call.segment_lengths), _tuple(call.dilation_rates), layout=call.layout, causal=call.causal,
         )  # fmt: skip
-    qh, kh, vh = to_heads(q, k, v, split, ulysses_group, layout=call.layout, timeout_s=call.timeout_s)
-    if plan is None:
-        out, lse = attend_local_heads(qh, kh, vh, call, head_offset=offset, strategy="hybrid", documents=documents)
-    else:
-        out, lse = sharded_attention(
-            qh, kh, vh, plan, exchange, CommSpec(ring_group, call.timeout_s),
-            causal=call.causal, scale=call.scale, head_offset=offset,
-        )  # fmt: skip
-    return heads_to_sequence(out, lse, split, ulysses_group, call)
+
+    def prepare(
+        self,
+        call: AttentionCall,
+        shape: Shape,
+        placement: Placement,
+        device: torch.device,
+        documents: tuple[int, ...] | None,
+    ) -> Bound:
+        degrees, timeout_s = placement.degrees, call.timeout_s
+        split = split_heads(shape.heads, shape.kv_heads, degrees.ulysses, device)
+        u, r = degrees.rank % degrees.ulysses, degrees.rank // degrees.ulysses
+        offset = call.head_offset + u * split.heads
+        if degrees.ring == 1:
+
+            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+                return attend_local_heads(q, k, v, call, head_offset=offset, strategy=self.name, documents=documents)
+
+        else:
+            plan = plan_shards(
+                shape.rows * degrees.ulysses, split.heads, split.kv_heads, r, degrees.ring,
+                _tuple(call.segment_lengths), _tuple(call.dilation_rates), layout=call.layout, head_offset=offset,
+                device=device, causal=call.causal, documents=documents,
+            )  # fmt: skip
+            exchange, comm = get_exchange(call.communication), CommSpec(placement.ring, timeout_s)
+            options = Options(call.causal, call.scale, offset)
+
+            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+                return sharded_attention(q, k, v, plan, exchange, comm, options)
+
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            qh, kh, vh = to_heads(q, k, v, split, placement.ulysses, layout=call.layout, timeout_s=timeout_s)
+            out, lse = attend(qh, kh, vh)
+            return heads_to_sequence(out, lse, split, placement.ulysses, call, timeout_s)
+
+        return run

@@ -222,10 +222,7 @@ def sharded_attention(
     plan: ShardPlan,
     exchange: Exchange,
     comm: CommSpec,
-    *,
-    causal: bool,
-    scale: float | None,
-    head_offset: int,
+    opts: Options,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable attention of local shards ``[B, L, H, D]``; returns ``(out, lse [B, L, H])``."""
-    return _ShardedAttention.apply(q, k, v, plan, exchange, comm, Options(causal, scale, head_offset))
+    return _ShardedAttention.apply(q, k, v, plan, exchange, comm, opts)

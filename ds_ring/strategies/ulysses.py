@@ -28,21 +28,22 @@ import torch
 from torch.distributed import ProcessGroup
 
 from ds_ring.comm.collectives import all_to_all
-from ds_ring.comm.groups import group_rank, group_size
+from ds_ring.comm.groups import group_rank
 from ds_ring.hooks import emit_attention, hooks_active
 from ds_ring.kernels.dilated import dilated_attention
-from ds_ring.kernels.dilation import check_cu_seqlens, make_branches
-from ds_ring.strategies.call import AttentionCall, Output
+from ds_ring.kernels.dilation import make_branches
+from ds_ring.strategies.base import AttentionCall, Bound, Degrees, Placement, Shape, Strategy
 from ds_ring.strategies.plan import LAYOUTS
 
 __all__ = [
+    "Ulysses",
     "HeadSplit",
     "split_heads",
     "check_layout",
     "to_heads",
     "to_sequence",
     "heads_to_sequence",
-    "ulysses_attention_call",
+    "attend_local_heads",
 ]
 
 
@@ -204,46 +205,66 @@ def attend_local_heads(
     return out, lse.transpose(1, 2)
 
 
-def ulysses_attention_call(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall, group: ProcessGroup | None
-) -> Output:
-    """Dilated (or dense) attention over a sequence sharded across ``group``, by head all-to-all.
+class Ulysses(Strategy):
+    """``strategy="ulysses"``: all-to-all over the whole sequence-parallel group (``heads % (U·R) == 0``);
+    every rank attends over the whole sequence on its heads, with any branches and either layout."""
 
-    Args:
-        q: local shard ``[batch, seq/p, heads, head_dim]`` (``heads % p == 0``);
-            k, v: ``[batch, seq/p, kv_heads, head_dim]`` (any ``kv_heads`` dividing ``heads``).
-        call: the other arguments (see :func:`ds_ring.ring_dilated_attention`); any branch list works
-            (each rank attends over the whole sequence); ``communication`` is not used.
-        group: the all-to-all group, its shards consecutive in group-rank order (``None``: the world).
+    name = "ulysses"
 
-    Returns:
-        The local output shard ``[batch, seq/p, heads, head_dim]`` (and, with ``call.return_lse``, the LSE).
+    def default_communication(self) -> None:
+        return None
 
-    Raises:
-        ValueError: bad shapes (on this rank, before any communication); ranks whose calls differ
-            (on every rank, naming the field and each rank's value); heads not divisible by the group
-            size, bad branches or layout — all before any data moves.
-    """
-    call.check("ulysses_attention", group, q, k, v, exclude=("communication",))
-    degree = group_size(group)
-    split = split_heads(q.shape[2], k.shape[2], degree, q.device)
-    check_layout(call.layout, q.shape[1])
-    make_branches(q.shape[1] * degree, call.segment_lengths, call.dilation_rates)
-    documents = check_cu_seqlens(call.cu_seqlens, q.shape[1] * degree)
-    qh, kh, vh = to_heads(q, k, v, split, group, layout=call.layout, timeout_s=call.timeout_s)
-    offset = call.head_offset + group_rank(group) * split.heads
-    out, lse = attend_local_heads(qh, kh, vh, call, head_offset=offset, strategy="ulysses", documents=documents)
-    return heads_to_sequence(out, lse, split, group, call)
+    def check(self, call: AttentionCall, shape: Shape | None, degrees: Degrees | None) -> None:
+        if call.communication is not None:
+            raise ValueError(
+                f"strategy 'ulysses' moves heads by all-to-all and has no ring dimension, so communication "
+                f"{call.communication!r} would do nothing; remove communication, or use strategy 'hybrid'"
+            )
+        make_branches(2**62 if shape is None else shape.rows, call.segment_lengths, call.dilation_rates)
+        if shape is None or degrees is None:
+            return
+        if shape.heads % degrees.sequence:
+            raise ValueError(
+                f"strategy 'ulysses' splits the {shape.heads} heads over the whole sequence-parallel group (ulysses "
+                f"{degrees.ulysses} × ring {degrees.ring} = {degrees.sequence} ranks), so heads must be a multiple "
+                f"of {degrees.sequence}; use strategy 'hybrid' (heads must be a multiple of the ulysses degree "
+                f"only) or 'ring'"
+            )
+        check_layout(call.layout, shape.rows)
+
+    def prepare(
+        self,
+        call: AttentionCall,
+        shape: Shape,
+        placement: Placement,
+        device: torch.device,
+        documents: tuple[int, ...] | None,
+    ) -> Bound:
+        degree, group = placement.degrees.sequence, placement.sequence
+        split = split_heads(shape.heads, shape.kv_heads, degree, device)
+        offset = call.head_offset + placement.degrees.rank * split.heads
+
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            qh, kh, vh = to_heads(q, k, v, split, group, layout=call.layout, timeout_s=call.timeout_s)
+            out, lse = attend_local_heads(qh, kh, vh, call, head_offset=offset, strategy=self.name, documents=documents)
+            return heads_to_sequence(out, lse, split, group, call, call.timeout_s)
+
+        return run
 
 
 def heads_to_sequence(
-    out: torch.Tensor, lse: torch.Tensor, split: HeadSplit, group: ProcessGroup | None, call: AttentionCall
-) -> Output:
-    """Return ``out [B, p·L, h, D]`` (and, with ``call.return_lse``, ``lse [B, p·L, h]``) to sequence shards;
-    LSE as ``[B, H, L]``."""
-    layout, timeout_s = call.layout, call.timeout_s
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    split: HeadSplit,
+    group: ProcessGroup | None,
+    call: AttentionCall,
+    timeout_s: float | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Return ``out [B, p·L, h, D]`` and, with ``call.return_lse``, ``lse [B, p·L, h]`` to sequence shards
+    ``[B, L, H, D]`` / ``[B, L, H]`` (``None``: the LSE stays where it is)."""
+    layout = call.layout
     out = to_sequence(out, split.degree, group, layout=layout, op="ulysses_out", timeout_s=timeout_s)
     if not call.return_lse:
-        return out
+        return out, None
     lse = to_sequence(lse.unsqueeze(-1), split.degree, group, layout=layout, op="ulysses_lse", timeout_s=timeout_s)
-    return out, lse.squeeze(-1).transpose(1, 2)
+    return out, lse.squeeze(-1)

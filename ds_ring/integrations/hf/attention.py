@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ds_ring.calls import sequence_parallel_attention
 from ds_ring.config import SECTION, RingAttentionConfig
-from ds_ring.integrations.hf.documents import document_positions
-from ds_ring.parallel import sequence_parallel_attention
+from ds_ring.integrations.hf.documents import DOCUMENTS_KEY, document_positions
 from ds_ring.sharding import shard_sequence
 from ds_ring.topology import Topology
 from ds_ring.zero import parameter_gradient_scale
@@ -33,10 +33,12 @@ class SequenceParallelAttention:
 
     Called by the model with this rank's shard: ``query [b, heads, s/p, d]``, ``key, value
     [b, kv_heads, s/p, d]`` (K/V heads are passed on as they are, not repeated), the kwargs the model
-    forwards — ``position_ids [b or 1, s/p]`` (global positions, from ``shard_batch``) and
-    ``cu_seq_lens_q`` (document boundaries ``[0, ..., S]`` over the whole sequence) are required —
-    and returns ``(out [b, s/p, heads, d], None)``. The mask transformers built for the shard is not
-    used: the section's ``causal``, the layout and ``cu_seq_lens_q`` say what attends to what.
+    forwards — ``position_ids [b or 1, s/p]`` (global positions, from ``shard_batch``) and the document
+    boundaries ``[0, ..., S]`` over the whole sequence (``ds_ring_cu_seqlens``, Python ints, or
+    ``cu_seq_lens_q``, a tensor read back per call) are required — and returns
+    ``(out [b, s/p, heads, d], None)``. Shapes, documents and positions are checked on the first call of
+    each; later calls read nothing on the host. The mask transformers built for the shard is not used:
+    the section's ``causal``, the layout and the documents say what attends to what.
 
     Every refusal is a ``ValueError`` raised before any communication.
     """
@@ -58,8 +60,7 @@ class SequenceParallelAttention:
         self.gradient_scale: int | None = None
         """What ds_ring's losses scale each rank's gradient share by for the engine of the model that calls
         this (:mod:`ds_ring.zero`), read off the first module's parameters at its first call."""
-        self._checked_shapes: set[tuple[int, int, int]] = set()
-        self._expected_positions: tuple[tuple[int, ...], torch.Tensor] | None = None
+        self._checked: set[tuple] = set()  # (heads, kv_heads, positions' shape, documents) seen and checked
 
     def __call__(
         self,
@@ -83,14 +84,17 @@ class SequenceParallelAttention:
         if self.gradient_scale is None:
             self._read_gradient_scale(module)
         bounds = self._document_bounds(kwargs)
-        self._check_shapes(module, query, key, bounds[-1])
-        self._check_positions(kwargs.get("position_ids"), bounds)
+        checked = (query.shape[1], key.shape[1], kwargs["position_ids"].shape, bounds)
+        if checked not in self._checked:  # once per shape and documents: no host read in steady state
+            self._check_shapes(module, query, key, bounds[-1])
+            self._check_positions(kwargs["position_ids"], bounds)
+            self._checked.add(checked)
         out = sequence_parallel_attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
             self.section.segment_lengths, self.section.dilation_rates,
             causal=self.section.causal, scale=scaling, topology=self.topology, strategy=self.section.strategy,
             communication=self.section.communication, layout=self.section.layout,
-            **({"cu_seqlens": kwargs["cu_seq_lens_q"]} if len(bounds) > 2 else {}),
+            cu_seqlens=bounds if len(bounds) > 2 else None,
         )  # fmt: skip
         return out, None
 
@@ -130,13 +134,18 @@ class SequenceParallelAttention:
             where=type(module).__name__,
         )  # fmt: skip
 
-    def _document_bounds(self, kwargs: dict) -> list[int]:
+    def _document_bounds(self, kwargs: dict) -> tuple[int, ...]:
+        """The documents of the whole sequence: ``ds_ring_cu_seqlens`` (Python ints, from :func:`shard_batch`),
+        else ``cu_seq_lens_q`` read back from its tensor (a host sync per layer on a GPU)."""
         if kwargs.get("position_ids") is None:
             raise ValueError(
                 "the model passed no position_ids to its attention: ds_ring needs every token's global position "
                 "(each rank holds a slice of the sequence); call the model with position_ids from "
                 "ds_ring.integrations.hf.shard_batch"
             )
+        documents = kwargs.get(DOCUMENTS_KEY)
+        if documents is not None:
+            return documents.bounds
         cu = kwargs.get("cu_seq_lens_q")
         if cu is None:
             raise ValueError(
@@ -147,12 +156,10 @@ class SequenceParallelAttention:
         other = kwargs.get("cu_seq_lens_k")
         if other is not None and not torch.equal(other, cu):
             raise ValueError("cu_seq_lens_k differs from cu_seq_lens_q; self-attention needs one set of documents")
-        return cu.tolist()
+        return tuple(cu.tolist())
 
     def _check_shapes(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, seq_len: int) -> None:
         heads, kv_heads = query.shape[1], key.shape[1]
-        if (heads, kv_heads, seq_len) in self._checked_shapes:
-            return
         sp = self.topology.get_sequence_parallel_world_size()
         if query.shape[2] * sp != seq_len:
             raise ValueError(
@@ -166,20 +173,17 @@ class SequenceParallelAttention:
             )
         except ValueError as err:
             raise ValueError(f"{name}.num_attention_heads = {heads}, sequence length {seq_len}: {err}") from None
-        self._checked_shapes.add((heads, kv_heads, seq_len))
 
-    def _check_positions(self, position_ids: torch.Tensor, bounds: list[int]) -> None:
+    def _check_positions(self, position_ids: torch.Tensor, bounds: tuple[int, ...]) -> None:
         """The model's RoPE used ``position_ids``: they must be this rank's tokens' positions in their documents.
 
-        A model called without them makes ``arange(s/p)`` on every rank, right for rank 0 only.
+        A model called without them makes ``arange(s/p)`` on every rank, right for rank 0 only. Checked on the
+        first call of each shape and documents (a host read), not after.
         """
-        key = tuple(bounds)
-        if self._expected_positions is None or self._expected_positions[0] != key:
-            tokens = shard_sequence(
-                torch.arange(bounds[-1]), self.topology.sequence_parallel_group, layout=self.section.layout, dim=0
-            )
-            self._expected_positions = key, document_positions(bounds, tokens)
-        expected = self._expected_positions[1].to(position_ids.device)
+        tokens = shard_sequence(
+            torch.arange(bounds[-1]), self.topology.sequence_parallel_group, layout=self.section.layout, dim=0
+        )
+        expected = document_positions(bounds, tokens).to(position_ids.device)
         if not bool((position_ids == expected).all()):
             raise ValueError(
                 f"position_ids on sequence-parallel rank {self.topology.get_sequence_parallel_rank()} are not the "

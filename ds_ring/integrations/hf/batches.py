@@ -18,7 +18,14 @@ from ds_ring.comm.agree import agree
 from ds_ring.comm.collectives import all_gather
 from ds_ring.comm.spans import group_members
 from ds_ring.config import RingAttentionConfig
-from ds_ring.integrations.hf.documents import IGNORE_INDEX, document_bounds, refuse_padding, shift_labels
+from ds_ring.integrations.hf.documents import (
+    DOCUMENTS_KEY,
+    IGNORE_INDEX,
+    Documents,
+    document_bounds,
+    refuse_padding,
+    shift_labels,
+)
 from ds_ring.integrations.hf.registration import registration_for
 from ds_ring.sharding import layout_chunks, shard_sequence
 from ds_ring.topology import Topology
@@ -29,7 +36,15 @@ _FINGERPRINTED = ("input_ids", "labels", "position_ids", "attention_mask")
 
 # Keys of a full batch that shard_batch consumes: the mask (refused unless all ones) and labels
 # become shift_labels; documents are re-derived from position_ids.
-_CONSUMED = ("labels", "attention_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+_CONSUMED = (
+    "labels",
+    "attention_mask",
+    "cu_seq_lens_q",
+    "cu_seq_lens_k",
+    "max_length_q",
+    "max_length_k",
+    DOCUMENTS_KEY,
+)
 
 
 def shard_batch(
@@ -56,9 +71,10 @@ def shard_batch(
     Returns:
         ``input_ids``, ``position_ids`` (global positions, in the registered section's layout,
         zigzag included) and ``shift_labels`` ``[b, S/p]`` (labels moved left by one *before*
-        sharding; -100 where a token has no next token in its document), and ``cu_seq_lens_q`` =
+        sharding; -100 where a token has no next token in its document), ``cu_seq_lens_q`` =
         ``cu_seq_lens_k`` (int32 ``[0, e1, ..., S]``: the documents of the whole sequence, the same on
-        every rank; transformers forwards them to the attention). Call the model with all of it.
+        every rank) and ``ds_ring_cu_seqlens`` (the same as Python ints, :class:`Documents`, which the attention
+        reads without a device sync); transformers forwards them to the attention. Call the model with all of it.
 
     Raises:
         ValueError: ranks of the group holding different batches (on every rank, naming each rank's
@@ -109,7 +125,13 @@ def shard_batch(
     sharded = {key: shard_sequence(value, group, layout=section.layout, dim=1) for key, value in sequences.items()}
     sharded["position_ids"] = shard_sequence(positions.contiguous(), group, layout=section.layout, dim=1)
     documents = torch.tensor(bounds, dtype=torch.int32, device=input_ids.device)
-    return {**copied, **sharded, "cu_seq_lens_q": documents, "cu_seq_lens_k": documents}
+    return {
+        **copied,
+        **sharded,
+        "cu_seq_lens_q": documents,
+        "cu_seq_lens_k": documents,
+        DOCUMENTS_KEY: Documents(tuple(bounds)),
+    }
 
 
 _SAME_BATCH = (
@@ -135,21 +157,21 @@ def agree_on_batch(batch: Mapping[str, Any], topology: Topology) -> None:
             digest.update(key.encode())
             digest.update(value.detach().contiguous().cpu().view(torch.uint8).numpy())
     fields = {"batch shapes": ", ".join(shapes), "batch contents (blake2b)": digest.hexdigest()}
-    agree(fields, group=topology.sequence_parallel_group, op="shard_batch", timeout_s=topology.timeout_s,
-          fix=_SAME_BATCH, cache=False)  # fmt: skip
+    group = topology.control_group(topology.sequence_parallel_group)
+    agree(fields, group=group, op="shard_batch", timeout_s=topology.timeout_s, fix=_SAME_BATCH, cache=False)
 
 
 def gather_batches(batch: Mapping[str, Any], topology: Topology) -> list[dict[str, Any]]:
     """Every sequence-parallel rank's ``batch`` (any lengths; tensors on the CPU), in sequence-parallel rank order.
 
-    Collective over the topology's sequence-parallel group: two all-gathers (sizes, then the batches
-    serialised with ``torch.save``; tensors, numbers, strings and containers of them), bounded by the
-    topology's timeout.
+    Collective over the topology's sequence-parallel group (its control group: CPU tensors): two all-gathers
+    (sizes, then the batches serialised with ``torch.save``; tensors, numbers, strings and containers of them),
+    bounded by the topology's timeout.
     """
     buffer = io.BytesIO()
     torch.save({k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}, buffer)
     blob = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
-    group, timeout_s = topology.sequence_parallel_group, topology.timeout_s
+    group, timeout_s = topology.control_group(topology.sequence_parallel_group), topology.timeout_s
     ranks = group_members(group)
     sizes = all_gather(torch.tensor([blob.numel()]), ranks, group=group, op="gather_batches", timeout_s=timeout_s)
     numels = [int(size) for size in sizes]

@@ -9,13 +9,41 @@ inside each document and restart at 0 where the next one begins (what transforme
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["IGNORE_INDEX", "document_bounds", "document_positions", "shift_labels", "refuse_padding"]
+__all__ = [
+    "IGNORE_INDEX",
+    "DOCUMENTS_KEY",
+    "Documents",
+    "document_bounds",
+    "document_positions",
+    "shift_labels",
+    "refuse_padding",
+]
 
 IGNORE_INDEX = -100
 """Label of a token that is not counted (transformers' and PyTorch's convention)."""
+
+DOCUMENTS_KEY = "ds_ring_cu_seqlens"
+"""The batch key (a model kwarg transformers forwards to the attention) holding the :class:`Documents` of the
+whole sequence: the attention reads them with no device sync."""
+
+
+@dataclass(frozen=True)
+class Documents:
+    """Document boundaries ``(0, e1, ..., S)`` of the whole sequence as Python ints, as a batch carries them.
+
+    Not a tuple on purpose: helpers that move a batch to a device (``move_to_device`` of DeepSpeed, ``Trainer``'s
+    ``_prepare_input``, accelerate's ``send_to_device``) recurse into tuples and call ``.to`` on what they find;
+    this object's ``to`` returns itself.
+    """
+
+    bounds: tuple[int, ...]
+
+    def to(self, *args: object, **kwargs: object) -> Documents:
+        return self
 
 
 def document_bounds(position_ids: torch.Tensor) -> list[int]:

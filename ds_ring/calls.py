@@ -1,0 +1,323 @@
+"""The entry layer: every attention call over sequence shards is prepared once per key, then run bare.
+
+The first call with a given *key* — this rank's q/k/v shapes, dtypes and devices, whether a backward
+follows, the strategy, and every option of the call (branches, causal, scale, layout, head offset,
+documents, communication, timeout) — is
+
+1. validated on this rank (shapes that cannot be described: ``ValueError`` before any communication);
+2. agreed across the ranks of its placement (DESIGN.md §7: one small all-gather on a group that takes
+   CPU tensors; ranks whose calls differ all raise one ``ValueError`` naming each field and each rank's
+   value), so the strategy's checks below give the same answer on every rank;
+3. checked by its strategy (:meth:`~ds_ring.strategies.Strategy.check`: the same rules the ds_config's
+   section is checked with) and planned and bound (:meth:`~ds_ring.strategies.Strategy.prepare`).
+
+Every later call with that key runs the bound function directly: no validation, no agreement lookup and
+no read of a tensor's values on the host, as long as document boundaries come as Python ints
+(``cu_seqlens=(0, 3000, 16384)``; a tensor is read back to key the call, a device sync on a GPU).
+Prepared calls are kept per placement (a :class:`~ds_ring.Topology` or a process group), the least
+recently used dropped after :data:`CACHE_SIZE`. Limit, as for every such cache: a rank whose call
+changes while the others repeat one they prepared is the only one that exchanges; it fails after its
+timeout with an error saying so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from ds_ring.comm.agree import agree
+from ds_ring.comm.groups import group_rank, group_size, takes_cpu
+from ds_ring.kernels.dilation import check_cu_seqlens, validate_qkv
+from ds_ring.strategies import AttentionCall, Bound, Degrees, Placement, Shape, get_strategy
+from ds_ring.topology import Topology
+
+__all__ = [
+    "AttentionCall",
+    "Output",
+    "attend",
+    "ring_dilated_attention",
+    "sequence_parallel_attention",
+    "topology_placement",
+    "group_placement",
+    "CACHE_SIZE",
+]
+
+Output = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+"""What an attention call returns: the output shard, or ``(out, lse)`` with ``return_lse``."""
+
+CACHE_SIZE = 256
+"""Prepared calls kept per placement."""
+
+_prepared: weakref.WeakKeyDictionary[object, OrderedDict[tuple, Bound]] = weakref.WeakKeyDictionary()
+_placements: weakref.WeakKeyDictionary[object, Placement] = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def ring_dilated_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_lengths: Sequence[int] | None = None,
+    dilation_rates: Sequence[int] | None = None,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    group: ProcessGroup | None = None,
+    communication: str = "ring",
+    layout: str = "contiguous",
+    head_offset: int = 0,
+    return_lse: bool = False,
+    timeout_s: float | None = None,
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
+) -> Output:
+    """Dilated (or dense) attention over a sequence sharded across ``group``.
+
+    Every rank passes its shard, made by :func:`ds_ring.shard_sequence` with the same ``layout``.
+
+    Args:
+        q: local shard ``[batch, seq/p, heads, head_dim]``; k, v: ``[batch, seq/p, kv_heads, head_dim]``.
+        segment_lengths, dilation_rates: LongNet branches over the *global* sequence; ``None`` = dense.
+            Segments may cross shard boundaries anywhere; only the kept rows of those that do travel.
+        causal: causal mask by global position.
+        group: the sequence-parallel process group (``None``: the default group).
+        communication: ``"ring"`` (K/V passed rank to rank, O(seq/p) memory) or ``"allgather"``.
+        layout: ``"contiguous"`` or ``"zigzag"`` (dense only; balances causal work).
+        head_offset: global index of local head 0 (dilation offsets use global head indices).
+        return_lse: also return ``lse [batch, heads, seq/p]`` (float32; float64 for float64 inputs).
+        timeout_s: bound on every communication wait (``None``: 300 s, :data:`ds_ring.comm.DEFAULT_TIMEOUT_S`).
+        cu_seqlens: document boundaries ``[0, e1, ..., seq]`` over the *global* sequence (integers, the same on
+            every rank; Python ints cost nothing per call): each document is attended as if alone; K/V of other
+            documents are neither computed on nor sent. ``None``: one document.
+
+    Returns:
+        The local output shard ``[batch, seq/p, heads, head_dim]`` (and the LSE).
+
+    Raises:
+        ValueError: bad shapes (on this rank, before any communication); ranks whose calls differ
+            (on every rank, after one small exchange on a key's first call); an unsupported layout /
+            segment / shard combination — all before any data moves.
+    """
+    call = AttentionCall(
+        segment_lengths, dilation_rates, causal, scale, communication, layout, head_offset, return_lse, timeout_s,
+        cu_seqlens,
+    )  # fmt: skip
+    return attend(q, k, v, call, group_placement(group), "ring", op="ring_dilated_attention")
+
+
+def sequence_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_lengths: Sequence[int] | None = None,
+    dilation_rates: Sequence[int] | None = None,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    topology: Topology,
+    strategy: str = "ring",
+    communication: str | None = None,
+    layout: str = "contiguous",
+    head_offset: int = 0,
+    return_lse: bool = False,
+    timeout_s: float | None = None,
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
+) -> Output:
+    """Dilated (or dense) attention over a sequence sharded across ``topology.sequence_parallel_group``.
+
+    Args:
+        q: local shard ``[batch, seq/p, heads, head_dim]``; k, v: ``[batch, seq/p, kv_heads, head_dim]``,
+            made by ``ds_ring.shard_sequence(x, topology, layout=layout)``.
+        segment_lengths, dilation_rates: LongNet branches over the global sequence; ``None``: dense.
+        causal: causal mask by global position.
+        scale: softmax scale, default ``1/sqrt(head_dim)``.
+        topology: the process groups (:class:`ds_ring.Topology`).
+        strategy: ``"ring"``, ``"allgather"``, ``"ulysses"``, ``"hybrid"`` or any registered one.
+        communication: how a ring dimension moves K/V (``"ring"`` or ``"allgather"``) for ``ring`` and
+            ``hybrid``; ``None``: the strategy's default (``allgather`` always all-gathers; ``ulysses`` has no
+            ring dimension and refuses one).
+        layout: ``"contiguous"`` or ``"zigzag"``; zigzag with dilation works for ``ulysses`` (and ``hybrid``
+            with ring degree 1), the ring dimension of the others supports it for dense attention only.
+        head_offset: global index of local head 0 (dilation offsets use global head indices).
+        return_lse: also return ``lse [batch, heads, seq/p]`` (float32; float64 for float64 inputs).
+        timeout_s: bound on every communication wait (``None``: ``topology.timeout_s``).
+        cu_seqlens: document boundaries ``[0, e1, ..., seq]`` of a packed sequence over the *global*
+            sequence (integers, the same on every rank and batch row; Python ints cost nothing per call):
+            each document is attended as if alone, on every strategy and layout. ``None``: one document.
+
+    Returns:
+        The local output shard ``[batch, seq/p, heads, head_dim]`` in the input dtype (and the LSE).
+
+    Raises:
+        ValueError: bad shapes (on this rank, before any communication); ranks whose calls differ in
+            anything (on every rank, naming the field and each rank's value, after one small exchange
+            on a key's first call); an unknown strategy or communication, or anything the strategy
+            cannot do (heads not divisible by the all-to-all degree, unsupported branches or layout)
+            — all before any data moves.
+    """
+    call = AttentionCall(
+        segment_lengths, dilation_rates, causal, scale, communication, layout, head_offset, return_lse, timeout_s,
+        cu_seqlens,
+    )  # fmt: skip
+    return attend(q, k, v, call, topology_placement(topology), strategy)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    call: AttentionCall,
+    placement: Placement,
+    strategy: str,
+    *,
+    op: str = "sequence_parallel_attention",
+) -> Output:
+    """Run ``call`` with ``strategy`` over ``placement`` (prepared on its key's first call); ``op`` names the
+    entry point in agreement errors. Shapes and returns as :func:`sequence_parallel_attention`."""
+    documents = _documents(call.cu_seqlens)
+    backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    key = (
+        op, strategy, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, backward,
+        _ints(call.segment_lengths), _ints(call.dilation_rates), call.causal, call.scale, call.communication,
+        call.layout, call.head_offset, call.return_lse, call.timeout_s, documents,
+    )  # fmt: skip
+    prepared = _cache(placement)
+    with _lock:
+        bound = prepared.get(key)
+        if bound is not None:
+            prepared.move_to_end(key)
+    if bound is None:
+        bound = _prepare(q, k, v, call, placement, strategy, op, backward, documents)
+        with _lock:
+            prepared[key] = bound
+            if len(prepared) > CACHE_SIZE:
+                prepared.popitem(last=False)
+    out, lse = bound(q, k, v)
+    return (out, lse.transpose(1, 2)) if call.return_lse else out
+
+
+def _prepare(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    call: AttentionCall,
+    placement: Placement,
+    strategy: str,
+    op: str,
+    backward: bool,
+    documents: tuple[int, ...] | None,
+) -> Bound:
+    """Validate, agree, check and plan one key's call; the bound function for it."""
+    validate_qkv(q, k, v, call.head_offset)
+    _agree_on_call(q, k, call, placement, strategy, op, backward, documents)
+    chosen = get_strategy(strategy)
+    call = _resolved(call, chosen.default_communication(), placement.timeout_s)
+    shape = Shape.of(q, k)
+    chosen.check(call, shape, placement.degrees)
+    documents = check_cu_seqlens(documents, shape.rows * placement.degrees.sequence)
+    return chosen.prepare(call, shape, placement, q.device, documents)
+
+
+def _resolved(call: AttentionCall, communication: str | None, timeout_s: float | None) -> AttentionCall:
+    """``call`` with the strategy's default communication and the placement's timeout where it names none."""
+    fields: dict[str, Any] = {}
+    if call.communication is None and communication is not None:
+        fields["communication"] = communication
+    if call.timeout_s is None and timeout_s is not None:
+        fields["timeout_s"] = timeout_s
+    return dataclasses.replace(call, **fields) if fields else call
+
+
+def _agree_on_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    call: AttentionCall,
+    placement: Placement,
+    strategy: str,
+    op: str,
+    backward: bool,
+    documents: tuple[int, ...] | None,
+) -> None:
+    """Collective over the placement's sequence-parallel group: ``ValueError`` on every rank unless all of
+    them make this call alike (shapes, dtype, device type, backward, every option, strategy)."""
+    batch, rows, heads, head_dim = q.shape
+    fields = {
+        "batch": batch, "rows": rows, "heads": heads, "kv_heads": k.shape[2], "head_dim": head_dim,
+        "dtype": q.dtype, "device": q.device.type, "backward": backward,
+        "segment_lengths": call.segment_lengths, "dilation_rates": call.dilation_rates, "causal": call.causal,
+        "scale": None if call.scale is None else float(call.scale),  # 1 and 1.0 are the same scale
+        "layout": call.layout, "head_offset": call.head_offset, "return_lse": call.return_lse,
+        "cu_seqlens": None if documents is None else list(documents), "communication": call.communication,
+        "strategy": strategy,
+    }  # fmt: skip
+    control = placement.control(placement.sequence)
+    timeout_s = call.timeout_s if call.timeout_s is not None else placement.timeout_s
+    group, device = (placement.sequence, q.device) if control is None else (control, None)
+    agree(fields, group=group, op=op, timeout_s=timeout_s, cache=False, device=device)
+
+
+def _ints(values: Sequence[int] | None) -> tuple[int, ...] | None:
+    return None if values is None else tuple(values)
+
+
+def _documents(cu_seqlens: torch.Tensor | Sequence[int] | None) -> tuple | None:
+    """The boundaries as a tuple (a tensor's values read back: a host sync on a GPU); checked when prepared."""
+    if cu_seqlens is None:
+        return None
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex:
+            check_cu_seqlens(cu_seqlens, 0)  # raises the shape / dtype error
+        return tuple(cu_seqlens.tolist())
+    return tuple(cu_seqlens)
+
+
+def _cache(placement: Placement) -> OrderedDict[tuple, Bound]:
+    with _lock:
+        return _prepared.setdefault(placement, OrderedDict())
+
+
+def topology_placement(topology: Topology) -> Placement:
+    """The placement of calls over ``topology`` (built once per topology)."""
+    with _lock:
+        placement = _placements.get(topology)
+    if placement is None:
+        degrees = Degrees(topology.ulysses, topology.ring, topology.get_sequence_parallel_rank())
+        placement = Placement(
+            degrees, topology.sequence_parallel_group, topology.ulysses_group, topology.ring_group,
+            topology.timeout_s, topology.control_group,
+        )  # fmt: skip
+        with _lock:
+            placement = _placements.setdefault(topology, placement)
+    return placement
+
+
+def group_placement(group: ProcessGroup | None) -> Placement:
+    """The placement of calls over a plain process group (``None``: the world): one ring of all its ranks.
+
+    Control traffic takes the group itself when its backend takes CPU tensors, else tensors of the data's
+    device (there is no gloo twin to use: creating one is collective over the whole job).
+    """
+    if not dist.is_initialized():
+        return _ALONE
+    owner = dist.group.WORLD if group is None else group
+    with _lock:
+        placement = _placements.get(owner)
+    if placement is None:
+        cpu = group if takes_cpu(group) else None
+        placement = Placement(
+            Degrees(1, group_size(group), group_rank(group)), group, None, group, None, lambda _group: cpu
+        )  # fmt: skip
+        with _lock:
+            placement = _placements.setdefault(owner, placement)
+    return placement
+
+
+_ALONE = Placement(Degrees(), None, None, None, None, lambda _group: None)
+"""The placement of a process without ``torch.distributed``: every rank is the whole sequence."""

@@ -1,0 +1,168 @@
+"""A strategy: how one attention call over sequence shards is computed, and the registry behind ``strategy=``.
+
+A strategy is one object with two parts:
+
+- :meth:`Strategy.check` — pure arithmetic on the call, this rank's shard shape and the degrees of
+  its placement: a ``ValueError`` for anything the strategy cannot do (heads that do not split,
+  layouts, branches, communication), naming the field and the fix. The ds_config's section
+  (``RingAttentionConfig.check``) and every call consult the same method, so the rules of a strategy
+  live in its own module.
+- :meth:`Strategy.prepare` — plan once (which rows live where, which blocks travel, which
+  exchange moves them) and return a :data:`Bound` function that runs the call on tensors of that key
+  with no further validation, agreement or host read.
+
+A new strategy is one module defining a subclass plus one :func:`register_strategy` line in
+``ds_ring/strategies/__init__.py``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.distributed import ProcessGroup
+
+from ds_ring.registry import Registry
+
+__all__ = [
+    "AttentionCall",
+    "Shape",
+    "Degrees",
+    "Placement",
+    "Bound",
+    "Strategy",
+    "register_strategy",
+    "get_strategy",
+    "strategy_names",
+]
+
+Bound = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
+"""A prepared call: ``(q, k, v) -> (out [B, L, H, D], lse [B, L, H])`` for tensors of its key (``lse`` may be
+``None`` when the call does not return it and the strategy would have to move it)."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """This rank's shard: ``q [batch, rows, heads, head_dim]``, ``k``/``v`` ``[batch, rows, kv_heads, head_dim]``."""
+
+    batch: int
+    rows: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor) -> Shape:
+        batch, rows, heads, head_dim = q.shape
+        return cls(batch, rows, heads, k.shape[2], head_dim)
+
+
+@dataclass(frozen=True)
+class Degrees:
+    """How many ranks share one sequence, as ``ulysses × ring`` (ulysses innermost), and this rank's place
+    among them (its sequence-parallel rank, ``r·U + u``)."""
+
+    ulysses: int = 1
+    ring: int = 1
+    rank: int = 0
+
+    @property
+    def sequence(self) -> int:
+        return self.ulysses * self.ring
+
+
+@dataclass(frozen=True, eq=False)
+class Placement:
+    """The process groups one call spans, and where its control traffic goes.
+
+    ``sequence``: the ``ulysses × ring`` ranks sharing one sequence, shards in group-rank order;
+    ``ulysses``: the ranks of one all-to-all (consecutive shards), ``ring``: the ranks with this ulysses
+    index, in sequence order (``None``: the degree is 1, or — for a plain group — not split).
+    ``control(group)`` is a group of the same ranks whose backend takes CPU tensors (the group itself,
+    or a gloo twin a :class:`~ds_ring.Topology` owns), or ``None`` when there is none: control tensors then
+    travel on the data's device over the group itself. ``timeout_s`` bounds every wait (``None``: 300 s).
+    """
+
+    degrees: Degrees
+    sequence: ProcessGroup | None
+    ulysses: ProcessGroup | None
+    ring: ProcessGroup | None
+    timeout_s: float | None
+    control: Callable[[ProcessGroup | None], ProcessGroup | None]
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """How to attend: everything of a call but the tensors, the process groups and the strategy."""
+
+    segment_lengths: Sequence[int] | None = None
+    """LongNet segment lengths over the *global* sequence; ``None``: dense."""
+    dilation_rates: Sequence[int] | None = None
+    """One dilation rate per segment length; ``None``: dense."""
+    causal: bool = False
+    """Causal mask by global position."""
+    scale: float | None = None
+    """Softmax scale; ``None``: ``1/sqrt(head_dim)``."""
+    communication: str | None = None
+    """How K/V move along a ring dimension: a registered exchange (``"ring"``, ``"allgather"``); ``None``: the
+    strategy's default (``"ring"``; ``"allgather"`` for strategy ``allgather``; none for ``ulysses``)."""
+    layout: str = "contiguous"
+    """How the sequence was sharded: ``"contiguous"`` or ``"zigzag"``."""
+    head_offset: int = 0
+    """Global index of local head 0 (dilation offsets use global head indices)."""
+    return_lse: bool = False
+    """Also return ``lse [batch, heads, seq/p]``."""
+    timeout_s: float | None = None
+    """Bound in seconds on every communication wait; ``None``: the topology's (sequence-parallel strategies) or
+    :data:`ds_ring.comm.DEFAULT_TIMEOUT_S` (300 s, plain groups)."""
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None
+    """Document boundaries ``[0, e1, ..., seq]`` of a packed global sequence; ``None``: one document. Python
+    ints cost nothing per call; a tensor is read back to the host to key the call (a device sync on a GPU)."""
+
+
+class Strategy(ABC):
+    """How attention over sequence shards is computed and how K/V (or heads) move between ranks."""
+
+    name: str = ""
+
+    def default_communication(self) -> str | None:
+        """The ``communication`` a call gets when it names none (``None``: the strategy moves no K/V blocks)."""
+        return "ring"
+
+    @abstractmethod
+    def check(self, call: AttentionCall, shape: Shape | None, degrees: Degrees | None) -> None:
+        """``ValueError`` for anything this strategy cannot do with ``call`` (``communication`` resolved) on
+        shards of ``shape`` over ``degrees``; no communication, no tensor read. Without ``shape`` / ``degrees``
+        (a ds_config read before the run is known) only the rules that need neither are checked."""
+
+    @abstractmethod
+    def prepare(
+        self,
+        call: AttentionCall,
+        shape: Shape,
+        placement: Placement,
+        device: torch.device,
+        documents: tuple[int, ...] | None,
+    ) -> Bound:
+        """Plan ``call`` (checked, its ranks agreed) once; return the function that runs it. ``documents``:
+        checked ``cu_seqlens`` over the global sequence."""
+
+
+_STRATEGIES: Registry[Strategy] = Registry("strategy")
+
+
+def register_strategy(strategy: Strategy) -> None:
+    """Make ``strategy`` selectable as ``strategy=strategy.name`` (in calls and in the ds_config)."""
+    _STRATEGIES.register(strategy.name, strategy)
+
+
+def get_strategy(name: str) -> Strategy:
+    """The strategy registered as ``name``; ``ValueError`` listing the choices otherwise."""
+    return _STRATEGIES.get(name)
+
+
+def strategy_names() -> tuple[str, ...]:
+    """Names of the registered strategies, in registration order."""
+    return _STRATEGIES.names()

@@ -1,0 +1,71 @@
+"""Strategies ``ring`` and ``allgather``: K/V move between the sequence shards themselves.
+
+Every rank of the sequence-parallel group keeps all heads of its shard; each branch's segments are
+local or span ranks (:mod:`ds_ring.strategies.plan`), and the K/V rows of spanning segments move by an
+*exchange*: passed rank to rank (``communication="ring"``, O(seq/p) memory) or gathered at once
+(``"allgather"``). Strategy ``allgather`` is the same with the exchange fixed to all-gather.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ds_ring.kernels.dilation import make_branches
+from ds_ring.strategies.base import AttentionCall, Bound, Degrees, Placement, Shape, Strategy
+from ds_ring.strategies.blocks import Options
+from ds_ring.strategies.plan import plan_shards
+from ds_ring.strategies.sharded import CommSpec, get_exchange, sharded_attention
+
+__all__ = ["SequenceShards"]
+
+
+def _tuple(values) -> tuple[int, ...] | None:
+    return None if values is None else tuple(values)
+
+
+class SequenceShards(Strategy):
+    """K/V blocks move between sequence shards by ``communication`` (``exchange``: the one it must be, if fixed)."""
+
+    def __init__(self, name: str, exchange: str | None = None) -> None:
+        self.name = name
+        self.exchange = exchange
+
+    def default_communication(self) -> str:
+        return self.exchange or "ring"
+
+    def check(self, call: AttentionCall, shape: Shape | None, degrees: Degrees | None) -> None:
+        if self.exchange is not None and call.communication != self.exchange:
+            raise ValueError(
+                f"strategy {self.name!r} moves K/V by {self.exchange}, but communication is {call.communication!r}; "
+                f"remove communication, or use strategy 'ring' with communication={call.communication!r}"
+            )
+        get_exchange(call.communication)
+        make_branches(2**62 if shape is None else shape.rows, call.segment_lengths, call.dilation_rates)
+        if shape is not None and degrees is not None:
+            plan_shards(
+                shape.rows, shape.heads, shape.kv_heads, 0, degrees.sequence, _tuple(call.segment_lengths),
+                _tuple(call.dilation_rates), layout=call.layout, head_offset=call.head_offset, causal=call.causal,
+            )  # fmt: skip
+        elif call.layout == "zigzag" and call.segment_lengths is not None:
+            raise ValueError(
+                f"layout='zigzag' supports dense attention only with strategy {self.name!r}, got segment_lengths="
+                f"{list(call.segment_lengths)}; use layout='contiguous' (or strategy 'ulysses') for dilated attention"
+            )
+
+    def prepare(
+        self,
+        call: AttentionCall,
+        shape: Shape,
+        placement: Placement,
+        device: torch.device,
+        documents: tuple[int, ...] | None,
+    ) -> Bound:
+        degrees = placement.degrees
+        plan = plan_shards(
+            shape.rows, shape.heads, shape.kv_heads, degrees.rank, degrees.sequence, _tuple(call.segment_lengths),
+            _tuple(call.dilation_rates), layout=call.layout, head_offset=call.head_offset, device=device,
+            causal=call.causal, documents=documents,
+        )  # fmt: skip
+        exchange, comm = get_exchange(call.communication), CommSpec(placement.sequence, call.timeout_s)
+        options = Options(call.causal, call.scale, call.head_offset)
+        return lambda q, k, v: sharded_attention(q, k, v, plan, exchange, comm, options)
