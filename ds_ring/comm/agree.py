@@ -41,7 +41,6 @@ __all__ = ["Value", "agree", "ROW"]
 Value = int | float | bool | str | torch.dtype | torch.device | Sequence[int] | torch.Tensor | None
 """What a field may hold; a tensor counts as the list of its values (e.g. ``cu_seqlens``)."""
 
-Groups = dist.ProcessGroup | None | Sequence[dist.ProcessGroup | None]
 
 ROW = 5
 """int64 per rank in the one exchange of an agreement: marker, global rank, op, names, values."""
@@ -56,7 +55,7 @@ _lock = threading.Lock()
 def agree(
     fields: Mapping[str, Value],
     *,
-    group: Groups = None,
+    group: dist.ProcessGroup | None = None,
     op: str = "agree",
     timeout_s: float | None = None,
     fix: str | None = None,
@@ -69,10 +68,8 @@ def agree(
         fields: name → value of everything the plan depends on, same names in the same order on
             every rank (values compared exactly: ``4`` differs from ``4.0`` and from ``True``;
             lists and tuples compare alike).
-        group: the ranks that must agree: a process group (``None``: the world), or a sequence of
-            groups that tile the ranks, gathered in turn (e.g. ``(ulysses_group, ring_group)``:
-            every rank then sees the rows of all ``U·R`` ranks); every group of a stage has the
-            same size.
+        group: the ranks that must agree (``None``: the world); a group whose backend takes the
+            exchanged tensors (CPU tensors unless ``device`` says otherwise).
         op: the agreement point, e.g. ``"ring_dilated_attention"``: named in errors and events
             (as ``agree:<op>``), and part of the cache key.
         timeout_s: bound on each wait in seconds (``None``: :data:`~ds_ring.comm.wait.DEFAULT_TIMEOUT_S`).
@@ -92,17 +89,16 @@ def agree(
     """
     if not dist.is_initialized():
         return
-    stages = _stages(group)
     # The cache is keyed on the values themselves (typed, so 4, 4.0 and True stay apart): a hit
     # costs a tuple's hash, not the texts and digests an exchange needs.
-    key = (op, tuple(map(_name, stages[1:])), tuple(fields), tuple(map(_frozen, fields.values())))
-    verified = _cache(stages[0]) if cache else None
+    key = (op, tuple(fields), tuple(map(_frozen, fields.values())))
+    verified = _cache(group) if cache else None
     if verified is not None:
         with _lock:
             if key in verified:
                 verified.move_to_end(key)
                 return
-    if all(group_size(g) == 1 for g in stages):
+    if group_size(group) == 1:
         return
     names = list(fields)
     texts = [_text(fields[name]) for name in names]
@@ -113,7 +109,7 @@ def agree(
         _digest("\0".join(names)),
         _digest("\0".join(f"{n}={t}" for n, t in zip(names, texts, strict=True))),
     ]
-    exchange = _Exchange(stages, op, timeout_s, device)
+    exchange = _Exchange(group, op, timeout_s, device)
     rows = exchange.gather_ints(row)
     strangers = sum(r[0] != _MARKER for r in rows)
     if strangers:
@@ -141,23 +137,21 @@ def agree(
 
 
 class _Exchange:
-    """All-gathers over the stages of an agreement; every rank gets every rank's values, in one order."""
+    """All-gathers of an agreement; every rank gets every rank's values, in group-rank order."""
 
     def __init__(
         self,
-        stages: list[dist.ProcessGroup | None],
+        group: dist.ProcessGroup | None,
         op: str,
         timeout_s: float | None,
         device: torch.device | str | None,
     ) -> None:
-        self.stages, self.op, self.timeout_s, self.device = stages, f"agree:{op}", timeout_s, device
+        self.group, self.op, self.timeout_s, self.device = group, f"agree:{op}", timeout_s, device
 
     def gather_ints(self, values: list[int]) -> list[list[int]]:
         """Every rank's ``values`` (the same count on every rank), one list per rank."""
         table = torch.tensor(values, dtype=torch.int64, device=self.device).view(1, -1)
-        for stage in self.stages:
-            table = self._gather(table, stage)
-        return table.tolist()
+        return self._gather(table).tolist()
 
     def gather_texts(self, texts: list[str]) -> list[list[str]]:
         """Every rank's ``texts`` (the same count on every rank): lengths first, then padded bytes."""
@@ -168,15 +162,14 @@ class _Exchange:
             padded[0, : len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
         if self.device is not None:
             padded = padded.to(self.device)
-        for stage in self.stages:
-            padded = self._gather(padded, stage)
-        rows = padded.tolist()
+        rows = self._gather(padded).tolist()
         return [
             bytes(row[:length]).decode(errors="replace").split("\0") for row, length in zip(rows, lengths, strict=True)
         ]
 
-    def _gather(self, table: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        """``table [n, m]`` of every member of ``group`` stacked: ``[size·n, m]``."""
+    def _gather(self, table: torch.Tensor) -> torch.Tensor:
+        """``table [1, m]`` of every member of the group stacked: ``[size, m]``."""
+        group = self.group
         try:
             parts = all_gather(table.flatten(), group_members(group), group=group, op=self.op, timeout_s=self.timeout_s)
         except CommTimeoutError as err:
@@ -194,19 +187,6 @@ _WAIT_HINT = (
     " while the ranks agreed on their call (a peer that is not at this agreement: dead, elsewhere, or repeating a "
     "call it agreed on before while this rank's call changed)"
 )
-
-
-def _stages(group: Groups) -> list[dist.ProcessGroup | None]:
-    if group is None or isinstance(group, dist.ProcessGroup):
-        return [group]
-    stages = list(group)
-    if not stages:
-        raise ValueError("ds_ring: agree needs a process group, or a non-empty sequence of groups")
-    return stages
-
-
-def _name(group: dist.ProcessGroup | None) -> str:
-    return "WORLD" if group is None else group.group_name
 
 
 def _cache(group: dist.ProcessGroup | None) -> OrderedDict[tuple, None]:
