@@ -23,6 +23,7 @@ from torch.distributed import ProcessGroup
 
 from ds_ring.calls import attend, group_placement, topology_placement
 from ds_ring.comm.groups import group_size
+from ds_ring.kernels.dilated import check_window_branches
 from ds_ring.kernels.dilation import make_branches
 from ds_ring.strategies import AttentionCall
 from ds_ring.topology import Topology
@@ -48,10 +49,11 @@ class RingDilatedAttention(nn.Module):
         scale: softmax scale (default ``1/sqrt(head_dim)``).
         head_offset: global index of local head 0.
         timeout_s: bound in seconds on every communication wait (``None``: the topology's; 300 s on a group).
+        window: causal sliding window (dense, ``causal=True``): query ``i`` sees keys ``[i - window + 1, i]``.
 
-    Shapes: ``forward(q [B, L, H, D], k [B, L, Hkv, D], v [B, L, Hkv, D], *, cu_seqlens=None) -> [B, L, H, D]``;
-    ``cu_seqlens``: document boundaries of a packed sequence over the global sequence (see
-    :func:`ds_ring.ring_dilated_attention`).
+    Shapes: ``forward(q [B, L, H, D], k [B, L, Hkv, D], v [B, L, Hkv, D], *, cu_seqlens=None, sinks=None)
+    -> [B, L, H, D]``; ``cu_seqlens``: document boundaries of a packed sequence over the global sequence (see
+    :func:`ds_ring.ring_dilated_attention`); ``sinks [H]``: attention-sink logits.
     """
 
     def __init__(
@@ -68,12 +70,21 @@ class RingDilatedAttention(nn.Module):
         scale: float | None = None,
         head_offset: int = 0,
         timeout_s: float | None = None,
+        window: int | None = None,
     ) -> None:
         super().__init__()
         self.call = _validated(
             AttentionCall(
-                segment_lengths, dilation_rates, causal, scale, communication, layout, head_offset, timeout_s=timeout_s
-            )
+                segment_lengths,
+                dilation_rates,
+                causal,
+                scale,
+                communication,
+                layout,
+                head_offset,
+                timeout_s=timeout_s,
+                window=window,
+            )  # fmt: skip
         )
         self.group = group
         self.topology = topology
@@ -81,7 +92,7 @@ class RingDilatedAttention(nn.Module):
 
     _PLACEMENT = frozenset({"group", "topology", "strategy"})
     _SETTINGS = _PLACEMENT | {"communication", "layout", "timeout_s", "causal", "head_offset", "segment_lengths",
-                              "dilation_rates"}  # fmt: skip
+                              "dilation_rates", "window"}  # fmt: skip
 
     def configure(self, **settings: Any) -> None:
         """Change how this module computes and communicates (any constructor argument but ``scale``)."""
@@ -101,6 +112,7 @@ class RingDilatedAttention(nn.Module):
     communication = property(lambda self: self.call.communication, doc="How K/V move along the ring.")
     layout = property(lambda self: self.call.layout, doc="How the sequence was sharded.")
     timeout_s = property(lambda self: self.call.timeout_s, doc="Bound on every communication wait, in seconds.")
+    window = property(lambda self: self.call.window, doc="Causal sliding window (``None``: none).")
 
     @property
     def parallel_size(self) -> int:
@@ -108,9 +120,17 @@ class RingDilatedAttention(nn.Module):
         return self.topology.get_sequence_parallel_world_size() if self.topology is not None else group_size(self.group)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        call = self.call if cu_seqlens is None else dataclasses.replace(self.call, cu_seqlens=cu_seqlens)
+        call = self.call
+        if cu_seqlens is not None or sinks is not None:
+            call = dataclasses.replace(call, cu_seqlens=cu_seqlens, sinks=sinks)
         if self.topology is not None:
             return attend(q, k, v, call, topology_placement(self.topology), self.strategy)
         return attend(q, k, v, call, group_placement(self.group), "ring", op="ring_dilated_attention")
@@ -126,6 +146,7 @@ def _validated(call: AttentionCall) -> AttentionCall:
     """``call`` with its branch lists as lists, once they are valid (checked at build time, so a typo fails
     before the first forward; ``seq_len`` at its maximum clamps nothing)."""
     make_branches(2**62, call.segment_lengths, call.dilation_rates)
+    check_window_branches(call.window, call.causal, call.segment_lengths)
     segs, rates = call.segment_lengths, call.dilation_rates
     return dataclasses.replace(
         call,
@@ -141,6 +162,7 @@ class MultiheadRingDilatedAttention(nn.Module):
         embed_dim: model width ``E``; ``num_heads`` must divide it.
         num_heads: query heads ``H``; num_kv_heads: key/value heads (default ``H``; must divide ``H``).
         bias: biases on the projections. batch_first: ``[B, L, E]`` inputs (``False``: ``[L, B, E]``).
+        sinks: a learned attention-sink logit per head (GPT-OSS; ``self.sinks [H]``, initialised to 0).
         device, dtype: for the parameters.
         **attention: passed to :class:`RingDilatedAttention` (segments, rates, causal, group, ...).
 
@@ -157,6 +179,7 @@ class MultiheadRingDilatedAttention(nn.Module):
         *,
         bias: bool = True,
         batch_first: bool = True,
+        sinks: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         **attention: Any,
@@ -175,6 +198,7 @@ class MultiheadRingDilatedAttention(nn.Module):
         self.k_proj = nn.Linear(embed_dim, num_kv_heads * self.head_dim, bias=bias, **factory)
         self.v_proj = nn.Linear(embed_dim, num_kv_heads * self.head_dim, bias=bias, **factory)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.sinks = nn.Parameter(torch.zeros(num_heads, **factory)) if sinks else None
         self.attention = RingDilatedAttention(**attention)
 
     def forward(
@@ -205,6 +229,6 @@ class MultiheadRingDilatedAttention(nn.Module):
         q = self.q_proj(query).view(batch, seq, self.num_heads, self.head_dim)
         k = self.k_proj(key).view(batch, seq, self.num_kv_heads, self.head_dim)
         v = self.v_proj(value).view(batch, seq, self.num_kv_heads, self.head_dim)
-        out = self.attention(q, k, v, cu_seqlens=cu_seqlens).reshape(batch, seq, self.embed_dim)
+        out = self.attention(q, k, v, cu_seqlens=cu_seqlens, sinks=self.sinks).reshape(batch, seq, self.embed_dim)
         out = self.out_proj(out)
         return (out if self.batch_first else out.transpose(0, 1)), None

@@ -36,6 +36,7 @@ from torch.distributed import ProcessGroup
 from ds_ring.comm.agree import agree
 from ds_ring.comm.groups import group_rank, group_size, takes_cpu
 from ds_ring.kernels.dilation import check_cu_seqlens, validate_qkv
+from ds_ring.kernels.sinks import check_sinks
 from ds_ring.strategies import AttentionCall, Bound, Degrees, Placement, Shape, get_strategy
 from ds_ring.topology import Topology
 
@@ -77,6 +78,8 @@ def ring_dilated_attention(
     return_lse: bool = False,
     timeout_s: float | None = None,
     cu_seqlens: torch.Tensor | Sequence[int] | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> Output:
     """Dilated (or dense) attention over a sequence sharded across ``group``.
 
@@ -96,9 +99,13 @@ def ring_dilated_attention(
         cu_seqlens: document boundaries ``[0, e1, ..., seq]`` over the *global* sequence (integers, the same on
             every rank; Python ints cost nothing per call): each document is attended as if alone; K/V of other
             documents are neither computed on nor sent. ``None``: one document.
+        window: causal sliding window (dense, ``causal=True``): query ``i`` sees keys ``[i - window + 1, i]``; only
+            the ranks and rows within its reach travel.
+        sinks: ``[heads]`` attention-sink logits (GPT-OSS): one more key per head with that score and value 0,
+            differentiable (its gradient is this rank's rows' share, like a parameter's).
 
     Returns:
-        The local output shard ``[batch, seq/p, heads, head_dim]`` (and the LSE).
+        The local output shard ``[batch, seq/p, heads, head_dim]`` (and the LSE, the sinks included).
 
     Raises:
         ValueError: bad shapes (on this rank, before any communication); ranks whose calls differ
@@ -107,7 +114,7 @@ def ring_dilated_attention(
     """
     call = AttentionCall(
         segment_lengths, dilation_rates, causal, scale, communication, layout, head_offset, return_lse, timeout_s,
-        cu_seqlens,
+        cu_seqlens, window, sinks,
     )  # fmt: skip
     return attend(q, k, v, call, group_placement(group), "ring", op="ring_dilated_attention")
 
@@ -129,6 +136,8 @@ def sequence_parallel_attention(
     return_lse: bool = False,
     timeout_s: float | None = None,
     cu_seqlens: torch.Tensor | Sequence[int] | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> Output:
     """Dilated (or dense) attention over a sequence sharded across ``topology.sequence_parallel_group``.
 
@@ -151,9 +160,13 @@ def sequence_parallel_attention(
         cu_seqlens: document boundaries ``[0, e1, ..., seq]`` of a packed sequence over the *global*
             sequence (integers, the same on every rank and batch row; Python ints cost nothing per call):
             each document is attended as if alone, on every strategy and layout. ``None``: one document.
+        window: causal sliding window (dense, ``causal=True``): query ``i`` sees keys ``[i - window + 1, i]`` of its
+            document, on every strategy and layout; a ring moves only the blocks and rows within its reach.
+        sinks: ``[heads]`` attention-sink logits of ``q``'s heads (GPT-OSS), differentiable.
 
     Returns:
-        The local output shard ``[batch, seq/p, heads, head_dim]`` in the input dtype (and the LSE).
+        The local output shard ``[batch, seq/p, heads, head_dim]`` in the input dtype (and the LSE, the sinks
+        included).
 
     Raises:
         ValueError: bad shapes (on this rank, before any communication); ranks whose calls differ in
@@ -164,7 +177,7 @@ def sequence_parallel_attention(
     """
     call = AttentionCall(
         segment_lengths, dilation_rates, causal, scale, communication, layout, head_offset, return_lse, timeout_s,
-        cu_seqlens,
+        cu_seqlens, window, sinks,
     )  # fmt: skip
     return attend(q, k, v, call, topology_placement(topology), strategy)
 
@@ -182,11 +195,13 @@ def attend(
     """Run ``call`` with ``strategy`` over ``placement`` (prepared on its key's first call); ``op`` names the
     entry point in agreement errors. Shapes and returns as :func:`sequence_parallel_attention`."""
     documents = _documents(call.cu_seqlens)
+    sinks = call.sinks
     backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     key = (
         op, strategy, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, backward,
         _ints(call.segment_lengths), _ints(call.dilation_rates), call.causal, call.scale, call.communication,
-        call.layout, call.head_offset, call.return_lse, call.timeout_s, documents,
+        call.layout, call.head_offset, call.return_lse, call.timeout_s, documents, call.window,
+        None if sinks is None else (sinks.shape, sinks.dtype, sinks.device),
     )  # fmt: skip
     prepared = _cache(placement)
     with _lock:
@@ -199,7 +214,7 @@ def attend(
             prepared[key] = bound
             if len(prepared) > CACHE_SIZE:
                 prepared.popitem(last=False)
-    out, lse = bound(q, k, v)
+    out, lse = bound(q, k, v, sinks)
     return (out, lse.transpose(1, 2)) if call.return_lse else out
 
 
@@ -216,13 +231,15 @@ def _prepare(
 ) -> Bound:
     """Validate, agree, check and plan one key's call; the bound function for it."""
     validate_qkv(q, k, v, call.head_offset)
+    check_sinks(call.sinks, q)
     _agree_on_call(q, k, call, placement, strategy, op, backward, documents)
     chosen = get_strategy(strategy)
     call = _resolved(call, chosen.default_communication(), placement.timeout_s)
     shape = Shape.of(q, k)
     chosen.check(call, shape, placement.degrees)
     documents = check_cu_seqlens(documents, shape.rows * placement.degrees.sequence)
-    return chosen.prepare(call, shape, placement, q.device, documents)
+    # The bound function gets the sinks per call and the documents planned; it keeps no tensor of this call.
+    return chosen.prepare(dataclasses.replace(call, sinks=None, cu_seqlens=None), shape, placement, q.device, documents)
 
 
 def _resolved(call: AttentionCall, communication: str | None, timeout_s: float | None) -> AttentionCall:
@@ -255,7 +272,7 @@ def _agree_on_call(
         "scale": None if call.scale is None else float(call.scale),  # 1 and 1.0 are the same scale
         "layout": call.layout, "head_offset": call.head_offset, "return_lse": call.return_lse,
         "cu_seqlens": None if documents is None else list(documents), "communication": call.communication,
-        "strategy": strategy,
+        "strategy": strategy, "window": call.window, "sinks": call.sinks is not None,
     }  # fmt: skip
     control = placement.control(placement.sequence)
     timeout_s = call.timeout_s if call.timeout_s is not None else placement.timeout_s

@@ -203,6 +203,12 @@ class RingAttentionConfig(DeepSpeedConfigModel):
         """
         _, ulysses, ring = self.degrees(world_size)
         sp = ulysses * ring
+        if num_kv_heads is not None and (num_kv_heads < 1 or num_heads % num_kv_heads):
+            raise ValueError(
+                f"{SECTION}: {num_heads} attention heads are not a multiple of num_key_value_heads {num_kv_heads} "
+                f"(grouped-query attention shares each K/V head among heads / kv_heads query heads); fix the model "
+                f"config's num_key_value_heads"
+            )
         if seq_len is not None:
             chunks = sp * (2 if self.layout == "zigzag" else 1)
             if seq_len % chunks:

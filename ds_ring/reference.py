@@ -25,9 +25,11 @@ def dilated_mask(
     *,
     causal: bool = False,
     head_offset: int = 0,
+    window: int | None = None,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """Boolean ``[branches, heads, seq, seq]``: may query ``i`` of head ``h`` see key ``j`` in a branch."""
+    """Boolean ``[branches, heads, seq, seq]``: may query ``i`` of head ``h`` see key ``j`` in a branch
+    (with ``window``: only keys ``j`` with ``i - window < j <= i``)."""
     pos = torch.arange(seq_len, device=device)
     masks = []
     for w, r in zip(segment_lengths, dilation_rates, strict=True):
@@ -42,6 +44,8 @@ def dilated_mask(
     mask = torch.stack(masks)
     if causal:
         mask &= pos[None, :] <= pos[:, None]
+    if window is not None:
+        mask &= pos[:, None] - pos[None, :] < window
     return mask
 
 
@@ -55,14 +59,17 @@ def dilated_attention_reference(
     causal: bool = False,
     scale: float | None = None,
     head_offset: int = 0,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference dilated attention; differentiable with plain autograd.
 
-    Args: as :func:`ds_ring.dilated_attention` (``q [B, S, H, D]``, ``k``/``v`` ``[B, S, Hkv, D]``).
+    Args: as :func:`ds_ring.dilated_attention` (``q [B, S, H, D]``, ``k``/``v`` ``[B, S, Hkv, D]``);
+    ``sinks [H]``: one more key per head with that score and value 0 (its own column of the softmax).
 
     Returns:
         ``out [B, S, H, D]`` and ``lse [B, H, S]``, both float64; rows no branch covers have
-        ``out = 0`` and ``lse = -inf``.
+        ``out = 0`` and ``lse = -inf`` (the sink's score with ``sinks``).
     """
     batch, seq_len, num_heads, head_dim = q.shape
     if segment_lengths is None:
@@ -74,13 +81,20 @@ def dilated_attention_reference(
     v64 = v.to(torch.float64).repeat_interleave(group, dim=2)
 
     mask = dilated_mask(
-        seq_len, num_heads, segment_lengths, dilation_rates, causal=causal, head_offset=head_offset, device=q.device
-    )
+        seq_len, num_heads, segment_lengths, dilation_rates, causal=causal, head_offset=head_offset, window=window,
+        device=q.device,
+    )  # fmt: skip
     branches = mask.shape[0]
     scores = torch.einsum("bqhd,bkhd->bhqk", q64, k64) * scale
     # [B, H, S, branches * S]: every branch's copy of the keys side by side.
     scores = scores.unsqueeze(3).expand(-1, -1, -1, branches, -1).reshape(batch, num_heads, seq_len, -1)
     mask = mask.permute(1, 2, 0, 3).reshape(num_heads, seq_len, -1).expand(batch, -1, -1, -1)
+    values = v64.repeat(1, branches, 1, 1)  # [B, branches * S, H, D], branch-major like the keys
+    if sinks is not None:  # one more column: score sinks[h], value 0, always visible
+        sink = sinks.to(torch.float64).view(1, num_heads, 1, 1).expand(batch, -1, seq_len, 1)
+        scores = torch.cat([scores, sink], dim=-1)
+        mask = torch.cat([mask, torch.ones_like(mask[..., :1])], dim=-1)
+        values = torch.cat([values, torch.zeros_like(values[:, :1])], dim=1)
     has_key = mask.any(-1)
 
     # Rows with no key get finite dummy scores so autograd never sees -inf - -inf.
@@ -88,7 +102,6 @@ def dilated_attention_reference(
     safe = torch.where(has_key.unsqueeze(-1) & ~mask, torch.full_like(scores, -math.inf), safe)
     lse = torch.logsumexp(safe, dim=-1)
     probs = torch.where(mask, torch.exp(safe - lse.unsqueeze(-1)), torch.zeros_like(scores))
-    values = v64.repeat(1, branches, 1, 1)  # [B, branches * S, H, D], branch-major like the keys
     out = torch.einsum("bhqk,bkhd->bqhd", probs, values)
     lse = torch.where(has_key, lse, torch.full_like(lse, -math.inf))
     return out, lse

@@ -91,6 +91,7 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def whole_model(model: torch.nn.Module, batch: dict[str, torch.Tensor], attention: str = "sdpa") -> Result:
     """The unsharded model: HF's own loss, and gradients of the float64 token mean."""
+    previous = model.config._attn_implementation
     model.set_attn_implementation(attention)
     try:
         model.zero_grad()
@@ -99,7 +100,7 @@ def whole_model(model: torch.nn.Module, batch: dict[str, torch.Tensor], attentio
         loss = F.cross_entropy(logits.flatten(0, 1), shifted(batch["labels"]).flatten(), ignore_index=-100)
         loss.backward()
     finally:
-        model.set_attn_implementation("sdpa")
+        model.set_attn_implementation(previous)
     return Result(logits.detach(), out.loss.detach(), _grads(model))
 
 

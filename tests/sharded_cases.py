@@ -48,27 +48,46 @@ def per_document_reference(
 
 def check_case(case: dict[str, Any], attention: Callable[..., Any], group=None) -> None:
     """Run ``attention(q, k, v, segs, rates, causal=..., head_offset=..., return_lse=True)`` on shards
-    (with ``cu_seqlens=`` when the case packs documents)."""
+    (with ``cu_seqlens=`` when the case packs documents, ``window=`` and ``sinks=`` when it has them; the
+    sinks' gradient is each rank's rows' share, summed over ``group`` before it is compared)."""
     dtype, atol = DTYPES[case.get("dtype", "float64")]
     layout = case.get("layout", "contiguous")
     segs, rates = case.get("segments"), case.get("rates")
     head_offset = case.get("head_offset", 0)
     cu = case.get("cu_seqlens")
-    packed = {} if cu is None else {"cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
+    extra: dict[str, Any] = {} if cu is None else {"cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
+    if case.get("window") is not None:
+        extra["window"] = case["window"]
     q, k, v, dout = full_inputs(case)
+    sinks = None
+    if case.get("sinks"):
+        sinks = torch.randn(case["heads"], generator=torch.Generator().manual_seed(case.get("seed", 0)), dtype=dtype)
+        sinks.requires_grad_()
+        extra["sinks"] = sinks
     shard = lambda x: ds_ring.shard_sequence(x, group, layout=layout)  # noqa: E731
     local = [shard(x).requires_grad_() for x in (q, k, v)]
     out, lse = attention(
-        *local, segs, rates, causal=case["causal"], head_offset=head_offset, return_lse=True, layout=layout, **packed
+        *local, segs, rates, causal=case["causal"], head_offset=head_offset, return_lse=True, layout=layout, **extra
     )
     full = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    options = dict(causal=case["causal"], head_offset=head_offset)
+    options = dict(causal=case["causal"], head_offset=head_offset, window=case.get("window"))
+    if sinks is not None:
+        full.append(sinks.detach().clone().requires_grad_())
+        options["sinks"] = full[-1]
     if cu is None:
-        ref_out, ref_lse = dilated_attention_reference(*full, segs, rates, **options)
+        ref_out, ref_lse = dilated_attention_reference(*full[:3], segs, rates, **options)
     else:
-        ref_out, ref_lse = per_document_reference(*full, segs, rates, cu, **options)
+        ref_out, ref_lse = per_document_reference(*full[:3], segs, rates, cu, **options)
     ref_grads = torch.autograd.grad(ref_out, full, dout.double())
-    grads = torch.autograd.grad(out, local, shard(dout))
+    grads = torch.autograd.grad(out, local + ([sinks] if sinks is not None else []), shard(dout))
+    if sinks is not None:
+        dsinks = grads[3].detach().clone()
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(dsinks, group=group)
+        torch.testing.assert_close(
+            dsinks.double(), ref_grads[3].double(), rtol=0, atol=atol * 10, msg=lambda m: f"dsinks: {m}"
+        )
+        grads, ref_grads = grads[:3], ref_grads[:3]
     assert out.dtype == dtype and out.shape == local[0].shape
     torch.testing.assert_close(out.double(), shard(ref_out), rtol=0, atol=atol, msg=lambda m: f"out: {m}")
     ref_lse = ds_ring.shard_sequence(ref_lse, group, layout=layout, dim=2)

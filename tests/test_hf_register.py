@@ -3,7 +3,7 @@
 - register → unregister leaves transformers' attention and mask registries exactly as they were
   (also over an entry someone else replaced first, as ALST does); a refused registration changes nothing;
 - every refusal raises a ValueError naming the field on every rank, before any communication:
-  eager, a padding mask, a sliding window, logit soft-capping, attention dropout in training,
+  eager, a padding mask, logit soft-capping, attention dropout in training, K/V heads that do not divide the heads,
   heads the strategy cannot split, missing position_ids / cu_seq_lens_q, a length that does not
   split, rows packed differently, a topology of other degrees;
 - ``pad_to_multiple`` pads with label -100 and keeps the whole model's loss; ``disable_in_eval``
@@ -26,7 +26,7 @@ from ds_ring.integrations.hf import (
     unregister_from_transformers,
 )
 from tests.dist import CaseLog, run_distributed
-from tests.hf_cases import SEQ, VOCAB, assert_same, ds_config, full_batch, llama, qwen2, sequence_parallel, whole_model
+from tests.hf_cases import SEQ, VOCAB, assert_same, ds_config, full_batch, llama, sequence_parallel, whole_model
 
 
 def _registries() -> list[dict]:
@@ -88,9 +88,6 @@ def _check_refusals(log: CaseLog, world: int, topology: ds_ring.Topology) -> Non
     ring = ds_config(strategy="ring")
     batch = full_batch()
     small = {"vocab_size": VOCAB, "hidden_size": 48, "intermediate_size": 64, "num_hidden_layers": 1}
-    sliding = Qwen2Config(
-        **small, num_attention_heads=4, use_sliding_window=True, sliding_window=16, max_window_layers=0
-    )
     softcapped = LlamaConfig(**small, num_attention_heads=4)
     softcapped.attn_logit_softcapping = 30.0
     three_heads = LlamaConfig(**small, num_attention_heads=3)
@@ -101,10 +98,11 @@ def _check_refusals(log: CaseLog, world: int, topology: ds_ring.Topology) -> Non
         core_attn_implementation="sdpa2", config=ring))  # fmt: skip
     _refused(log, "a model built eager", "_attn_implementation", lambda: register_with_transformers(
         llama(attn_implementation="eager"), config=ring, topology=topology))  # fmt: skip
-    _refused(log, "sliding window (config)", "sliding_window", lambda: register_with_transformers(
-        sliding, config=ring, topology=topology))  # fmt: skip
     _refused(log, "softcap (config)", "attn_logit_softcapping", lambda: register_with_transformers(
         softcapped, config=ring, topology=topology))  # fmt: skip
+    three_kv_heads = Qwen2Config(**small, num_attention_heads=4, num_key_value_heads=3)
+    _refused(log, "K/V heads (config)", "num_key_value_heads", lambda: register_with_transformers(
+        three_kv_heads, config=ring, topology=topology))  # fmt: skip
     _refused(log, "heads (config)", "num_attention_heads = 3", lambda: register_with_transformers(
         three_heads, config=ulysses, topology=topology))  # fmt: skip
     _refused(log, "other degrees", "topology has", lambda: register_with_transformers(
@@ -134,8 +132,6 @@ def _check_refusals(log: CaseLog, world: int, topology: ds_ring.Topology) -> Non
         finally:
             unregister_from_transformers()
 
-    sliding_model = qwen2(use_sliding_window=True, sliding_window=16, max_window_layers=0)
-    _refused(log, "sliding window (call)", "sliding_window", lambda: forward(sliding_model, ring))
     _refused(log, "attention dropout in training", "attention_dropout", lambda: forward(
         llama(attention_dropout=0.1).train(), ring))  # fmt: skip
     _refused(log, "heads (call)", "num_attention_heads = 3", lambda: forward(

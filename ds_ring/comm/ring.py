@@ -200,17 +200,24 @@ class RingComm:
             emit(Event(kind="ring_step", rank=self.rank, op=self.op, step=step, peer=self.send_to, nbytes=sent,
                        phase="start", extra={"recv_from": self.recv_from}))  # fmt: skip
         self._posted_at = time.perf_counter()
-        ops = []
+        ops, pending = [], []  # empty tensors are not sent: both ends know every size from the plan
         for transfer in self._queued:
-            ops.append(dist.P2POp(dist.isend, transfer.send, self.send_to, self.group))
-            ops.append(dist.P2POp(dist.irecv, transfer.recv, self.recv_from, self.group))
+            if transfer.send.numel():
+                ops.append(dist.P2POp(dist.isend, transfer.send, self.send_to, self.group))
+                pending.append((self.send_to, f"send to rank {self.send_to}"))
+            if transfer.recv.numel():
+                ops.append(dist.P2POp(dist.irecv, transfer.recv, self.recv_from, self.group))
+                pending.append((self.recv_from, f"recv from rank {self.recv_from}"))
+        if not ops:
+            self._pending = []
+            return
         try:
             works = dist.batch_isend_irecv(ops)
         except RuntimeError as exc:  # e.g. the pair was closed by an earlier timeout or a dead peer
             self._queued = []
             what = f"posting {self._both_ways()}"
             raise failed(CommError(self.rank, self._either_peer(), step, self.op, what, str(exc))) from exc
-        self._pending = self._describe(ops, works)
+        self._pending = self._describe(pending, works)
 
     def wait(self) -> None:
         """Wait (bounded by ``timeout_s``) until everything posted by ``commit`` has completed.
@@ -226,13 +233,13 @@ class RingComm:
         if hooks_active() and not self._local:
             self._emit(transfers, time.perf_counter() - self._posted_at, blocked)
 
-    def _describe(self, ops: list[dist.P2POp], works: list[dist.Work]) -> list[Pending]:
+    def _describe(self, ops: list[tuple[int, str]], works: list[dist.Work]) -> list[Pending]:
+        """``(peer, what)`` of each posted op, matched to its work; receives first (a missing block is the
+        likelier question than an unacknowledged send)."""
         if len(works) != len(ops):  # the backend coalesced the batch into fewer works (NCCL)
             return [Pending(work, self._either_peer(), self._both_ways()) for work in works]
-        sends = [Pending(w, self.send_to, f"send to rank {self.send_to}") for w in works[0::2]]
-        recvs = [Pending(w, self.recv_from, f"recv from rank {self.recv_from}") for w in works[1::2]]
-        # Receives first: a missing block is the likelier question than an unacknowledged send.
-        return recvs + sends
+        described = [Pending(work, peer, what) for work, (peer, what) in zip(works, ops, strict=True)]
+        return sorted(described, key=lambda p: not p.what.startswith("recv"))
 
     def _both_ways(self) -> str:
         return f"send to rank {self.send_to} / recv from rank {self.recv_from}"
@@ -248,10 +255,12 @@ class RingComm:
         for transfer in transfers:
             sent = transfer.send.numel() * transfer.send.element_size()
             received = transfer.recv.numel() * transfer.recv.element_size()
-            storage = transfer.recv.untyped_storage().data_ptr()
-            emit(event(kind="send", peer=self.send_to, nbytes=sent))
-            extra = {"live_remote_blocks": live, "recv_allocated": transfer.allocated, "recv_storage": storage}
-            emit(event(kind="recv", peer=self.recv_from, nbytes=received, extra=extra))
+            if sent:
+                emit(event(kind="send", peer=self.send_to, nbytes=sent))
+            if received:
+                storage = transfer.recv.untyped_storage().data_ptr()
+                extra = {"live_remote_blocks": live, "recv_allocated": transfer.allocated, "recv_storage": storage}
+                emit(event(kind="recv", peer=self.recv_from, nbytes=received, extra=extra))
             sent_total, received_total = sent_total + sent, received_total + received
         extra = {"recv_from": self.recv_from, "received_bytes": received_total, "wait_s": blocked}
         emit(event(kind="ring_step", peer=self.send_to, nbytes=sent_total, extra=extra))

@@ -32,6 +32,8 @@ from ds_ring.kernels.dilation import (
     validate_qkv,
 )
 from ds_ring.kernels.merge import accum_dtype, merge_
+from ds_ring.kernels.sinks import add_sinks_, check_sinks, sinks_grad
+from ds_ring.kernels.window import attend_band_backward, attend_band_into, check_window
 
 __all__ = [
     "dilated_attention",
@@ -43,6 +45,7 @@ __all__ = [
     "regions_backward_",
     "regions_backward",
     "new_accumulators",
+    "check_window_branches",
 ]
 
 
@@ -156,18 +159,22 @@ def branch_forward_(
     causal: bool,
     scale: float | None,
     head_offset: int,
+    window: int | None = None,
 ) -> None:
     """Merge one branch of dilated attention over a whole local sequence into ``out``/``lse``.
 
     ``q [B, S, H, D]``, ``k``/``v`` ``[B, S, Hkv, D]``; the sequence starts at a segment boundary.
     ``out [B, S, H, D]`` and ``lse [B, S, H]`` are accumulators (see :func:`new_accumulators`).
+    ``window``: a causal sliding window inside each segment (rate-1 branches).
     """
     for group, (qs, ks, vs, outs, lses) in _branch_pieces(q, k, branch, head_offset, (q, k, v, out, lse)):
         h, kv = group.q_heads, group.kv_heads
-        attend_into(
-            qs[:, :, :, h], select_heads(ks, kv), select_heads(vs, kv), outs[:, :, :, h], lses[:, :, :, h],
-            causal=causal, scale=scale,
-        )  # fmt: skip
+        kg, vg = select_heads(ks, kv), select_heads(vs, kv)
+        if window is None:
+            attend_into(qs[:, :, :, h], kg, vg, outs[:, :, :, h], lses[:, :, :, h], causal=causal, scale=scale)
+        else:
+            attend_band_into(qs[:, :, :, h], kg, vg, outs[:, :, :, h], lses[:, :, :, h], d=0, window=window,
+                             scale=scale)  # fmt: skip
 
 
 def branch_backward_(
@@ -185,6 +192,7 @@ def branch_backward_(
     causal: bool,
     scale: float | None,
     head_offset: int,
+    window: int | None = None,
 ) -> None:
     """Accumulate one branch's gradients into ``dq [B, S, H, D]``, ``dk``/``dv`` ``[B, S, Hkv, D]``.
 
@@ -193,10 +201,12 @@ def branch_backward_(
     pieces = _branch_pieces(q, k, branch, head_offset, (dout, q, k, v, out, lse, dq, dk, dv))
     for group, (douts, qs, ks, vs, outs, lses, dqs, dks, dvs) in pieces:
         h, kv = group.q_heads, group.kv_heads
-        dq_piece, dk_piece, dv_piece = attend_backward(
-            douts[:, :, :, h], qs[:, :, :, h], select_heads(ks, kv), select_heads(vs, kv), outs[:, :, :, h],
-            lses[:, :, :, h], causal=causal, scale=scale,
-        )  # fmt: skip
+        args = (douts[:, :, :, h], qs[:, :, :, h], select_heads(ks, kv), select_heads(vs, kv), outs[:, :, :, h],
+                lses[:, :, :, h])  # fmt: skip
+        if window is None:
+            dq_piece, dk_piece, dv_piece = attend_backward(*args, causal=causal, scale=scale)
+        else:
+            dq_piece, dk_piece, dv_piece = attend_band_backward(*args, d=0, window=window, scale=scale)
         dqs[:, :, :, h] += dq_piece
         add_heads_(dks, kv, dk_piece)
         add_heads_(dvs, kv, dv_piece)
@@ -213,13 +223,14 @@ def regions_forward_(
     causal: bool,
     scale: float | None,
     head_offset: int,
+    window: int | None = None,
 ) -> None:
     """Merge each region's branch over its rows of ``q [B, S, H, D]``, ``k``/``v`` into ``out``/``lse``."""
     for region in regions:
         rows = region.rows
         branch_forward_(
             q[:, rows], k[:, rows], v[:, rows], region.branch, out[:, rows], lse[:, rows],
-            causal=causal, scale=scale, head_offset=head_offset,
+            causal=causal, scale=scale, head_offset=head_offset, window=window,
         )  # fmt: skip
 
 
@@ -238,13 +249,14 @@ def regions_backward_(
     causal: bool,
     scale: float | None,
     head_offset: int,
+    window: int | None = None,
 ) -> None:
     """Accumulate each region's gradients (shapes as in :func:`branch_backward_`)."""
     for region in regions:
         r = region.rows
         branch_backward_(
             dout[:, r], q[:, r], k[:, r], v[:, r], out[:, r], lse[:, r], region.branch, dq[:, r], dk[:, r], dv[:, r],
-            causal=causal, scale=scale, head_offset=head_offset,
+            causal=causal, scale=scale, head_offset=head_offset, window=window,
         )  # fmt: skip
 
 
@@ -276,14 +288,16 @@ def regions_backward(
     causal: bool,
     scale: float | None,
     head_offset: int,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Every region's gradients, when one region is a single kernel call over the whole tensors.
+    """Every region's gradients, when one region is a single kernel call over the whole tensors (not with a
+    ``window``, which makes several).
 
     That call runs first and its dQ/dK/dV become the gradients (no zero accumulators, no added
     copy); the other regions accumulate into them. Shapes as in :func:`branch_backward_`. Returns
     ``(dq, dk, dv)``, or ``None`` (nothing computed) when no region is such a call.
     """
-    whole = _whole_call(regions, q, k)
+    whole = _whole_call(regions, q, k) if window is None else None
     if whole is None:
         return None
     region, run = whole
@@ -297,31 +311,50 @@ def regions_backward(
 
 
 class _DilatedAttention(torch.autograd.Function):
-    """Forward: all regions merged; backward: per-piece flash backward with the final out/lse."""
+    """Forward: all regions merged (then the sinks); backward: per-piece flash backward with the final out/lse."""
 
     @staticmethod
-    def forward(ctx, q, k, v, regions, causal, scale, head_offset):
+    def forward(ctx, q, k, v, sinks, regions, options: tuple):
+        causal, scale, head_offset, window = options
         out_acc, lse = new_accumulators(q)
-        regions_forward_(q, k, v, regions, out_acc, lse, causal=causal, scale=scale, head_offset=head_offset)
+        regions_forward_(q, k, v, regions, out_acc, lse, **_options(options))
+        if sinks is not None:
+            add_sinks_(out_acc, lse, sinks)
         out = out_acc.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (regions, causal, scale, head_offset)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.args = (regions, options)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        regions, causal, scale, head_offset = ctx.args
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        regions, options = ctx.args
         dout = dout.to(q.dtype)
-        options = dict(causal=causal, scale=scale, head_offset=head_offset)
-        grads = regions_backward(dout, q, k, v, out, lse, regions, **options)
+        grads = regions_backward(dout, q, k, v, out, lse, regions, **_options(options))
         if grads is None:
             acc = accum_dtype(q.dtype)
             grads = tuple(torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
-            regions_backward_(dout, q, k, v, out, lse, regions, *grads, **options)
+            regions_backward_(dout, q, k, v, out, lse, regions, *grads, **_options(options))
         dq, dk, dv = grads
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None
+
+
+def _options(options: tuple) -> dict:
+    causal, scale, head_offset, window = options
+    return dict(causal=causal, scale=scale, head_offset=head_offset, window=window)
+
+
+def check_window_branches(window: int | None, causal: bool, segment_lengths: Sequence[int] | None) -> None:
+    """``ValueError`` for a bad ``window`` (:func:`~ds_ring.kernels.window.check_window`), or one with LongNet
+    branches (a window works with dense attention, each document its own)."""
+    check_window(window, causal)
+    if window is not None and segment_lengths is not None:
+        raise ValueError(
+            f"window={window} works with dense attention only, got segment_lengths={list(segment_lengths)}; remove "
+            f"segment_lengths/dilation_rates for a sliding-window layer (packed documents: cu_seqlens)"
+        )
 
 
 def dilated_attention(
@@ -336,6 +369,8 @@ def dilated_attention(
     head_offset: int = 0,
     return_lse: bool = False,
     cu_seqlens: torch.Tensor | Sequence[int] | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """LongNet dilated attention on one device.
 
@@ -351,14 +386,20 @@ def dilated_attention(
         cu_seqlens: document boundaries ``[0, e1, ..., seq]`` of a packed sequence (1-D integers, the same
             for every batch row): each document is attended as if alone (segments and dilation offsets
             restart at its first token; a document shorter than a segment clamps it). ``None``: one document.
+        window: causal sliding window: query ``i`` sees keys ``[i - window + 1, i]`` of its document (dense
+            attention, ``causal=True``; flash-attn's ``window_size=(window - 1, 0)``). ``None``: no window.
+        sinks: ``[heads]`` attention-sink logits (GPT-OSS): one more key per head with that score and value 0;
+            differentiable. ``None``: no sink.
 
     Returns:
         ``out [batch, seq, heads, head_dim]`` in the input dtype, and with ``return_lse`` also
         ``lse [batch, heads, seq]`` (float32; float64 for float64 inputs; ``-inf`` for rows no
-        branch covers, whose output is 0). ``lse`` carries no gradient.
+        branch covers, whose output is 0; the sinks included). ``lse`` carries no gradient.
     """
     validate_qkv(q, k, v, head_offset)
+    check_window_branches(window, causal, segment_lengths)
+    check_sinks(sinks, q)
     documents = check_cu_seqlens(cu_seqlens, q.shape[1])
     regions = document_regions(q.shape[1], segment_lengths, dilation_rates, documents)
-    out, lse = _DilatedAttention.apply(q, k, v, regions, causal, scale, head_offset)
+    out, lse = _DilatedAttention.apply(q, k, v, sinks, regions, (causal, scale, head_offset, window))
     return (out, lse.transpose(1, 2)) if return_lse else out

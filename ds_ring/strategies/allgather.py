@@ -46,7 +46,7 @@ def _visiting(
 ) -> Iterator[tuple[int, list[KV]]]:
     """``(member, its block's K/V views)`` for every other member whose block this rank's queries meet."""
     for src, block in enumerate(blocks):
-        if src != span.index and block_has_work(span, src, opts.causal):
+        if src != span.index and block_has_work(span, src, opts):
             yield src, unpack_block(span, src, block, shard.batch, shard.head_dim)
 
 

@@ -38,9 +38,11 @@ __all__ = [
     "strategy_names",
 ]
 
-Bound = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
-"""A prepared call: ``(q, k, v) -> (out [B, L, H, D], lse [B, L, H])`` for tensors of its key (``lse`` may be
-``None`` when the call does not return it and the strategy would have to move it)."""
+Bound = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]
+]
+"""A prepared call: ``(q, k, v, sinks) -> (out [B, L, H, D], lse [B, L, H])`` for tensors of its key (``lse``
+may be ``None`` when the call does not return it and the strategy would have to move it)."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,12 @@ class AttentionCall:
     cu_seqlens: torch.Tensor | Sequence[int] | None = None
     """Document boundaries ``[0, e1, ..., seq]`` of a packed global sequence; ``None``: one document. Python
     ints cost nothing per call; a tensor is read back to the host to key the call (a device sync on a GPU)."""
+    window: int | None = None
+    """Causal sliding window: query ``i`` sees keys ``[i - window + 1, i]`` of its document (dense attention,
+    ``causal=True``); ``None``: no window."""
+    sinks: torch.Tensor | None = None
+    """``[heads]`` attention-sink logits of this rank's query heads (GPT-OSS): one more key per head with that
+    score and value 0, differentiable; ``None``: no sink."""
 
 
 class Strategy(ABC):

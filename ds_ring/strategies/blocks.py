@@ -27,6 +27,7 @@ import torch
 from ds_ring.kernels.dilated import attend_backward, attend_into
 from ds_ring.kernels.dilation import add_heads_, head_groups, select_heads
 from ds_ring.kernels.merge import accum_dtype
+from ds_ring.kernels.window import attend_band_backward, attend_band_into
 from ds_ring.strategies.plan import Run, SpanPlan, Travel, pieces
 
 __all__ = [
@@ -84,11 +85,12 @@ class Shard:
 @dataclass(frozen=True)
 class Options:
     """How the call computes: causal mask by global position, softmax scale (``None``: ``1/sqrt(D)``),
-    global index of local head 0."""
+    global index of local head 0, causal sliding window (``None``: none; dense attention)."""
 
     causal: bool
     scale: float | None
     head_offset: int
+    window: int | None = None
 
 
 CHUNK_BYTES = 2 * 2**20
@@ -194,7 +196,7 @@ def block_grad(
     attention) its dK/dV are returned as they are: no zero block, no copy.
     """
     q, out, lse = shard.q, shard.out, shard.lse
-    run = _whole_piece(span, member, opts.causal)
+    run = _whole_piece(span, member, opts.causal) if opts.window is None else None
     if run is not None and kv[0][0].dtype == accum_dtype(q.dtype):
         (kb, vb), qs, h = kv[0], run.rows, span.groups[0].q_heads
         dq_piece, dk_piece, dv_piece = attend_backward(
@@ -203,7 +205,7 @@ def block_grad(
         dq[:, qs, h] += dq_piece
         return dk_piece.reshape(-1), dv_piece.reshape(-1)
     grad = new_grad_block(span, member, shard)
-    if block_has_work(span, member, opts.causal):
+    if block_has_work(span, member, opts):
         dkv = unpack_block(span, member, grad, shard.batch, shard.head_dim)
         backward_block_(span, member, kv, dkv, shard, dout, dq, opts)
     half = grad.numel() // 2
@@ -221,31 +223,69 @@ def _expand(x: torch.Tensor, span: SpanPlan, g: int) -> torch.Tensor:
     return x if expand is None else x.index_select(2, expand)
 
 
-def block_has_work(span: SpanPlan, member: int, causal: bool) -> bool:
+def block_has_work(span: SpanPlan, member: int, opts: Options) -> bool:
     """Whether this rank's queries attend to any key of member's block (its own runs for itself)."""
     keys = span.queries if member == span.index else span.held[member]
-    return any(pieces(mine, theirs, causal) for mine, theirs in zip(span.queries, keys, strict=True))
+    return any(pieces(mine, theirs, opts.causal, opts.window) for mine, theirs in zip(span.queries, keys, strict=True))
 
 
 def _visits(
-    span: SpanPlan, member: int, kv: list[KV], causal: bool
+    span: SpanPlan, member: int, kv: list[KV], opts: Options
 ) -> Iterator[tuple[int, slice, torch.Tensor, torch.Tensor, Run, Run]]:
     """``(group, its query heads, K, V expanded to them, query run, key run)`` for every piece between the
     shard's queries and another member's block."""
     for g, group in enumerate(span.groups):
-        work = pieces(span.queries[g], span.held[member][g], causal)
+        work = pieces(span.queries[g], span.held[member][g], opts.causal, opts.window)
         if work:
             kg, vg = (_expand(x, span, g) for x in kv[g])
             for a, b, _ in work:
                 yield g, group.q_heads, kg, vg, a, b
 
 
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    query: Run,
+    key: Run,
+    diagonal: bool,
+    opts: Options,
+) -> None:
+    """One piece merged into ``out``/``lse``: the band of the window between the runs' positions, or a plain
+    block (causal when it is a run meeting itself)."""
+    if opts.window is None:
+        attend_into(q, k, v, out, lse, causal=diagonal, scale=opts.scale)
+    else:
+        attend_band_into(q, k, v, out, lse, d=query.position - key.position, window=opts.window, scale=opts.scale)
+
+
+def _attend_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    query: Run,
+    key: Run,
+    diagonal: bool,
+    opts: Options,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`_attend`'s piece, with the final ``out``/``lse``."""
+    if opts.window is None:
+        return attend_backward(dout, q, k, v, out, lse, causal=diagonal, scale=opts.scale)
+    d = query.position - key.position
+    return attend_band_backward(dout, q, k, v, out, lse, d=d, window=opts.window, scale=opts.scale)
+
+
 def forward_block_(span: SpanPlan, member: int, kv: list[KV], shard: Shard, opts: Options) -> None:
     """Merge attention of the shard's queries over another member's block into its ``out``/``lse`` (in place)."""
     q, out, lse = shard.q, shard.out, shard.lse
-    for _, h, kg, vg, a, b in _visits(span, member, kv, opts.causal):
+    for _, h, kg, vg, a, b in _visits(span, member, kv, opts):
         qs, ks = a.rows, b.packed
-        attend_into(q[:, qs, h], kg[:, ks], vg[:, ks], out[:, qs, h], lse[:, qs, h], causal=False, scale=opts.scale)
+        _attend(q[:, qs, h], kg[:, ks], vg[:, ks], out[:, qs, h], lse[:, qs, h], a, b, False, opts)
 
 
 def backward_block_(
@@ -260,12 +300,11 @@ def backward_block_(
 ) -> None:
     """Accumulate the gradient of another member's block into ``dq [B, L, H, D]`` and its ``dkv`` views."""
     q, out, lse = shard.q, shard.out, shard.lse
-    for g, h, kg, vg, a, b in _visits(span, member, kv, opts.causal):
+    for g, h, kg, vg, a, b in _visits(span, member, kv, opts):
         qs, ks = a.rows, b.packed
-        dq_piece, dk_piece, dv_piece = attend_backward(
-            dout[:, qs, h], q[:, qs, h], kg[:, ks], vg[:, ks], out[:, qs, h], lse[:, qs, h],
-            causal=False, scale=opts.scale,
-        )  # fmt: skip
+        dq_piece, dk_piece, dv_piece = _attend_backward(
+            dout[:, qs, h], q[:, qs, h], kg[:, ks], vg[:, ks], out[:, qs, h], lse[:, qs, h], a, b, False, opts
+        )
         dq[:, qs, h] += dq_piece
         dkg, dvg = dkv[g]
         expand = span.travel[g].expand
@@ -282,10 +321,10 @@ def forward_own_(span: SpanPlan, shard: Shard, opts: Options) -> None:
     q, k, v, out, lse = shard.q, shard.k, shard.v, shard.out, shard.lse
     for g, group in enumerate(span.groups):
         h, kv_heads = group.q_heads, group.kv_heads
-        for a, b, diagonal in pieces(span.queries[g], span.queries[g], opts.causal):
-            attend_into(
+        for a, b, diagonal in pieces(span.queries[g], span.queries[g], opts.causal, opts.window):
+            _attend(
                 q[:, a.rows, h], select_heads(k[:, b.rows], kv_heads), select_heads(v[:, b.rows], kv_heads),
-                out[:, a.rows, h], lse[:, a.rows, h], causal=diagonal, scale=opts.scale,
+                out[:, a.rows, h], lse[:, a.rows, h], a, b, diagonal, opts,
             )  # fmt: skip
 
 
@@ -302,11 +341,11 @@ def backward_own_(
     q, k, v, out, lse = shard.q, shard.k, shard.v, shard.out, shard.lse
     for g, group in enumerate(span.groups):
         h, kv_heads = group.q_heads, group.kv_heads
-        for a, b, diagonal in pieces(span.queries[g], span.queries[g], opts.causal):
+        for a, b, diagonal in pieces(span.queries[g], span.queries[g], opts.causal, opts.window):
             qs, ks = a.rows, b.rows
-            dq_piece, dk_piece, dv_piece = attend_backward(
+            dq_piece, dk_piece, dv_piece = _attend_backward(
                 dout[:, qs, h], q[:, qs, h], select_heads(k[:, ks], kv_heads), select_heads(v[:, ks], kv_heads),
-                out[:, qs, h], lse[:, qs, h], causal=diagonal, scale=opts.scale,
+                out[:, qs, h], lse[:, qs, h], a, b, diagonal, opts,
             )  # fmt: skip
             dq[:, qs, h] += dq_piece
             add_heads_(dk[:, ks], kv_heads, dk_piece)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ds_ring.kernels.dilated import check_window_branches
 from ds_ring.kernels.dilation import make_branches
 from ds_ring.strategies.base import AttentionCall, Bound, Degrees, Placement, Shape, Strategy
 from ds_ring.strategies.blocks import Options
@@ -39,6 +40,7 @@ class Hybrid(Strategy):
     def check(self, call: AttentionCall, shape: Shape | None, degrees: Degrees | None) -> None:
         get_exchange(call.communication)
         make_branches(2**62 if shape is None else shape.rows, call.segment_lengths, call.dilation_rates)
+        check_window_branches(call.window, call.causal, call.segment_lengths)
         if shape is None or degrees is None:
             return
         split_heads(shape.heads, shape.kv_heads, degrees.ulysses)  # heads % ulysses
@@ -71,27 +73,29 @@ class Hybrid(Strategy):
         degrees, timeout_s = placement.degrees, call.timeout_s
         split = split_heads(shape.heads, shape.kv_heads, degrees.ulysses, device)
         u, r = degrees.rank % degrees.ulysses, degrees.rank // degrees.ulysses
-        offset = call.head_offset + u * split.heads
+        offset, heads = call.head_offset + u * split.heads, slice(u * split.heads, (u + 1) * split.heads)
         if degrees.ring == 1:
 
-            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-                return attend_local_heads(q, k, v, call, head_offset=offset, strategy=self.name, documents=documents)
+            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None):
+                return attend_local_heads(
+                    q, k, v, call, head_offset=offset, strategy=self.name, documents=documents, sinks=sinks
+                )
 
         else:
             plan = plan_shards(
                 shape.rows * degrees.ulysses, split.heads, split.kv_heads, r, degrees.ring,
                 _tuple(call.segment_lengths), _tuple(call.dilation_rates), layout=call.layout, head_offset=offset,
-                device=device, causal=call.causal, documents=documents,
+                device=device, causal=call.causal, documents=documents, window=call.window,
             )  # fmt: skip
             exchange, comm = get_exchange(call.communication), CommSpec(placement.ring, timeout_s)
-            options = Options(call.causal, call.scale, offset)
+            options = Options(call.causal, call.scale, offset, call.window)
 
-            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-                return sharded_attention(q, k, v, plan, exchange, comm, options)
+            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None):
+                return sharded_attention(q, k, v, plan, exchange, comm, options, sinks)
 
-        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None):
             qh, kh, vh = to_heads(q, k, v, split, placement.ulysses, layout=call.layout, timeout_s=timeout_s)
-            out, lse = attend(qh, kh, vh)
+            out, lse = attend(qh, kh, vh, None if sinks is None else sinks[heads])
             return heads_to_sequence(out, lse, split, placement.ulysses, call, timeout_s)
 
         return run

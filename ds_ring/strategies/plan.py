@@ -54,6 +54,11 @@ class Run:
     segment: int
     position: int
 
+    @property
+    def count(self) -> int:
+        """Kept rows in the run."""
+        return len(range(self.rows.start, self.rows.stop, self.rows.step or 1))
+
 
 @dataclass(frozen=True)
 class Held:
@@ -199,8 +204,23 @@ def _packed(runs: list[Run]) -> Held:
     return Held(tuple(placed), count)
 
 
-def _meets(query: Run, key: Run, causal: bool) -> bool:
-    return query.segment == key.segment and not (causal and key.position > query.position)
+def _meets(query: Run, key: Run, causal: bool, window: int | None = None) -> bool:
+    """Whether any query of ``query`` attends to a key of ``key``: same segment, not in its future, and with a
+    ``window`` (rate-1 runs: consecutive positions) the last key within the window of the first query."""
+    if query.segment != key.segment or (causal and key.position > query.position):
+        return False
+    return window is None or key.position + key.count - 1 > query.position - window
+
+
+def _within_reach(key: Run, queries: list[Run], window: int | None) -> Run:
+    """``key`` cut to the rows some of ``queries`` attend to (all of it without a ``window``): with a window,
+    from the first query's window start to the last query (rate-1 runs)."""
+    if window is None:
+        return key
+    first = max(key.position, min(q.position for q in queries) - window + 1)
+    last = min(key.position + key.count, max(q.position + q.count for q in queries))
+    start = key.rows.start + first - key.position
+    return Run(slice(start, start + last - first), slice(0, last - first), key.segment, first)
 
 
 def _span(
@@ -211,8 +231,10 @@ def _span(
     groups: list[HeadGroup],
     travel: list[Travel],
     causal: bool,
+    window: int | None,
 ) -> SpanPlan:
-    """Each member's block holds only the runs another member attends to; hops reach the farthest such member."""
+    """Each member's block holds only the runs (and with a window only the rows) another member attends to;
+    hops reach the farthest such member."""
     runs = [[_runs(portions.get(m, []), g) for g in groups] for m in members]
     n, hops = len(members), 0
     held = []
@@ -221,9 +243,10 @@ def _span(
         for g in range(len(groups)):
             needed = []
             for key in runs[i][g]:
-                users = [j for j in range(n) if j != i and any(_meets(q, key, causal) for q in runs[j][g])]
+                readers = {j: [q for q in runs[j][g] if _meets(q, key, causal, window)] for j in range(n) if j != i}
+                users = [j for j, queries in readers.items() if queries]
                 if users:
-                    needed.append(key)
+                    needed.append(_within_reach(key, [q for j in users for q in readers[j]], window))
                     hops = max([hops] + [(j - i) % n for j in users])
             sent.append(_packed(needed))
         held.append(tuple(sent))
@@ -253,11 +276,14 @@ def plan_shards(
     device: torch.device | str = "cpu",
     causal: bool = False,
     documents: tuple[int, ...] | None = None,
+    window: int | None = None,
 ) -> ShardPlan:
     """Plan one rank's share of a dilated attention over ``world_size`` equal shards of ``local_len``.
 
     ``documents``: checked ``cu_seqlens`` over the global sequence (:func:`ds_ring.kernels.dilation.
-    check_cu_seqlens`), ``None`` for one document. ``causal`` only trims how far blocks travel.
+    check_cu_seqlens`), ``None`` for one document. ``causal`` only trims how far blocks travel; a sliding
+    ``window`` (dense attention) trims them further, to the previous ranks within reach and the rows a
+    window reaches into them.
 
     Raises:
         ValueError: a layout or branch combination that cannot be supported, naming the constraint
@@ -267,7 +293,7 @@ def plan_shards(
         local_len, num_heads, num_kv_heads, rank, world_size,
         None if segment_lengths is None else tuple(segment_lengths),
         None if dilation_rates is None else tuple(dilation_rates),
-        layout, head_offset, torch.device(device), causal, documents,
+        layout, head_offset, torch.device(device), causal, documents, window,
     )  # fmt: skip
 
 
@@ -285,6 +311,7 @@ def _plan(
     device: torch.device,
     causal: bool,
     documents: tuple[int, ...] | None,
+    window: int | None,
 ) -> ShardPlan:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -322,7 +349,7 @@ def _plan(
         members, portions = span
         groups = head_groups(num_heads, num_kv_heads, r, head_offset, device)
         travel = [_travel(g, num_heads) for g in groups]
-        spans.append(_span(Branch(min(w, seq_len), r), members, rank, portions, groups, travel, causal))
+        spans.append(_span(Branch(min(w, seq_len), r), members, rank, portions, groups, travel, causal, window))
     return ShardPlan(tuple(local), tuple(spans), seq_len)
 
 
@@ -357,11 +384,15 @@ def _span_of(
     return members, portions
 
 
-def pieces(queries: Held, keys: Held, causal: bool) -> list[tuple[Run, Run, bool]]:
+def pieces(queries: Held, keys: Held, causal: bool, window: int | None = None) -> list[tuple[Run, Run, bool]]:
     """The (query run, key run, causal_diagonal) pairs to compute for one head group.
 
-    Runs of one segment only, future blocks left out; the diagonal is a run meeting itself.
+    Runs of one segment only, future blocks left out (and with a ``window``, blocks out of its reach); the
+    diagonal is a run meeting itself.
     """
     return [
-        (a, b, causal and a.position == b.position) for a in queries.runs for b in keys.runs if _meets(a, b, causal)
+        (a, b, causal and a.position == b.position)
+        for a in queries.runs
+        for b in keys.runs
+        if _meets(a, b, causal, window)
     ]

@@ -117,7 +117,7 @@ class RingExchange(Exchange):
                 if overlap is not None:
                     overlap()
                 forward_own_(span, shard, opts)
-            elif block_has_work(span, src, opts.causal):
+            elif block_has_work(span, src, opts):
                 forward_block_(span, src, blocks.kv(src), shard, opts)
             if step < hops:
                 blocks.arrive()

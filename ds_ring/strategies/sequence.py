@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ds_ring.kernels.dilated import check_window_branches
 from ds_ring.kernels.dilation import make_branches
 from ds_ring.strategies.base import AttentionCall, Bound, Degrees, Placement, Shape, Strategy
 from ds_ring.strategies.blocks import Options
@@ -41,6 +42,7 @@ class SequenceShards(Strategy):
             )
         get_exchange(call.communication)
         make_branches(2**62 if shape is None else shape.rows, call.segment_lengths, call.dilation_rates)
+        check_window_branches(call.window, call.causal, call.segment_lengths)
         if shape is not None and degrees is not None:
             plan_shards(
                 shape.rows, shape.heads, shape.kv_heads, 0, degrees.sequence, _tuple(call.segment_lengths),
@@ -64,8 +66,8 @@ class SequenceShards(Strategy):
         plan = plan_shards(
             shape.rows, shape.heads, shape.kv_heads, degrees.rank, degrees.sequence, _tuple(call.segment_lengths),
             _tuple(call.dilation_rates), layout=call.layout, head_offset=call.head_offset, device=device,
-            causal=call.causal, documents=documents,
+            causal=call.causal, documents=documents, window=call.window,
         )  # fmt: skip
         exchange, comm = get_exchange(call.communication), CommSpec(placement.sequence, call.timeout_s)
-        options = Options(call.causal, call.scale, call.head_offset)
-        return lambda q, k, v: sharded_attention(q, k, v, plan, exchange, comm, options)
+        options = Options(call.causal, call.scale, call.head_offset, call.window)
+        return lambda q, k, v, sinks: sharded_attention(q, k, v, plan, exchange, comm, options, sinks)

@@ -29,6 +29,7 @@ from ds_ring.comm.groups import group_rank
 from ds_ring.hooks import current_labels, emit_attention, hooks_active, labelled
 from ds_ring.kernels.dilated import new_accumulators, regions_backward, regions_backward_, regions_forward_
 from ds_ring.kernels.merge import accum_dtype
+from ds_ring.kernels.sinks import add_sinks_, sinks_grad
 from ds_ring.registry import Registry
 from ds_ring.strategies.blocks import Options, Shard, add_home_grads_, backward_own_, head_chunks, unpack_block
 from ds_ring.strategies.plan import ShardPlan, SpanPlan
@@ -154,7 +155,7 @@ def _attention_event(exchange: Exchange, direction: str, phase: str, started: fl
 
 class _ShardedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: ShardPlan, exchange: Exchange, comm: CommSpec, opts: Options):
+    def forward(ctx, q, k, v, sinks, plan: ShardPlan, exchange: Exchange, comm: CommSpec, opts: Options):
         started = time.perf_counter()
         if hooks_active("start"):
             _attention_event(exchange, "forward", "start")
@@ -162,8 +163,9 @@ class _ShardedAttention(torch.autograd.Function):
 
         def local_regions() -> None:
             regions_forward_(
-                q, k, v, plan.local, out, lse, causal=opts.causal, scale=opts.scale, head_offset=opts.head_offset
-            )
+                q, k, v, plan.local, out, lse, causal=opts.causal, scale=opts.scale, head_offset=opts.head_offset,
+                window=opts.window,
+            )  # fmt: skip
 
         overlap: Callable[[], None] | None = local_regions
         shard = Shard(q, k, v, out, lse)
@@ -173,8 +175,10 @@ class _ShardedAttention(torch.autograd.Function):
                 overlap = None
         if overlap is not None:
             overlap()
+        if sinks is not None:
+            add_sinks_(out, lse, sinks)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.args = (plan, exchange, comm, opts)
         ctx.labels = current_labels()
         ctx.mark_non_differentiable(lse)
@@ -190,12 +194,12 @@ class _ShardedAttention(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, dout):
         started = time.perf_counter()
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         plan, exchange, comm, opts = ctx.args
         if hooks_active("start"):
             _attention_event(exchange, "backward", "start")
         dout = dout.to(q.dtype)
-        options = dict(causal=opts.causal, scale=opts.scale, head_offset=opts.head_offset)
+        options = dict(causal=opts.causal, scale=opts.scale, head_offset=opts.head_offset, window=opts.window)
         # Shard-local work first when one kernel call covers the shard: its dQ/dK/dV become the gradients.
         local = regions_backward(dout, q, k, v, out, lse, plan.local, **options)
         if local is None:
@@ -210,9 +214,10 @@ class _ShardedAttention(torch.autograd.Function):
         dk, dv = kv_grads()
         if local is None:
             regions_backward_(dout, q, k, v, out, lse, plan.local, dq, dk, dv, **options)
+        dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
         if hooks_active():
             _attention_event(exchange, "backward", "end", started)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None
 
 
 def sharded_attention(
@@ -223,6 +228,8 @@ def sharded_attention(
     exchange: Exchange,
     comm: CommSpec,
     opts: Options,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable attention of local shards ``[B, L, H, D]``; returns ``(out, lse [B, L, H])``."""
-    return _ShardedAttention.apply(q, k, v, plan, exchange, comm, opts)
+    """Differentiable attention of local shards ``[B, L, H, D]`` (with ``sinks [H]``: one sink logit per head,
+    differentiable); returns ``(out, lse [B, L, H])``."""
+    return _ShardedAttention.apply(q, k, v, sinks, plan, exchange, comm, opts)

@@ -30,7 +30,7 @@ from torch.distributed import ProcessGroup
 from ds_ring.comm.collectives import all_to_all
 from ds_ring.comm.groups import group_rank
 from ds_ring.hooks import emit_attention, hooks_active
-from ds_ring.kernels.dilated import dilated_attention
+from ds_ring.kernels.dilated import check_window_branches, dilated_attention
 from ds_ring.kernels.dilation import make_branches
 from ds_ring.strategies.base import AttentionCall, Bound, Degrees, Placement, Shape, Strategy
 from ds_ring.strategies.plan import LAYOUTS
@@ -186,19 +186,21 @@ def attend_local_heads(
     head_offset: int,
     strategy: str,
     documents: tuple[int, ...] | None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dilated attention over the whole sequence on this rank's heads, with attention events.
 
     ``q [B, S, h, D]``, ``k``/``v`` ``[B, S, hkv, D]`` after the all-to-all (rows in sequence order, so
     ``documents`` — checked ``call.cu_seqlens`` — apply as they are; ``head_offset``: this rank's
-    global index of its local head 0); returns ``out [B, S, h, D]`` and ``lse [B, S, h]``.
+    global index of its local head 0; ``sinks [h]``: those heads' sink logits); returns ``out [B, S, h, D]``
+    and ``lse [B, S, h]``.
     """
     rank, started = group_rank(None), time.perf_counter()
     if hooks_active("start"):
         emit_attention(strategy, "forward", "start", rank)
     out, lse = dilated_attention(
-        q, k, v, call.segment_lengths, call.dilation_rates,
-        causal=call.causal, scale=call.scale, head_offset=head_offset, return_lse=True, cu_seqlens=documents,
+        q, k, v, call.segment_lengths, call.dilation_rates, causal=call.causal, scale=call.scale,
+        head_offset=head_offset, return_lse=True, cu_seqlens=documents, window=call.window, sinks=sinks,
     )  # fmt: skip
     if hooks_active():
         emit_attention(strategy, "forward", "end", rank, started, out=out, lse=lse)
@@ -221,6 +223,7 @@ class Ulysses(Strategy):
                 f"{call.communication!r} would do nothing; remove communication, or use strategy 'hybrid'"
             )
         make_branches(2**62 if shape is None else shape.rows, call.segment_lengths, call.dilation_rates)
+        check_window_branches(call.window, call.causal, call.segment_lengths)
         if shape is None or degrees is None:
             return
         if shape.heads % degrees.sequence:
@@ -242,11 +245,15 @@ class Ulysses(Strategy):
     ) -> Bound:
         degree, group = placement.degrees.sequence, placement.sequence
         split = split_heads(shape.heads, shape.kv_heads, degree, device)
-        offset = call.head_offset + placement.degrees.rank * split.heads
+        first = placement.degrees.rank * split.heads
+        offset, heads = call.head_offset + first, slice(first, first + split.heads)
 
-        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None):
             qh, kh, vh = to_heads(q, k, v, split, group, layout=call.layout, timeout_s=call.timeout_s)
-            out, lse = attend_local_heads(qh, kh, vh, call, head_offset=offset, strategy=self.name, documents=documents)
+            local_sinks = None if sinks is None else sinks[heads]
+            out, lse = attend_local_heads(
+                qh, kh, vh, call, head_offset=offset, strategy=self.name, documents=documents, sinks=local_sinks
+            )
             return heads_to_sequence(out, lse, split, group, call, call.timeout_s)
 
         return run

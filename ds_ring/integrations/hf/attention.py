@@ -47,7 +47,7 @@ class SequenceParallelAttention:
         self,
         section: RingAttentionConfig,
         topology: Topology,
-        original: AttentionFunction,
+        original: AttentionFunction | None,
         *,
         disable_in_eval: bool,
         zero_optimization: Mapping[str, Any] | None = None,
@@ -89,12 +89,13 @@ class SequenceParallelAttention:
             self._check_shapes(module, query, key, bounds[-1])
             self._check_positions(kwargs["position_ids"], bounds)
             self._checked.add(checked)
+        window = None if sliding_window is None or sliding_window >= bounds[-1] else sliding_window
+        branches = (None, None) if window is not None else (self.section.segment_lengths, self.section.dilation_rates)
         out = sequence_parallel_attention(
-            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-            self.section.segment_lengths, self.section.dilation_rates,
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), *branches,
             causal=self.section.causal, scale=scaling, topology=self.topology, strategy=self.section.strategy,
             communication=self.section.communication, layout=self.section.layout,
-            cu_seqlens=bounds if len(bounds) > 2 else None,
+            cu_seqlens=bounds if len(bounds) > 2 else None, window=window, sinks=kwargs.get("s_aux"),
         )  # fmt: skip
         return out, None
 
@@ -102,11 +103,6 @@ class SequenceParallelAttention:
         self, module: nn.Module, dropout: float, sliding_window: int | None, softcap: float | None, kwargs: dict
     ) -> None:
         name = type(getattr(module, "config", module)).__name__
-        if sliding_window is not None:
-            raise ValueError(
-                f"{name}.sliding_window = {sliding_window}: ds_ring has no sliding window; set sliding_window=None "
-                f"(Qwen2: use_sliding_window=False)"
-            )
         if softcap is not None:
             raise ValueError(
                 f"{name}.attn_logit_softcapping = {softcap}: ds_ring does not cap attention logits; set "
@@ -117,8 +113,6 @@ class SequenceParallelAttention:
                 f"{name}.attention_dropout = {dropout} in training: ds_ring's attention has no dropout; set "
                 f"attention_dropout=0.0"
             )
-        if kwargs.get("s_aux") is not None:
-            raise ValueError(f"{type(module).__name__} uses attention sinks (s_aux), which ds_ring does not compute")
         causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
         if causal != self.section.causal:
             raise ValueError(

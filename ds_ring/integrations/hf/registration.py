@@ -29,7 +29,12 @@ __all__ = [
     "registration_for_group",
     "check_model_config",
     "HUB_KERNEL",
+    "OWN_NAME",
 ]
+
+OWN_NAME = "ds_ring"
+"""The registry entry ds_ring adds (``core_attn_implementation="ds_ring"``) for models that allow no ``sdpa`` but
+any registered attention (GPT-OSS): build them with ``attn_implementation="ds_ring"``."""
 
 HUB_KERNEL = re.compile(r"^[^/:]+/[^/:]+(?:@[^/:]+)?(?::[^/:]+)?$")
 """A hub kernel's attention implementation name, ``"org/repo[@revision][:function]"`` (e.g.
@@ -82,7 +87,8 @@ def register_with_transformers(
             config is read (nothing else) to check heads and features now, before any communication.
         core_attn_implementation: the registry entry to replace: ``"sdpa"``, ``"flash_attention_2"``,
             ``"flex_attention"``, a hub kernel (``"kernels-community/flash-attn2"``: transformers registers it
-            first), ...
+            first), ...; or ``"ds_ring"``, an entry of its own, for models that allow no ``sdpa`` but a registered
+            attention (GPT-OSS): build them with ``attn_implementation="ds_ring"``.
         config: the whole ds_config (JSON/YAML path or dict) the engine is built with; its ``ring_attention``
             section chooses strategy, communication, layout, segment_lengths, dilation_rates and degrees, and
             its ``zero_optimization`` how the engine reduces gradients (:mod:`ds_ring.zero`). ``None``: dense
@@ -107,7 +113,14 @@ def register_with_transformers(
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     section, zero_optimization = _section(config)
-    _check_implementation(core_attn_implementation, ALL_ATTENTION_FUNCTIONS)
+    own = core_attn_implementation == OWN_NAME
+    if own and disable_in_eval:
+        raise ValueError(
+            f"disable_in_eval needs an attention to run whole sequences with in eval, and {OWN_NAME!r} replaces none; "
+            f"register over the model's own implementation (e.g. 'sdpa'), or leave disable_in_eval off"
+        )
+    if not own:
+        _check_implementation(core_attn_implementation, ALL_ATTENTION_FUNCTIONS)
     model_config = _model_config(model_name_or_path, core_attn_implementation)
     if topology is None and not dist.is_initialized():
         from ds_ring.engine import init_distributed
@@ -129,12 +142,12 @@ def register_with_transformers(
     replaced = []
     attention = None
     if section.enabled:
-        original = ALL_ATTENTION_FUNCTIONS[core_attn_implementation]
+        original = None if own else ALL_ATTENTION_FUNCTIONS[core_attn_implementation]
         attention = SequenceParallelAttention(
             section, topology, original, disable_in_eval=disable_in_eval, zero_optimization=zero_optimization
         )
         replaced.append(_replace(ALL_ATTENTION_FUNCTIONS, core_attn_implementation, attention))
-        if not disable_in_eval and core_attn_implementation in ALL_MASK_ATTENTION_FUNCTIONS:
+        if not disable_in_eval and (own or core_attn_implementation in ALL_MASK_ATTENTION_FUNCTIONS):
             replaced.append(_replace(ALL_MASK_ATTENTION_FUNCTIONS, core_attn_implementation, _no_mask))
     _active = Registration(section, topology, attention, tuple(replaced))
     return topology
@@ -237,27 +250,17 @@ def _text_config(config: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def _has_sliding_window(config: Any) -> bool:
-    layer_types = getattr(config, "layer_types", None)
-    return getattr(config, "sliding_window", None) is not None and (
-        layer_types is None or "sliding_attention" in layer_types
-    )
-
-
 def check_model_config(config: Any, section: RingAttentionConfig, world_size: int) -> None:
     """Refuse a model whose attention ds_ring cannot compute exactly, from its (text) config alone.
 
+    Sliding-window layers and attention sinks are computed (each layer's ``sliding_window`` and ``s_aux``).
+
     Raises:
-        ValueError: a sliding window, logit soft-capping, or heads that the section's strategy
-            cannot split over ``world_size`` ranks — naming the config field and the fix.
+        ValueError: logit soft-capping, or heads that the section's strategy cannot split over
+            ``world_size`` ranks — naming the config field and the fix.
     """
     config = _text_config(config)
     name = type(config).__name__
-    if _has_sliding_window(config):
-        raise ValueError(
-            f"{name}.sliding_window = {config.sliding_window}: ds_ring attends over whole sequences (or LongNet's "
-            f"dilated segments) and has no sliding window; set sliding_window=None (Qwen2: use_sliding_window=False)"
-        )
     softcap = getattr(config, "attn_logit_softcapping", None)
     if softcap is not None:
         raise ValueError(
