@@ -36,6 +36,7 @@ VARIANTS = {
     "tiled mlp": {"tiled_mlp": True, "tile_tokens": TILE},
     "both": {"tiled_loss": True, "tiled_mlp": True, "tile_tokens": TILE},
     "both + disk offload": {"tiled_loss": True, "tiled_mlp": True, "tile_tokens": TILE, "offload_checkpoints": "disk"},
+    "both + host offload": {"tiled_loss": True, "tiled_mlp": True, "tile_tokens": TILE, "offload_checkpoints": "host"},
     "both + checkpointing": {"tiled_loss": True, "tiled_mlp": True, "tile_tokens": 64, "checkpointing": True},
 }
 STRATEGIES = {
@@ -54,6 +55,7 @@ CASES_4 = [
     ("unpacked", "ulysses", "both"),
     ("unpacked", "hybrid 2x2", "both + disk offload"),
     ("packed", "ring", "both + checkpointing"),
+    ("unpacked", "ring", "both + host offload"),  # a CPU keeps them where they are
 ]
 DOCUMENTS = [0, 11, 20, 32]
 STEPS = 3
@@ -94,7 +96,7 @@ def _check(model, batch, topology, strategy: dict, variant: dict, expected, offl
             loss = causal_lm_loss(out.logits, sharded["shift_labels"], topology)
         loss.backward()
         store = getattr(model, "ds_ring_checkpoint_store", None)
-        if store is not None:
+        if variant.get("offload_checkpoints") == "disk":
             assert store.stored == model.config.num_hidden_layers and store.live == 0, (store.stored, store.live)
         grads = _summed_grads(model, topology.sequence_parallel_group)
     finally:
@@ -201,6 +203,13 @@ def _rank(rank: int, world: int, cases: list, offload_dir: str, zero_stages: lis
             with log.case(f"{model_name} {kind}, {strategy}, {variant}, {world} ranks"):
                 topology = topology_for(section, world, topologies)
                 _check(model, batches[kind], topology, section, VARIANTS[variant], expected[kind], offload_dir)
+    if world == 2:
+        with log.case("llama with tied embeddings, tiled loss, 2 ranks"):
+            model = llama(tie_word_embeddings=True)
+            assert model.lm_head.weight is model.model.embed_tokens.weight
+            section = STRATEGIES["ring"]
+            topology = topology_for(section, world, topologies)
+            _check(model, unpacked, topology, section, VARIANTS["tiled loss"], _reference(model, unpacked, False), "")
     if zero_stages:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
         long_context = {"tiled_loss": True, "tiled_mlp": True, "tile_tokens": TILE}
