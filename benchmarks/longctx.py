@@ -2,9 +2,10 @@
 
 ``python -m benchmarks.longctx [--quick] [--seqs 2048 4096 8192] [--vocabs 32000 128256] [--impls ...]``: a
 random-initialised ``LlamaForCausalLM`` (vocab 32,000 or 128,256, hidden 256, SwiGLU 1,024, 4 layers, 8 heads / 4 K/V
-heads, fp32, the recall task of ``launch/train_hf.py``), batch 1, 2 rank processes × 1 thread, ZeRO 0, AdamW. One
-timed call is one training step on this rank's shard: forward, loss, backward, optimizer step. The 128,256 vocab runs
-at half the lengths (its logits are 4× larger). Implementations:
+heads, fp32; the sequences of ``launch/train_hf.py``'s recall task with every token counted in the loss, as in
+pre-training), batch 1, 2 rank processes × 1 thread, ZeRO 0, AdamW. One timed call is one training step on this
+rank's shard: forward, loss, backward, optimizer step. The 128,256 vocab runs at half the lengths (4× the logits).
+Implementations:
 
 * ``plain``: ds_ring ring attention (zigzag), ``causal_lm_loss`` on the model's logits, no checkpointing;
 * ``long_context``: the same with ``ring_attention.long_context`` = tiled loss + tiled MLP (``TILE_TOKENS`` tokens
@@ -67,8 +68,8 @@ def _model_and_batch(case: Case) -> tuple[Any, dict[str, Any]]:
         num_hidden_layers=MODEL.layers, num_attention_heads=MODEL.heads, num_key_value_heads=MODEL.kv_heads,
         max_position_embeddings=case.seq, attn_implementation="sdpa", use_cache=False,
     )  # fmt: skip
-    item = RecallDataset(1, case.seq, MODEL.seed)[0]
-    return LlamaForCausalLM(config), {key: value.unsqueeze(0) for key, value in item.items()}
+    input_ids = RecallDataset(1, case.seq, MODEL.seed)[0]["input_ids"].unsqueeze(0)
+    return LlamaForCausalLM(config), {"input_ids": input_ids, "labels": input_ids}  # every token counted
 
 
 def _zero0(case: Case) -> dict[str, Any]:
