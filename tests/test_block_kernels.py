@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ds_ring.kernels import block, chunked, fused
 from ds_ring.kernels.block import GpuFacts, kernel_for
+from tests.block_cases import SHAPES, check_against_oracle
 
 H100, A100, RTX4090, T4 = GpuFacts((9, 0)), GpuFacts((8, 0)), GpuFacts((8, 9)), GpuFacts((7, 5))
 NO_FLASH, ROCM = GpuFacts((8, 0), flash_built=False), GpuFacts((9, 4), rocm=True)
@@ -62,19 +63,7 @@ def test_override_comes_first_and_is_read_at_every_call(monkeypatch):
         kernel_for("cpu", F32, 64, None, "flash3")
 
 
-def _oracle(q, k, v, dout, causal, scale):
-    """fp64 softmax attention with autograd: ``(out, lse, dq, dk, dv)``."""
-    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
-    s = q @ k.transpose(-1, -2) * scale
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
-    out = torch.softmax(s, -1) @ v
-    return (out.detach(), torch.logsumexp(s, -1).detach(), *torch.autograd.grad(out, (q, k, v), dout.double()))
-
-
 TOLERANCE = {F64: 1e-12, F32: 2e-5, BF16: 3e-2}
-# (batch, heads, m, head_dim, n), causal; causal blocks are square
-SHAPES = [((2, 3, 17, 8, 17), False), ((2, 3, 17, 8, 17), True), ((1, 2, 5, 16, 9), False), ((1, 2, 9, 4, 30), False)]
 
 
 @pytest.mark.parametrize("tile_bytes", [chunked.TILE_BYTES, 7 * 5 * 8], ids=["one tile", "uneven tiles"])
@@ -83,19 +72,7 @@ SHAPES = [((2, 3, 17, 8, 17), False), ((2, 3, 17, 8, 17), True), ((1, 2, 5, 16, 
 @pytest.mark.parametrize(("shape", "causal"), SHAPES)
 def test_kernel_matches_oracle(monkeypatch, kernel, dtype, shape, causal, tile_bytes):
     monkeypatch.setattr(chunked, "TILE_BYTES", tile_bytes)
-    batch, heads, m, d, n = shape
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(batch, heads, m, d, generator=gen).to(dtype)
-    k, v = (torch.randn(batch, heads, n, d, generator=gen).to(dtype) for _ in range(2))
-    dout = torch.randn(batch, heads, m, d, generator=gen).to(dtype)
-    out, lse = kernel.forward(q, k, v, causal, 0.3)
-    want = _oracle(q, k, v, dout, causal, 0.3)
-    tol = TOLERANCE[dtype]
-    assert out.dtype == dtype and lse.dtype == (F64 if dtype == F64 else F32)
-    grads = kernel.backward(dout, q, k, v, out, lse, causal, 0.3)
-    assert [g.dtype for g in grads] == [dtype] * 3
-    for name, got, ref in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), want, strict=True):
-        torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol, msg=lambda m, n=name: f"{n}: {m}")
+    check_against_oracle(kernel, dtype, shape, causal, "cpu", TOLERANCE[dtype])
 
 
 def test_tiling_stays_within_its_budget():

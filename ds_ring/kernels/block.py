@@ -38,7 +38,16 @@ from ds_ring.kernels.base import BlockKernel
 from ds_ring.kernels.chunked import CHUNKED
 from ds_ring.kernels.fused import CPU_FLASH, CUDA_EFFICIENT, CUDA_FLASH, HEAD_DIM_MULTIPLE
 
-__all__ = ["BlockKernel", "GpuFacts", "KERNELS", "kernel_for", "select_kernel", "block_forward", "block_backward"]
+__all__ = [
+    "BlockKernel",
+    "GpuFacts",
+    "KERNELS",
+    "gpu_facts",
+    "kernel_for",
+    "select_kernel",
+    "block_forward",
+    "block_backward",
+]
 
 KERNELS = {kernel.name: kernel for kernel in (CPU_FLASH, CUDA_FLASH, CUDA_EFFICIENT, CHUNKED)}
 """Every block kernel by name (the values ``DS_RING_KERNEL`` takes)."""
@@ -84,7 +93,8 @@ def kernel_for(
 
 
 @functools.cache
-def _gpu_facts(index: int) -> GpuFacts:
+def gpu_facts(index: int) -> GpuFacts:
+    """The facts of CUDA device ``index``, read once."""
     return GpuFacts(
         torch.cuda.get_device_capability(index),
         torch.backends.cuda.is_flash_attention_available(),
@@ -97,7 +107,7 @@ def select_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> Bl
     ``DS_RING_KERNEL`` (read at every call, so setting or clearing it takes effect at the next block)."""
     gpu = None
     if device.type == "cuda":
-        gpu = _gpu_facts(device.index if device.index is not None else torch.cuda.current_device())
+        gpu = gpu_facts(device.index if device.index is not None else torch.cuda.current_device())
     return kernel_for(device.type, dtype, head_dim, gpu, os.environ.get("DS_RING_KERNEL") or None)
 
 
