@@ -20,7 +20,7 @@ from torch.distributed import ProcessGroup
 
 from ds_ring.attention import MultiheadRingDilatedAttention, RingDilatedAttention
 from ds_ring.comm.agree import agree
-from ds_ring.comm.wait import DEFAULT_TIMEOUT_S
+from ds_ring.comm.wait import DEFAULT_TIMEOUT_S, process_group_timeout_s
 from ds_ring.config import SECTION, MonitoringConfig, RingAttentionConfig, load_config, read_ds_config
 from ds_ring.launch_env import discover_launch_env
 from ds_ring.monitor import RingMonitor, at_clean_exit, flush_writer
@@ -64,13 +64,15 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     ``mpirun`` through mpi4py — keeping ``MASTER_ADDR`` if set), starts the process group with
     :func:`process_group_backend` and hands it to DeepSpeed (``deepspeed.init_distributed`` adopts it).
     Under ``torchrun`` the rendezvous keys are private to the restart attempt, so ``--max-restarts``
-    restarts rendezvous afresh.
+    restarts rendezvous afresh. The process group's timeout is :func:`~ds_ring.comm.wait.process_group_timeout_s`
+    (on NCCL twice ``timeout_s``, so its watchdog stays the backstop behind ds_ring's bounded waits).
     """
     if dist.is_initialized():
         return
     discover_launch_env()
-    backend, timeout = process_group_backend(), timedelta(seconds=timeout_s)
-    store = _restart_safe_store(timeout)
+    backend = process_group_backend()
+    timeout = timedelta(seconds=process_group_timeout_s(backend, timeout_s))  # NCCL's watchdog: the backstop
+    store = _restart_safe_store(timedelta(seconds=timeout_s))
     if store is not None:
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
