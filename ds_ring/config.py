@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
+import tempfile
 from collections.abc import Mapping
 from os import PathLike
 from pathlib import Path
@@ -38,7 +40,7 @@ from ds_ring.comm.wait import DEFAULT_TIMEOUT_S
 from ds_ring.strategies import AttentionCall, Degrees, Shape, exchanges, get_strategy, strategy_names
 from ds_ring.topology import RankLayout
 
-__all__ = ["RingAttentionConfig", "MonitoringConfig", "load_config", "read_ds_config", "SECTION"]
+__all__ = ["RingAttentionConfig", "MonitoringConfig", "LongContextConfig", "load_config", "read_ds_config", "SECTION"]
 
 SECTION = "ring_attention"
 
@@ -86,6 +88,75 @@ class MonitoringConfig(DeepSpeedConfigModel):
         return data
 
 
+class LongContextConfig(DeepSpeedConfigModel):
+    """What keeps the rest of a Hugging Face model O(seq/p) per rank (the ``"long_context"`` object inside
+    ``"ring_attention"``), applied by ``register_with_transformers(model, ...)`` to the model it is given::
+
+        "long_context": {"tiled_loss": true, "tiled_mlp": true, "tile_tokens": 2048, "offload_checkpoints": "none"}
+    """
+
+    tiled_loss: bool = False
+    """With ``shift_labels`` in the batch, ``model(**batch).loss`` is the sequence-group mean computed tile by tile
+    (LM head and cross-entropy on ``tile_tokens`` tokens at a time, ``[tokens, vocab]`` never held) and
+    ``.logits`` is ``None``."""
+
+    tiled_mlp: bool = False
+    """Every decoder MLP runs over tiles of ``tile_tokens`` tokens, its activations recomputed per tile in the
+    backward (ZeRO-3: each weight gathered once per forward and once per backward, its gradient reduced once)."""
+
+    tile_tokens: int = 2048
+    """Tokens per tile (batch × this rank's shard, flattened); the last tile may be shorter."""
+
+    offload_checkpoints: Literal["none", "host", "disk"] = "none"
+    """Where the layer inputs gradient checkpointing keeps go until the layer's recompute: ``"host"`` (pinned host
+    memory; on a CPU they stay where they are), ``"disk"`` (a memory-mapped file in ``offload_dir``, which shrinks
+    resident memory on a CPU too). Turns gradient checkpointing on."""
+
+    offload_dir: str | None = None
+    """The existing, writable directory ``"disk"`` writes to (its files are unlinked at once: nothing stays)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _suggest_for_unknown_keys(cls, data: Any) -> Any:
+        _refuse_unknown_keys(data, cls.model_fields, f"{SECTION}.long_context")
+        return data
+
+    @field_validator("tile_tokens")
+    @classmethod
+    def _positive(cls, value: int) -> int:
+        if value <= 0:
+            raise ValueError(
+                f"{SECTION}.long_context.tile_tokens must be a positive number of tokens, got {value}; use e.g. 2048"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _offload_dir_usable(self) -> LongContextConfig:
+        where = f"{SECTION}.long_context.offload_dir"
+        if self.offload_checkpoints != "disk":
+            return self
+        if not self.offload_dir:
+            raise ValueError(
+                f"{where} is missing: offload_checkpoints 'disk' writes to a directory; set offload_dir to an existing "
+                f"writable directory (a local disk, not a network mount)"
+            )
+        if not os.path.isdir(self.offload_dir):
+            raise ValueError(f"{where} {self.offload_dir!r} is not an existing directory; create it or choose another")
+        try:
+            tempfile.TemporaryFile(dir=self.offload_dir).close()
+        except OSError as err:
+            raise ValueError(
+                f"{where} {self.offload_dir!r} is not writable ({err.strerror}); choose a directory this process "
+                f"can write to"
+            ) from None
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        """Whether anything is switched on."""
+        return self.tiled_loss or self.tiled_mlp or self.offload_checkpoints != "none"
+
+
 class RingAttentionConfig(DeepSpeedConfigModel):
     """Sequence-parallel attention settings (the ``"ring_attention"`` section)."""
 
@@ -130,6 +201,9 @@ class RingAttentionConfig(DeepSpeedConfigModel):
 
     monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
     """Built-in hooks: per-step metrics, the watchdog and the numerics guard (:class:`MonitoringConfig`)."""
+
+    long_context: LongContextConfig = Field(default_factory=LongContextConfig)
+    """Tiled loss, tiled MLP and offloaded checkpoints for a Hugging Face model (:class:`LongContextConfig`)."""
 
     @model_validator(mode="before")
     @classmethod

@@ -15,7 +15,7 @@ from ds_ring.comm.collectives import all_reduce
 from ds_ring.kernels.merge import accum_dtype
 from ds_ring.topology import Topology, sequence_group
 
-__all__ = ["sequence_parallel_cross_entropy"]
+__all__ = ["sequence_parallel_cross_entropy", "sequence_parallel_mean"]
 
 
 def sequence_parallel_cross_entropy(
@@ -48,7 +48,30 @@ def sequence_parallel_cross_entropy(
     logits = logits.reshape(-1, logits.shape[-1])
     logits = logits.to(accum_dtype(logits.dtype))
     local_sum = F.cross_entropy(logits, labels.reshape(-1), ignore_index=ignore_index, reduction="sum")
-    local_count = (labels != ignore_index).sum().to(local_sum.dtype)
+    local_count = (labels != ignore_index).sum()
+    return sequence_parallel_mean(local_sum, local_count, group, timeout_s=timeout_s, gradient_scale=gradient_scale)
+
+
+def sequence_parallel_mean(
+    local_sum: torch.Tensor,
+    local_count: torch.Tensor,
+    group: ProcessGroup | Topology | None = None,
+    *,
+    timeout_s: float | None = None,
+    gradient_scale: float = 1.0,
+) -> torch.Tensor:
+    """The mean over a sequence group of per-token values this rank has summed: ``Σ sums / Σ counts``.
+
+    Args:
+        local_sum: this rank's scalar sum of token values (e.g. token losses), with its autograd graph.
+        local_count: this rank's number of counted tokens (scalar, any dtype).
+        group, timeout_s, gradient_scale: as :func:`sequence_parallel_cross_entropy`.
+
+    Returns:
+        A scalar, the same on every rank; its gradient is this rank's share ``gradient_scale × local_sum /
+        Σ counts`` (zero when no token is counted anywhere), so the group's gradients sum to the mean's.
+    """
+    local_count = local_count.to(local_sum.dtype)
     group, timeout_s = sequence_group(group, timeout_s)
     global_sum, global_count = all_reduce(
         torch.stack([local_sum.detach(), local_count]), group=group, timeout_s=timeout_s

@@ -11,11 +11,19 @@ Launch with either of (2 CPU ranks)::
 
     deepspeed --num_gpus 2 launch/train_hf.py --deepspeed_config ds_configs/hf_ring.json
     torchrun --standalone --nproc-per-node 2 launch/train_hf.py --deepspeed_config ds_configs/hf_ring.json
+
+``--long-context`` adds the section's ``long_context`` (tiled loss and MLP; ``--offload-dir`` puts the layer
+inputs gradient checkpointing keeps on disk) and trains from the loss the model returns. At 131,072 tokens over
+2 ranks (ring dilated attention, its longest segment the whole sequence)::
+
+    torchrun --standalone --nproc-per-node 2 launch/train_hf.py --deepspeed_config ds_configs/hf_long_context.json \
+        --long-context --seq 131072 --steps 3 --dim 128 --vocab 8192
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -31,6 +39,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is imported: no detection warning
 
 import ds_ring  # noqa: E402
+from ds_ring.config import read_ds_config  # noqa: E402
 from ds_ring.integrations.hf import (  # noqa: E402
     SequenceParallelDataLoader,
     causal_lm_loss,
@@ -78,7 +87,7 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=args.dim, intermediate_size=4 * args.dim, num_hidden_layers=args.layers,
+        vocab_size=args.vocab, hidden_size=args.dim, intermediate_size=4 * args.dim, num_hidden_layers=args.layers,
         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq,
         attn_implementation="sdpa", use_cache=False, initializer_range=args.init_std,
     )  # fmt: skip
@@ -90,7 +99,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deepspeed_config", default="ds_configs/hf_ring.json", help="ds_config.json path")
     add_training_arguments(p, steps=150)
     p.add_argument("--init-std", type=float, default=0.2, help="weight init std (HF's 0.02 learns this task slowly)")
-    return p.parse_args(argv)
+    p.add_argument("--vocab", type=int, default=VOCAB, help=f"vocabulary size (the task uses {VOCAB} tokens)")
+    p.add_argument("--long-context", action="store_true", help="tiled loss and tiled MLP (ring_attention.long_context)")
+    p.add_argument("--tile-tokens", type=int, default=4096, help="tokens per tile with --long-context")
+    p.add_argument("--offload-dir", help="with --long-context: keep checkpointed layer inputs in files here")
+    args = p.parse_args(argv)
+    if args.vocab < VOCAB:
+        p.error(f"--vocab {args.vocab} is smaller than the task's {VOCAB} tokens; use at least {VOCAB}")
+    if args.offload_dir and not args.long_context:
+        p.error("--offload-dir goes with --long-context")
+    return args
+
+
+def ds_config(args: argparse.Namespace) -> dict:
+    """The ds_config file, with ``ring_attention.long_context`` set from the command line."""
+    config = read_ds_config(args.deepspeed_config)
+    if args.long_context:
+        section = {"tiled_loss": True, "tiled_mlp": True, "tile_tokens": args.tile_tokens}
+        if args.offload_dir:
+            section.update(offload_checkpoints="disk", offload_dir=args.offload_dir)
+        config["ring_attention"] = {**config["ring_attention"], "long_context": section}
+    return json.loads(json.dumps(config))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -99,8 +128,9 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(args.seed)
     model = build_model(args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    engine, *_ = ds_ring.initialize(model=model, optimizer=optimizer, config=args.deepspeed_config, seq_len=args.seq)
-    topology = register_with_transformers(model, config=args.deepspeed_config, topology=engine.mpu)
+    config = ds_config(args)
+    engine, *_ = ds_ring.initialize(model=model, optimizer=optimizer, config=config, seq_len=args.seq)
+    topology = register_with_transformers(model, config=config, topology=engine.mpu)
     rank = dist.get_rank()
     micro, replicas = engine.train_micro_batch_size_per_gpu(), topology.get_data_parallel_world_size()
     # Every rank of a sequence-parallel group loads the same full batches: sample over the replicas only.
@@ -113,8 +143,12 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     for step, batch in enumerate(progress):
         monitor.begin_step(step + 1)
-        shift_labels = batch.pop("shift_labels")
-        loss = causal_lm_loss(engine(**batch).logits, shift_labels, topology)
+        outputs = engine(**batch)  # with the tiled loss: the loss, and no logits
+        loss = (
+            outputs.loss
+            if outputs.loss is not None
+            else causal_lm_loss(outputs.logits, batch["shift_labels"], topology)
+        )
         if not monitor.skip_step():  # numerics_guard "skip_step": the batch is dropped on every rank
             engine.backward(loss)
             engine.step()

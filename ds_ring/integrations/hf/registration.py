@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ds_ring.config import SECTION, RingAttentionConfig, load_config, read_ds_config
 from ds_ring.integrations.hf.attention import SequenceParallelAttention
 from ds_ring.integrations.hf.documents import refuse_padding
+from ds_ring.integrations.hf.long_context import apply_long_context, check_long_context
 from ds_ring.topology import Topology
 
 __all__ = [
@@ -53,6 +54,7 @@ class Registration:
     topology: Topology
     attention: SequenceParallelAttention | None
     replaced: tuple[tuple[Any, str, bool, Any], ...]  # (interface, key, had its own entry, that entry)
+    restore_model: Callable[[], None] = lambda: None  # undoes the section's long_context on the model
 
     @property
     def gradient_scale(self) -> int:
@@ -84,7 +86,9 @@ def register_with_transformers(
 
     Args:
         model_name_or_path: optional: a model, a config, or a model name / local directory whose
-            config is read (nothing else) to check heads and features now, before any communication.
+            config is read (nothing else) to check heads and features now, before any communication. A
+            model instance is where the section's ``long_context`` is applied
+            (:mod:`ds_ring.integrations.hf.long_context`; required when it is on).
         core_attn_implementation: the registry entry to replace: ``"sdpa"``, ``"flash_attention_2"``,
             ``"flex_attention"``, a hub kernel (``"kernels-community/flash-attn2"``: transformers registers it
             first), ...; or ``"ds_ring"``, an entry of its own, for models that allow no ``sdpa`` but a registered
@@ -106,7 +110,8 @@ def register_with_transformers(
     Raises:
         ValueError: before any communication, naming the field and the fix: ``eager`` or an unknown
             implementation, a model config with a sliding window, logit soft-capping or heads the
-            strategy cannot split, a malformed section, or a topology with other degrees.
+            strategy cannot split, a malformed section, a ``long_context`` the model cannot take, or a
+            topology with other degrees.
     """
     global _active
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
@@ -122,6 +127,7 @@ def register_with_transformers(
     if not own:
         _check_implementation(core_attn_implementation, ALL_ATTENTION_FUNCTIONS)
     model_config = _model_config(model_name_or_path, core_attn_implementation)
+    check_long_context(model_name_or_path, section.long_context)
     if topology is None and not dist.is_initialized():
         from ds_ring.engine import init_distributed
 
@@ -149,7 +155,9 @@ def register_with_transformers(
         replaced.append(_replace(ALL_ATTENTION_FUNCTIONS, core_attn_implementation, attention))
         if not disable_in_eval and (own or core_attn_implementation in ALL_MASK_ATTENTION_FUNCTIONS):
             replaced.append(_replace(ALL_MASK_ATTENTION_FUNCTIONS, core_attn_implementation, _no_mask))
-    _active = Registration(section, topology, attention, tuple(replaced))
+    scale = (lambda: 1) if attention is None else (lambda: attention.gradient_scale or 1)
+    restore = apply_long_context(model_name_or_path, section.long_context, topology, scale)
+    _active = Registration(section, topology, attention, tuple(replaced), restore)
     return topology
 
 
@@ -164,7 +172,8 @@ def registration_for_group(group: dist.ProcessGroup) -> Registration | None:
 
 
 def unregister_from_transformers() -> None:
-    """Put back exactly the registry entries :func:`register_with_transformers` replaced (no-op if none)."""
+    """Put back exactly the registry entries :func:`register_with_transformers` replaced, and the model it patched
+    for ``long_context`` (no-op if none)."""
     global _active
     if _active is None:
         return
@@ -173,6 +182,7 @@ def unregister_from_transformers() -> None:
             interface[key] = entry
         else:
             del interface[key]
+    _active.restore_model()
     _active = None
 
 
@@ -190,7 +200,9 @@ def _section(
     ds_config = read_ds_config(config)
     section = load_config(ds_config)
     if not section.enabled:  # every attention on the whole sequence its rank holds
-        section = RingAttentionConfig(enabled=False, sequence_parallel_size=1, timeout_s=section.timeout_s)
+        section = RingAttentionConfig(
+            enabled=False, sequence_parallel_size=1, timeout_s=section.timeout_s, long_context=section.long_context
+        )
     return section, ds_config.get("zero_optimization")
 
 
