@@ -43,8 +43,11 @@ def host_of(rank: int) -> str | None:
 
 
 def hosts_of(ranks: list[int] | tuple[int, ...]) -> str:
-    """``"node0: 0, 1; node1: 2, 3"``: ``ranks`` grouped by host (``"?"`` for unknown ones)."""
+    """``"0, 1 on node0; 2, 3 on node1"``: ``ranks`` grouped by host, or just the ranks when the job runs on
+    one host (or the hosts are not known yet)."""
+    if not spans_hosts():
+        return ", ".join(map(str, ranks))
     by_host: dict[str, list[int]] = {}
     for rank in ranks:
-        by_host.setdefault(host_of(rank) or "?", []).append(rank)
-    return "; ".join(f"{host}: {', '.join(map(str, members))}" for host, members in by_host.items())
+        by_host.setdefault(host_of(rank) or "an unknown host", []).append(rank)
+    return "; ".join(f"{', '.join(map(str, members))} on {host}" for host, members in by_host.items())

@@ -174,6 +174,15 @@ class TwoHosts:
             if spec:
                 _run([IP, "netns", "exec", ns, TC, "qdisc", "add", "dev", veth, "root", "netem", *spec.split()])
 
+    def netem_unavailable(self) -> str | None:
+        """Why ``tc netem`` cannot shape the link here (``None``: it can)."""
+        try:
+            self.netem("delay 1ms")
+        except (RuntimeError, OSError) as err:
+            return f"tc netem is unavailable ({err}); the kernel needs CONFIG_NET_SCH_NETEM"
+        self.netem(None)
+        return None
+
     def bytes_sent(self, host: int) -> int:
         """Bytes ``host`` has sent over the veth since it was made."""
         shown = _run([IP, "-n", self.ns[host], "-j", "-s", "link", "show", "dev", self.veth[host]])

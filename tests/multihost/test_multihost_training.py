@@ -61,6 +61,9 @@ def test_main_job_runs_as_two_hosts_of_two_ranks(hosts: TwoHosts, uninterrupted:
 
 
 def test_slow_lossy_link_trains_to_the_same_losses(hosts: TwoHosts, uninterrupted: Path, tmp_path: Path) -> None:
+    reason = hosts.netem_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
     hosts.netem("delay 20ms 5ms loss 1%")
     try:
         sent = [hosts.bytes_sent(h) for h in (0, 1)]
