@@ -18,15 +18,16 @@ per-step metrics (written through DeepSpeed's monitor; a monitor ``output_path``
 ``<save-dir>/monitor``), the watchdog and the numerics guard. Any error ends the process with
 code 1 after logging it, never a hang.
 
-Fault injection, for the recovery tests: ``DS_RING_FAULT="kill:rank=1:step=5"`` SIGKILLs rank 1
-when training step 5 (1-based) posts its first ring transfer; ``"sleep:rank=1:step=3:seconds=60"``
-makes it stop answering for 60 s there instead; ``"kill_in_save:rank=1:step=6"`` and
+Fault injection, for the recovery tests: ``DS_RING_FAULT="kill:rank=1:step=5"`` SIGKILLs rank 1 when
+training step 5 (1-based) posts its first ring transfer; ``"sleep:rank=1:step=3:seconds=60"`` makes
+it stop answering for 60 s there instead; ``"kill_in_save:rank=1:step=6"`` and
 ``"sleep_in_save:rank=1:step=6:seconds=60"`` strike while the rank writes its first checkpoint file
-of step 6, after writing half of it; ``"sleep_in_reduce:rank=1:step=3:seconds=5"`` stalls the rank when
-DeepSpeed's gradient all-reduce of step 3 starts (the other ranks wait inside DeepSpeed's collective). It fires only in a run that started from scratch and is not a
-torchrun restart (``TORCHELASTIC_RESTART_COUNT`` unset or 0), so a restarted or re-run job resumes
-and finishes. Checkpoints are published atomically (``ds_ring.save_checkpoint``): a save cut short
-leaves the job to resume from the previous one.
+of step 6, after writing half of it; ``"sleep_in_reduce:rank=1:step=3:seconds=5"`` stalls the rank
+when DeepSpeed's gradient all-reduce of step 3 starts (the other ranks wait inside DeepSpeed's
+collective). A fault fires only in a run that started from scratch and is not a torchrun restart
+(``TORCHELASTIC_RESTART_COUNT`` unset or 0), so a restarted or re-run job resumes and finishes.
+Checkpoints are published atomically (``ds_ring.save_checkpoint``): a save cut short leaves the job
+to resume from the previous one.
 """
 
 from __future__ import annotations
