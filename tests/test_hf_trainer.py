@@ -4,8 +4,8 @@ On gloo ranks (a tiny fp32 Llama, SGD with momentum, constant learning rate, no 
 
 - 3 optimizer steps equal the README's hand-written ds_ring loop (``ds_ring.initialize``,
   ``register_with_transformers``, ``shard_batch``, ``causal_lm_loss``) on the same data: ZeRO 2 and 3 at 2 ranks,
-  packed batches from ``DataCollatorWithFlattening``, and 2 data × 2 sequence-parallel ranks at 4 (each replica
-  its own batches);
+  packed batches from ``DataCollatorWithFlattening``, the long_context tiles (ZeRO 3; fp32 tolerance), and 2 data
+  × 2 sequence-parallel ranks at 4 (each replica its own batches);
 - ``evaluate()`` (sequence parallel) gives the whole model's loss; ``disable_in_eval`` the same on whole sequences;
   ``predict()`` the whole model's logits; the tokens logged count each sequence once; ``save_model`` writes a
   checkpoint ``from_pretrained`` reads back;
@@ -93,9 +93,9 @@ def _hand_written(config: dict, data: list[dict], packed: bool) -> list[torch.Te
     from ds_ring.integrations.hf import causal_lm_loss, register_with_transformers, shard_batch
     from ds_ring.integrations.hf.registration import unregister_from_transformers
 
-    section = config["ring_attention"]
+    section = {k: v for k, v in config["ring_attention"].items() if k != "long_context"}  # the untiled model
     ds_config = {**config, "train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
-                 "gradient_clipping": 0.0}  # fmt: skip
+                 "gradient_clipping": 0.0, "ring_attention": section}  # fmt: skip
     ds_config.pop("train_batch_size")
     model = llama(torch.float32)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
@@ -137,18 +137,20 @@ def _rank(rank: int, world: int) -> list[str]:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
     log = CaseLog()
     with tempfile.TemporaryDirectory() as output:
-        cases = [("zero 2", 2, False), ("zero 3", 3, False), ("zero 2, packed", 2, True)] if world == 2 else [
-            ("2 data x 2 sequence, zero 2", 2, False)]  # fmt: skip
-        for name, stage, packed in cases:
+        tiled = {"long_context": {"tiled_loss": True, "tiled_mlp": True, "tile_tokens": 6}}
+        cases = [("zero 2", 2, False, {}), ("zero 3", 3, False, {}), ("zero 2, packed", 2, True, {}),
+                 ("zero 3, long_context tiles", 3, False, tiled)] if world == 2 else [
+            ("2 data x 2 sequence, zero 2", 2, False, {})]  # fmt: skip
+        for name, stage, packed, section in cases:
             with log.case(f"3 steps = the hand-written loop: {name}"):
-                config = _ds_config(stage)
+                config = _ds_config(stage, **section)
                 data = _samples(STEPS * BATCH * (world // 2) + BATCH, packed)
                 trainer = _trainer(config, data, packed, output)
                 try:
                     trainer.train()
                     got = _parameters(trainer.model_wrapped)
                     seen = trainer.state.num_input_tokens_seen
-                    if stage == 2 and not packed:
+                    if stage == 2 and not packed and not section:
                         _check_saved(trainer, got, os.path.join(output, "saved"))
                 finally:
                     trainer.close()
