@@ -199,6 +199,11 @@ class RingAttentionConfig(DeepSpeedConfigModel):
     builds and the monitor's collectives, and, when ds_ring starts ``torch.distributed``, the process
     group's); expiry raises an error naming rank, peer and step."""
 
+    ulysses_across_hosts: Literal["warn", "error", "allow"] = "warn"
+    """What the :class:`~ds_ring.Topology` does when a Ulysses group's ranks run on several hosts (its
+    all-to-alls then cross the network in every layer): warn naming the ranks and hosts, raise a
+    ``ValueError`` (``"error"``: strict placement), or nothing (``"allow"``). Hosts are ``socket.gethostname()``."""
+
     monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
     """Built-in hooks: per-step metrics, the watchdog and the numerics guard (:class:`MonitoringConfig`)."""
 

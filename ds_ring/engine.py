@@ -20,7 +20,7 @@ from torch.distributed import ProcessGroup
 
 from ds_ring.attention import MultiheadRingDilatedAttention, RingDilatedAttention
 from ds_ring.comm.agree import agree
-from ds_ring.comm.wait import DEFAULT_TIMEOUT_S
+from ds_ring.comm.wait import DEFAULT_TIMEOUT_S, process_group_timeout_s
 from ds_ring.config import SECTION, MonitoringConfig, RingAttentionConfig, load_config, read_ds_config
 from ds_ring.launch_env import discover_launch_env
 from ds_ring.monitor import RingMonitor, at_clean_exit, flush_writer
@@ -64,13 +64,15 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     ``mpirun`` through mpi4py — keeping ``MASTER_ADDR`` if set), starts the process group with
     :func:`process_group_backend` and hands it to DeepSpeed (``deepspeed.init_distributed`` adopts it).
     Under ``torchrun`` the rendezvous keys are private to the restart attempt, so ``--max-restarts``
-    restarts rendezvous afresh.
+    restarts rendezvous afresh. The process group's timeout is :func:`~ds_ring.comm.wait.process_group_timeout_s`
+    (on NCCL twice ``timeout_s``, so its watchdog stays the backstop behind ds_ring's bounded waits).
     """
     if dist.is_initialized():
         return
     discover_launch_env()
-    backend, timeout = process_group_backend(), timedelta(seconds=timeout_s)
-    store = _restart_safe_store(timeout)
+    backend = process_group_backend()
+    timeout = timedelta(seconds=process_group_timeout_s(backend, timeout_s))  # NCCL's watchdog: the backstop
+    store = _restart_safe_store(timedelta(seconds=timeout_s))
     if store is not None:
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
@@ -132,15 +134,25 @@ def _check_heads(model: nn.Module, section: RingAttentionConfig, world_size: int
             )
 
 
-def _zero3_all_reduce(ds_config: dict[str, Any], topology: Topology) -> dict:
-    """At ZeRO 3 with sequence parallelism, DeepSpeed's all-reduce path, which divides the all-rank gradient sum
-    by the data-parallel degree as stages 0-2 do (its reduce-scatter path divides by every rank:
-    :mod:`ds_ring.zero`). DeepSpeed partitions the parameters itself, over every rank (the topology's
-    ``get_data_parallel_group``), in the dtype the ds_config's ``bf16`` / ``fp16`` give."""
-    zero = dict(ds_config.get("zero_optimization", {}))
+def deepspeed_config_for(ds_config: Mapping[str, Any], topology: Topology) -> dict[str, Any]:
+    """The ds_config DeepSpeed gets with ``topology`` as its mpu: without the ``ring_attention`` section, and at
+    ZeRO 3 with sequence parallelism on DeepSpeed's all-reduce path, which divides the all-rank gradient sum by the
+    data-parallel degree as stages 0-2 do (its reduce-scatter path divides by every rank: :mod:`ds_ring.zero`).
+    DeepSpeed partitions the parameters itself, over every rank (the topology's ``get_data_parallel_group``), in
+    the dtype the ds_config's ``bf16`` / ``fp16`` give."""
+    config = {key: value for key, value in ds_config.items() if key != SECTION}
+    zero = dict(config.get("zero_optimization") or {})
     if int(zero.get("stage", 0)) != 3 or topology.get_sequence_parallel_world_size() == 1:
-        return ds_config
-    return {**ds_config, "zero_optimization": {**zero, "reduce_scatter": False}}
+        return config
+    return {**config, "zero_optimization": {**zero, "reduce_scatter": False}}
+
+
+def mark_engine_parameters(model: nn.Module | None, config: Mapping[str, Any], topology: Topology) -> None:
+    """After ``deepspeed.initialize`` with ``config`` (from :func:`deepspeed_config_for`): record on ``model``'s
+    parameters the gradient scale its engine needs (:func:`ds_ring.zero.mark_parameters`)."""
+    if model is not None:
+        scale = gradient_scale(config.get("zero_optimization"), topology.get_sequence_parallel_world_size())
+        mark_parameters(model, scale)
 
 
 def _check_monitor_backend(section: RingAttentionConfig, ds_config: Mapping[str, Any]) -> None:
@@ -243,8 +255,7 @@ def initialize(
         )
     topology = Topology.from_config(section, world_size)
     install(model, section, topology)
-    config_for_deepspeed = {key: value for key, value in ds_config.items() if key != SECTION}
-    config_for_deepspeed = _zero3_all_reduce(config_for_deepspeed, topology)
+    config_for_deepspeed = deepspeed_config_for(ds_config, topology)
     initialized = deepspeed.initialize(
         model=model,
         model_parameters=model_parameters,
@@ -253,8 +264,7 @@ def initialize(
         mpu=topology,
         **deepspeed_kwargs,
     )
-    sequence_parallel = topology.get_sequence_parallel_world_size()
-    mark_parameters(model, gradient_scale(config_for_deepspeed.get("zero_optimization"), sequence_parallel))
+    mark_engine_parameters(model, config_for_deepspeed, topology)
     attach_monitor(
         initialized[0], model, section.monitoring, timeout_s=section.timeout_s, group=topology.control_group(None)
     )

@@ -27,7 +27,9 @@ from torch.distributed import ProcessGroup
 
 from ds_ring.comm.agree import agree
 from ds_ring.comm.groups import takes_cpu
+from ds_ring.comm.hosts import gather_hosts
 from ds_ring.comm.wait import resolve_timeout
+from ds_ring.placement import check_placement
 
 __all__ = ["RankLayout", "rank_layout", "Topology", "ROLES", "sequence_group", "control_world", "needs_control_twins"]
 
@@ -244,7 +246,11 @@ class Topology:
     all-gather, :func:`ds_ring.comm.agree`, bounded by ``timeout_s``): degrees that differ raise a
     ``ValueError`` on every rank naming each rank's values. Then the degrees are checked, before any
     group is created. ``timeout_s`` (``None``: 300 s, :data:`ds_ring.comm.DEFAULT_TIMEOUT_S`) then
-    bounds every wait of attention over this topology that names no timeout of its own.
+    bounds every wait of attention over this topology that names no timeout of its own. The ranks then
+    exchange their hosts (:mod:`ds_ring.comm.hosts`, named in communication errors from then on) and
+    check that no Ulysses group spans several hosts (:func:`ds_ring.placement.check_placement`):
+    ``ulysses_across_hosts`` ``"warn"`` (a :class:`~ds_ring.placement.PlacementWarning` naming the ranks and
+    hosts), ``"error"`` (a ``ValueError`` on every rank) or ``"allow"``.
 
     It is DeepSpeed's ``mpu``: pass it as ``deepspeed.initialize(..., mpu=topology)``. ZeRO then
     reduces gradients over :attr:`sequence_data_parallel_group` (all ``D·U·R`` ranks) and divides by
@@ -288,6 +294,7 @@ class Topology:
         group: ProcessGroup | None = None,
         *,
         timeout_s: float | None = None,
+        ulysses_across_hosts: str = "warn",
     ) -> None:
         timeout_s = resolve_timeout(timeout_s)
         if not dist.is_initialized():
@@ -305,6 +312,7 @@ class Topology:
         agree(dict(data_parallel=data_parallel, ulysses=ulysses, ring=ring), group=control, op="Topology",
               timeout_s=timeout_s, fix=_SAME_DEGREES, cache=False)  # fmt: skip
         layout = rank_layout(world_size, data_parallel=data_parallel, ulysses=ulysses, ring=ring)
+        check_placement(layout, gather_hosts(control, timeout_s), ulysses_across_hosts)
         rank = dist.get_rank(group)
         world = dist.group.WORLD if group is None else group
         groups, controls = _create_groups(layout, rank, world, control, needs_control_twins(group))
@@ -336,7 +344,9 @@ class Topology:
         agree(degrees, group=control_world(), op="Topology.from_config", timeout_s=timeout_s, fix=_SAME_DEGREES,
               cache=False)  # fmt: skip
         layout = RankLayout.from_config(section, world_size)
-        return cls(layout.data_parallel, layout.ulysses, layout.ring, timeout_s=timeout_s)
+        placement = _read(section, "ulysses_across_hosts") or "warn"
+        return cls(layout.data_parallel, layout.ulysses, layout.ring, timeout_s=timeout_s,
+                   ulysses_across_hosts=placement)  # fmt: skip
 
     def __copy__(self) -> Topology:
         return self

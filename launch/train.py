@@ -18,14 +18,16 @@ per-step metrics (written through DeepSpeed's monitor; a monitor ``output_path``
 ``<save-dir>/monitor``), the watchdog and the numerics guard. Any error ends the process with
 code 1 after logging it, never a hang.
 
-Fault injection, for the recovery tests: ``DS_RING_FAULT="kill:rank=1:step=5"`` SIGKILLs rank 1
-when training step 5 (1-based) posts its first ring transfer; ``"sleep:rank=1:step=3:seconds=60"``
-makes it stop answering for 60 s there instead; ``"kill_in_save:rank=1:step=6"`` and
+Fault injection, for the recovery tests: ``DS_RING_FAULT="kill:rank=1:step=5"`` SIGKILLs rank 1 when
+training step 5 (1-based) posts its first ring transfer; ``"sleep:rank=1:step=3:seconds=60"`` makes
+it stop answering for 60 s there instead; ``"kill_in_save:rank=1:step=6"`` and
 ``"sleep_in_save:rank=1:step=6:seconds=60"`` strike while the rank writes its first checkpoint file
-of step 6, after writing half of it. It fires only in a run that started from scratch and is not a
-torchrun restart (``TORCHELASTIC_RESTART_COUNT`` unset or 0), so a restarted or re-run job resumes
-and finishes. Checkpoints are published atomically (``ds_ring.save_checkpoint``): a save cut short
-leaves the job to resume from the previous one.
+of step 6, after writing half of it; ``"sleep_in_reduce:rank=1:step=3:seconds=5"`` stalls the rank
+when DeepSpeed's gradient all-reduce of step 3 starts (the other ranks wait inside DeepSpeed's
+collective). A fault fires only in a run that started from scratch and is not a torchrun restart
+(``TORCHELASTIC_RESTART_COUNT`` unset or 0), so a restarted or re-run job resumes and finishes.
+Checkpoints are published atomically (``ds_ring.save_checkpoint``): a save cut short leaves the job
+to resume from the previous one.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ MONITORS_WITH_OUTPUT_PATH = ("csv_monitor", "tensorboard")
 class Fault:
     """A fault to inject (tests): ``action`` (one of :data:`ACTIONS`) on ``rank`` in training step ``step``."""
 
-    ACTIONS = ("kill", "sleep", "kill_in_save", "sleep_in_save")
+    ACTIONS = ("kill", "sleep", "kill_in_save", "sleep_in_save", "sleep_in_reduce")
 
     action: str
     rank: int
@@ -110,11 +112,15 @@ class Fault:
 
     def install(self, rank: int, current_step: list[int], engine: Any) -> HookHandle | None:
         """On ``rank``, fire when training step ``current_step[0] == step`` starts its first ring step
-        (``kill``, ``sleep``) or writes its first checkpoint file (``*_in_save``)."""
+        (``kill``, ``sleep``), writes its first checkpoint file (``*_in_save``) or starts DeepSpeed's gradient
+        all-reduce (``sleep_in_reduce``)."""
         if rank != self.rank:
             return None
         if self.action.endswith("_in_save"):
             self._strike_in_save(rank, current_step, engine)
+            return None
+        if self.action == "sleep_in_reduce":
+            self._stall_in_reduce(rank, current_step, engine)
             return None
 
         def fire(event: Event) -> None:
@@ -129,6 +135,19 @@ class Fault:
             time.sleep(self.seconds)
 
         return register_hook(fire, phases=("start",))
+
+    def _stall_in_reduce(self, rank: int, current_step: list[int], engine: Any) -> None:
+        reduce = engine.allreduce_gradients
+
+        def stall_then_reduce(*args: Any, **kwargs: Any) -> Any:
+            if current_step[0] == self.step:
+                print(f"ds_ring fault injection: rank {rank} sleep_in_reduce {self.seconds} s in training step "
+                      f"{self.step} (unix time {time.time():.3f})", file=sys.stderr, flush=True)  # fmt: skip
+                current_step[0] = -1  # once
+                time.sleep(self.seconds)
+            return reduce(*args, **kwargs)
+
+        engine.allreduce_gradients = stall_then_reduce
 
     def _strike_in_save(self, rank: int, current_step: list[int], engine: Any) -> None:
         """Make the engine's next checkpoint file of step ``step`` half-written, then kill or stall the rank."""

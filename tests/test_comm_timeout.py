@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ds_ring.comm import CommError, RingComm, all_gather
+from ds_ring.comm import CommError, CommTimeoutError, RingComm, all_gather
+from ds_ring.comm.wait import Pending, process_group_timeout_s, wait_all
 from tests.dist import run_distributed
 
 SILENT = 1  # the rank that takes no part in any transfer
@@ -114,3 +115,62 @@ def test_a_silent_peer_times_out_with_a_named_error(world_size: int, tmp_path: P
         )
         assert left["message"].endswith("the peer probably crashed or left the group")
         assert left["seconds"] < 10
+
+
+class _FailingWork:
+    """A ``Work`` whose ``wait`` raises what a backend raised."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self, timeout: timedelta) -> bool:
+        raise self.error
+
+
+NCCL_TIMEOUT = (
+    "[PG ID 1 PG GUID 1 Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, "
+    "OpType=COALESCED, NumelIn=1024, NumelOut=1024, Timeout(ms)=1000) ran for 1003 milliseconds before timing out."
+)
+
+
+@pytest.mark.parametrize(
+    ("error", "kind"),
+    [
+        (dist.DistBackendError(NCCL_TIMEOUT), CommTimeoutError),  # NCCL: Work.wait(timeout) past its deadline
+        (
+            RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Timed out waiting 1000ms"),
+            CommTimeoutError,
+        ),
+        (dist.DistBackendError("NCCL error: remote process exited or there was a network error"), CommError),
+        (RuntimeError("Connection closed by peer [127.0.0.1]:1234"), CommError),
+    ],
+    ids=["nccl timing out", "gloo timed out", "nccl remote error", "gloo closed"],
+)
+def test_a_backend_timeout_is_named_a_timeout_before_the_deadline(error, kind):
+    """NCCL's "... before timing out" counts as a timeout like gloo's "timed out"; other failures do not."""
+    with pytest.raises(CommError) as raised:
+        wait_all([Pending(_FailingWork(error), 1, "recv from rank 1")], timeout_s=60, rank=0, op="ring_kv", step=2)
+    assert type(raised.value) is kind, raised.value
+    assert (raised.value.rank, raised.value.peer, raised.value.step, raised.value.op) == (0, 1, 2, "ring_kv")
+
+
+def test_nccl_process_group_timeout_leaves_the_watchdog_as_backstop(monkeypatch):
+    """On NCCL the group's timeout is twice ds_ring's (its watchdog would end the process first otherwise);
+    gloo keeps ds_ring's. ``init_distributed`` starts the group with it."""
+    from ds_ring import engine
+
+    assert process_group_timeout_s("cpu:gloo,cuda:nccl", 120) == 240
+    assert process_group_timeout_s("nccl", 300) == 600
+    assert process_group_timeout_s("gloo", 120) == 120
+    started = {}
+    monkeypatch.setattr(engine.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(engine, "discover_launch_env", lambda: None)
+    monkeypatch.setattr(engine, "process_group_backend", lambda: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(engine, "_restart_safe_store", lambda timeout: None)
+    monkeypatch.setattr(engine.dist, "init_process_group", lambda backend, timeout: started.update(pg=timeout))
+    monkeypatch.setattr(engine.deepspeed, "init_distributed", lambda **kwargs: started.update(ds=kwargs["timeout"]))
+    engine.init_distributed(90)
+    assert started == {"pg": timedelta(seconds=180), "ds": timedelta(seconds=180)}

@@ -1,6 +1,7 @@
 """Dilated attention never materialises a seq × seq matrix: peak memory measured in a fresh process."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -41,3 +42,33 @@ def test_peak_memory_is_linear_in_sequence_length():
     assert forward < 40 * tensors_mib, forward
     assert both < 60 * tensors_mib, both
     assert both < dense_scores_mib / 10
+
+
+_DENSE_WORKER = textwrap.dedent(
+    """
+    import json, os, resource, sys, torch
+    import ds_ring
+    torch.set_num_threads(1)
+    seq, heads, head_dim = int(sys.argv[1]), 8, 64
+    q, k, v = (torch.randn(1, seq, heads, head_dim, requires_grad=True) for _ in range(3))
+    small = [x[:, :256].detach().requires_grad_() for x in (q, k, v)]
+    ds_ring.dilated_attention(*small, causal=True).sum().backward()  # warm the kernel up
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    ds_ring.dilated_attention(q, k, v, causal=True).sum().backward()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"extra_mib": (peak - base) / 1024, "kernel": os.environ.get("DS_RING_KERNEL")}))
+    """
+)
+
+
+def test_pure_torch_kernel_stays_in_the_flash_memory_class():
+    """``DS_RING_KERNEL=torch``, dense causal 8K fwd+bwd, 8 heads × 64, fp32: a few q-shards of peak extra
+    memory (was ~518 when the pure-torch kernel formed each block's score matrix)."""
+    seq = 8192
+    q_shard_mib = seq * 8 * 64 * 4 / 2**20  # 16 MiB
+    done = subprocess.run(
+        [sys.executable, "-c", _DENSE_WORKER, str(seq)], capture_output=True, text=True, timeout=240, check=True,
+        env={**os.environ, "DS_RING_KERNEL": "torch", "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    extra = json.loads(done.stdout.strip().splitlines()[-1])["extra_mib"]
+    assert extra <= 12 * q_shard_mib, f"{extra:.1f} MiB = {extra / q_shard_mib:.1f} q-shards"

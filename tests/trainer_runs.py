@@ -107,11 +107,16 @@ def run_ranks(args: list[str], world: int, port: int, tmp: Path, timeout: float,
     return _run_all(commands, [tmp / f"rank{r}.log" for r in range(world)], timeout)
 
 
+def run_command(command: list[str], port: int, log: Path, timeout: float, **env: str) -> Exit:
+    """One launcher command (its own session, output to ``log``) with ``MASTER_ADDR``/``MASTER_PORT`` set."""
+    return _run_all([(command, environment(port, **env))], [log], timeout)[0]
+
+
 def run_torchrun(args: list[str], port: int, log: Path, timeout: float, max_restarts: int = 0, **env: str) -> Exit:
     """``torchrun --nproc-per-node 2`` of the trainer on loopback."""
     command = [str(BIN / "torchrun"), "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                "--master-port", str(port), "--max-restarts", str(max_restarts), TRAIN, *args]  # fmt: skip
-    return _run_all([(command, environment(port, **env))], [log], timeout)[0]
+    return run_command(command, port, log, timeout, **env)
 
 
 def reap(marker: str) -> list[str]:

@@ -36,7 +36,7 @@ from ds_ring.comm.errors import CommError, CommTimeoutError
 from ds_ring.comm.groups import group_rank, group_size
 from ds_ring.comm.spans import group_members
 
-__all__ = ["Value", "agree", "ROW"]
+__all__ = ["Value", "agree", "gather_texts", "ROW"]
 
 Value = int | float | bool | str | torch.dtype | torch.device | Sequence[int] | torch.Tensor | None
 """What a field may hold; a tensor counts as the list of its values (e.g. ``cu_seqlens``)."""
@@ -134,6 +134,14 @@ def agree(
             verified[key] = None
             if len(verified) > _CACHE_SIZE:
                 verified.popitem(last=False)
+
+
+def gather_texts(
+    texts: list[str], *, group: dist.ProcessGroup | None, op: str, timeout_s: float | None
+) -> list[list[str]]:
+    """Every rank's ``texts`` (the same count on every rank), one list per rank in group-rank order; two small
+    all-gathers over ``group`` (a group whose backend takes CPU tensors), bounded by ``timeout_s``."""
+    return _Exchange(group, op, timeout_s, None).gather_texts(texts)
 
 
 class _Exchange:

@@ -2,10 +2,14 @@
 
 Both name who was waiting (``rank``), on whom (``peer``, a global rank; ``-1`` for a whole
 collective) and where (``op``, ``step``), so a hang in a ring of many ranks points at one link.
-After either error the process group is unusable: tear it down rather than retry.
+When the job spans several hosts (:mod:`ds_ring.comm.hosts`, known once a Topology is built) they
+also name the host of the rank and of the peer. After either error the process group is unusable:
+tear it down rather than retry.
 """
 
 from __future__ import annotations
+
+from ds_ring.comm.hosts import host_of, spans_hosts
 
 __all__ = ["CommError", "CommTimeoutError"]
 
@@ -17,37 +21,63 @@ class CommError(RuntimeError):
     ``"posting send to rank 2 / recv from rank 0"``; ``cause`` is the backend's message.
     """
 
-    def __init__(self, rank: int, peer: int, step: int, op: str, what: str, cause: str) -> None:
+    def __init__(
+        self, rank: int, peer: int, step: int, op: str, what: str, cause: str, hosts: tuple[str, str] | None = None
+    ) -> None:
         self.rank = rank
         self.peer = peer
         self.step = step
         self.op = op
         self.what = what
         self.cause = cause
+        self.hosts = hosts if hosts is not None else _hosts(rank, peer)
+        """``(this rank's host, the peer's host)`` when the job spans several hosts (``""``: unknown), else ``None``."""
         super().__init__(self._describe())
+
+    def _who(self) -> str:
+        return f"rank {self.rank}" + (f" on {self.hosts[0]}" if self.hosts and self.hosts[0] else "")
+
+    def _where(self) -> str:
+        peer_host = f"; rank {self.peer} is on {self.hosts[1]}" if self.hosts and self.hosts[1] else ""
+        return f"(op={self.op}, step={self.step}{peer_host})"
 
     def _describe(self) -> str:
         return (
-            f"ds_ring: rank {self.rank} failed {self.what} (op={self.op}, step={self.step}): "
+            f"ds_ring: {self._who()} failed {self.what} {self._where()}: "
             f"{self.cause}; the peer probably crashed or left the group"
         )
 
     def __reduce__(self) -> tuple[type, tuple[object, ...]]:
-        return type(self), (self.rank, self.peer, self.step, self.op, self.what, self.cause)
+        return type(self), (self.rank, self.peer, self.step, self.op, self.what, self.cause, self.hosts)
 
 
 class CommTimeoutError(CommError):
     """A transfer did not complete within ``timeout_s`` seconds."""
 
-    def __init__(self, rank: int, peer: int, step: int, op: str, what: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        rank: int,
+        peer: int,
+        step: int,
+        op: str,
+        what: str,
+        timeout_s: float,
+        hosts: tuple[str, str] | None = None,
+    ) -> None:
         self.timeout_s = float(timeout_s)
-        super().__init__(rank, peer, step, op, what, cause=f"no completion within {self.timeout_s} s")
+        super().__init__(rank, peer, step, op, what, f"no completion within {self.timeout_s} s", hosts)
 
     def _describe(self) -> str:
         return (
-            f"ds_ring: rank {self.rank} timed out after {self.timeout_s} s {self.what} "
-            f"(op={self.op}, step={self.step}); the peer is slow, hung or dead"
+            f"ds_ring: {self._who()} timed out after {self.timeout_s} s {self.what} {self._where()}; "
+            f"the peer is slow, hung or dead"
         )
 
     def __reduce__(self) -> tuple[type, tuple[object, ...]]:
-        return type(self), (self.rank, self.peer, self.step, self.op, self.what, self.timeout_s)
+        return type(self), (self.rank, self.peer, self.step, self.op, self.what, self.timeout_s, self.hosts)
+
+
+def _hosts(rank: int, peer: int) -> tuple[str, str] | None:
+    if not spans_hosts():
+        return None
+    return host_of(rank) or "", host_of(peer) or ""

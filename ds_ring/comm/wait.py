@@ -6,6 +6,26 @@ so the wait is delegated to it rather than polled. A wait that raises is turned 
 :class:`CommTimeoutError` (deadline reached) or :class:`CommError` (failed early, e.g. the peer died).
 Every such error is announced to the hooks (a ``"comm_error"`` event, :func:`failed`) before it is
 raised, so a watchdog logs it where it happens even if a caller swallows it.
+
+**NCCL** (``ProcessGroupNCCL``, as PyTorch documents it; not yet run here, the project has no GPU):
+
+- ``Work.wait()`` *without* a timeout only makes the current CUDA stream wait for the work: the host goes on.
+  ``Work.wait(timeout)``, which is all ds_ring calls, *blocks the host thread* until the work completes or
+  ``timeout`` passes. On timeout it aborts the group's NCCL communicator and raises
+  ``torch.distributed.DistBackendError`` (a ``RuntimeError``) whose message ends "... ran for N milliseconds
+  before timing out." — counted here as a timeout like gloo's "timed out"; any other error is a
+  :class:`CommError`. Either way the communicator is gone: the group cannot be used again.
+- Independently, the group's **watchdog** thread checks every work against the *process group's* timeout
+  (``init_process_group(timeout=...)``, 10 min by default for NCCL), counted from when the work was enqueued.
+  With ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` on (the default, as torchrun also sets it) a work past that timeout
+  makes the watchdog abort the communicators and *end the process*, whatever the host is doing — also when it
+  is stuck somewhere no ds_ring deadline reaches (a hung kernel, a collective outside ds_ring).
+- So on NCCL ds_ring's bounded wait says who and where (rank, peer, step, op) and the watchdog is the
+  backstop; for that order the process group's timeout must be at least ds_ring's ``timeout_s``, with room
+  for the compute enqueued ahead of a transfer: :func:`process_group_timeout_s` gives the one
+  ``ds_ring.initialize`` starts NCCL with (twice ``timeout_s``). A job that starts ``torch.distributed``
+  itself should do the same; with a shorter group timeout the watchdog ends the process first and the named
+  error is never raised. gloo has no such watchdog: its group timeout stays ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -21,7 +41,7 @@ import torch.distributed as dist
 from ds_ring.comm.errors import CommError, CommTimeoutError
 from ds_ring.hooks import Event, emit, hooks_active
 
-__all__ = ["Pending", "wait_all", "failed", "DEFAULT_TIMEOUT_S", "resolve_timeout"]
+__all__ = ["Pending", "wait_all", "failed", "DEFAULT_TIMEOUT_S", "resolve_timeout", "process_group_timeout_s"]
 
 DEFAULT_TIMEOUT_S = 300.0
 """Bound in seconds on a wait whose caller names none (a call on a plain group; a
@@ -38,6 +58,21 @@ def _checked_timeout(seconds: float) -> float:
     if not (math.isfinite(seconds) and seconds > 0):
         raise ValueError(f"ds_ring: a communication timeout must be a finite number of seconds > 0, got {seconds}")
     return seconds
+
+
+def process_group_timeout_s(backend: str, timeout_s: float) -> float:
+    """The process-group timeout for ``backend`` (e.g. ``"cpu:gloo,cuda:nccl"``) under ds_ring's ``timeout_s``:
+    twice it where NCCL's watchdog must stay the backstop behind ds_ring's own bounded waits, else itself."""
+    timeout_s = _checked_timeout(timeout_s)
+    return 2 * timeout_s if "nccl" in str(backend).lower() else timeout_s
+
+
+_TIMEOUT_WORDS = ("timed out", "timing out")  # gloo's wait; NCCL's Work.wait(timeout) and watchdog
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return any(word in text for word in _TIMEOUT_WORDS)
 
 
 @dataclass(frozen=True)
@@ -69,7 +104,7 @@ def wait_all(pending: Sequence[Pending], *, timeout_s: float, rank: int, op: str
         try:
             completed = item.work.wait(timeout=wait_for)
         except RuntimeError as exc:
-            if time.monotonic() >= deadline or "timed out" in str(exc).lower():
+            if time.monotonic() >= deadline or _is_timeout(exc):
                 raise failed(CommTimeoutError(rank, item.peer, step, op, what, timeout_s), started) from exc
             raise failed(CommError(rank, item.peer, step, op, what, str(exc)), started) from exc
         if completed is False:  # backends that report a timeout by returning instead of raising

@@ -1,14 +1,28 @@
-"""Block attention kernels that return the log-sum-exp, chosen once per (device type, dtype).
+"""Which block kernel runs a block, and the two calls every strategy makes: :func:`block_forward` and
+:func:`block_backward`.
 
 Every strategy computes attention as a set of *blocks*: one query block against one key block,
 either unmasked or causal with both blocks starting at the same position (the diagonal block of a
-ring or of a dilated segment). A block kernel returns ``(out, lse)`` so blocks can be LSE-merged,
-and its backward takes the *final* (merged) ``out`` and ``lse``: with those, the flash-style
-backward of each block gives that block's exact share of the gradient (DESIGN.md §2).
+ring or of a dilated segment). A block kernel (:mod:`ds_ring.kernels.base`) returns ``(out, lse)`` so
+blocks can be LSE-merged, and its backward takes the *final* (merged) ``out`` and ``lse``: with those,
+the flash-style backward of each block gives that block's exact share of the gradient (DESIGN.md §2).
+No kernel forms a block's score matrix: the fused ones (:mod:`ds_ring.kernels.fused`) never do, the
+pure-torch one (:mod:`ds_ring.kernels.chunked`) works in bounded tiles.
 
-Layout inside this module: ``[batch, heads, rows, head_dim]`` (strided views are fine); ``k``/``v``
-have the same number of heads as ``q`` (callers expand GQA heads). ``lse`` is ``[batch, heads, rows]``
-in float32 (float64 for float64 inputs).
+The choice is :func:`kernel_for`, a pure function of the device type, dtype, head dim and the GPU's facts:
+
+| device | dtype | kernel |
+|---|---|---|
+| CPU | any | ``cpu_flash`` |
+| CUDA sm80-121, FlashAttention-2 built | fp16, bf16, head_dim <= 256 (192 on sm86-89, sm120-121) | ``cuda_flash`` |
+| CUDA sm50+ | fp32; fp16/bf16 that FlashAttention-2 cannot run | ``cuda_efficient`` |
+| CUDA | fp64 | ``torch`` |
+| ROCm, other devices | any | ``torch`` |
+
+``DS_RING_KERNEL=<name>`` overrides it (``torch``: the tiled pure-torch kernel; tests use it to check the
+paths agree); it is read at every call, before the cached choice.
+
+Layout inside this module: ``[batch, heads, rows, head_dim]`` (see :mod:`ds_ring.kernels.base`).
 """
 
 from __future__ import annotations
@@ -16,115 +30,85 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
 
-from ds_ring.kernels.merge import accum_dtype
+from ds_ring.kernels.base import BlockKernel
+from ds_ring.kernels.chunked import CHUNKED
+from ds_ring.kernels.fused import CPU_FLASH, CUDA_EFFICIENT, CUDA_FLASH, HEAD_DIM_MULTIPLE
 
-__all__ = ["BlockKernel", "select_kernel", "block_forward", "block_backward"]
+__all__ = [
+    "BlockKernel",
+    "GpuFacts",
+    "KERNELS",
+    "gpu_facts",
+    "kernel_for",
+    "select_kernel",
+    "block_forward",
+    "block_backward",
+]
 
-
-BlockForward = Callable[[Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor]]
-"""``(q, k, v, causal, scale) -> (out, lse)``, in this module's layout."""
-BlockBackward = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor, Tensor]]
-"""``(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)`` given the final merged ``out``/``lse``."""
+KERNELS = {kernel.name: kernel for kernel in (CPU_FLASH, CUDA_FLASH, CUDA_EFFICIENT, CHUNKED)}
+"""Every block kernel by name (the values ``DS_RING_KERNEL`` takes)."""
 
 
 @dataclass(frozen=True)
-class BlockKernel:
-    """A named forward/backward pair; ``name`` is reported by benchmarks and the monitor."""
+class GpuFacts:
+    """What the kernel choice needs to know about a CUDA device: compute capability ``(major, minor)``,
+    whether this PyTorch build has FlashAttention-2 (``torch.backends.cuda.is_flash_attention_available()``),
+    and whether it is a ROCm (HIP) build."""
 
-    name: str
-    forward: BlockForward
-    backward: BlockBackward
-
-
-# --- CPU: PyTorch's fused flash kernel (fp32 / fp64 / bf16 / fp16), which returns the LSE. -------
-
-
-def _cpu_flash_forward(q, k, v, causal, scale):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    capability: tuple[int, int]
+    flash_built: bool = True
+    rocm: bool = False
 
 
-def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.to(accum_dtype(q.dtype)), 0.0, causal, scale=scale
-    )
-
-
-# --- CUDA: PyTorch's fused FlashAttention-2 (fp16 / bf16). Not exercised on the CPU-only CI. --------
-
-
-def _cuda_flash_forward(q, k, v, causal, scale):
-    out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
-    return out, lse
-
-
-def _cuda_flash_backward(dout, q, k, v, out, lse, causal, scale):
-    empty = torch.empty(0, device=q.device, dtype=torch.int64)
-    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.float().contiguous(),
-        empty, empty, q.shape[-2], k.shape[-2], 0.0, causal, empty, empty, scale=scale,
-    )  # fmt: skip
-
-
-# --- Pure torch: any device and dtype; materialises one block's score matrix. --------------------
-
-
-def _scores(q, k, causal, scale):
-    acc = accum_dtype(q.dtype)
-    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
-    if causal:
-        m, n = s.shape[-2:]
-        mask = torch.ones(m, n, dtype=torch.bool, device=s.device).triu(1)
-        s = s.masked_fill(mask, float("-inf"))
-    return s
-
-
-def _torch_forward(q, k, v, causal, scale):
-    s = _scores(q, k, causal, scale)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.unsqueeze(-1))
-    return torch.matmul(p, v.to(p.dtype)).to(q.dtype), lse
-
-
-def _torch_backward(dout, q, k, v, out, lse, causal, scale):
-    acc = accum_dtype(q.dtype)
-    dout, out = dout.to(acc), out.to(acc)
-    p = torch.exp(_scores(q, k, causal, scale) - lse.to(acc).unsqueeze(-1))
-    dv = torch.matmul(p.transpose(-1, -2), dout)
-    dp = torch.matmul(dout, v.to(acc).transpose(-1, -2))
-    ds = p * (dp - (dout * out).sum(-1, keepdim=True)) * scale
-    dq = torch.matmul(ds, k.to(acc))
-    dk = torch.matmul(ds.transpose(-1, -2), q.to(acc))
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-TORCH = BlockKernel("torch", _torch_forward, _torch_backward)
-CPU_FLASH = BlockKernel("cpu_flash", _cpu_flash_forward, _cpu_flash_backward)
-CUDA_FLASH = BlockKernel("cuda_flash", _cuda_flash_forward, _cuda_flash_backward)
-
-
-def select_kernel(device_type: str, dtype: torch.dtype) -> BlockKernel:
-    """The fastest available kernel that returns the LSE, chosen once per (device type, dtype).
-
-    The environment variable ``DS_RING_KERNEL=torch`` forces the pure-torch fallback (tests use it
-    to check both paths agree). It is read on every call, before the cached choice, so setting or
-    clearing it takes effect at the next block.
-    """
-    return TORCH if os.environ.get("DS_RING_KERNEL") == "torch" else _fastest_kernel(device_type, dtype)
+def _flash_head_dim_limit(capability: tuple[int, int]) -> int:
+    """The largest head dim FlashAttention-2 runs forward and backward on this capability."""
+    return 192 if (8, 6) <= capability <= (8, 9) or (12, 0) <= capability <= (12, 1) else 256
 
 
 @functools.cache
-def _fastest_kernel(device_type: str, dtype: torch.dtype) -> BlockKernel:
-    if device_type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+def kernel_for(
+    device_type: str, dtype: torch.dtype, head_dim: int, gpu: GpuFacts | None, override: str | None = None
+) -> BlockKernel:
+    """The kernel for blocks of ``dtype`` and ``head_dim`` on ``device_type`` (``gpu``: the CUDA device's facts,
+    ``None`` elsewhere); ``override`` (``DS_RING_KERNEL``'s value) is taken first. Pure, and cached."""
+    if override:
+        if override not in KERNELS:
+            raise ValueError(f"DS_RING_KERNEL={override!r} names no block kernel; choose one of {sorted(KERNELS)}")
+        return KERNELS[override]
+    if device_type == "cpu":
         return CPU_FLASH
-    if device_type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+    if device_type != "cuda" or gpu is None or gpu.rocm or dtype == torch.float64:
+        return CHUNKED
+    padded = -(-head_dim // HEAD_DIM_MULTIPLE) * HEAD_DIM_MULTIPLE
+    flash = gpu.flash_built and (8, 0) <= gpu.capability <= (12, 1) and padded <= _flash_head_dim_limit(gpu.capability)
+    if dtype in (torch.float16, torch.bfloat16) and flash:
         return CUDA_FLASH
-    return TORCH
+    if dtype in (torch.float32, torch.float16, torch.bfloat16) and gpu.capability >= (5, 0):
+        return CUDA_EFFICIENT
+    return CHUNKED
+
+
+@functools.cache
+def gpu_facts(index: int) -> GpuFacts:
+    """The facts of CUDA device ``index``, read once."""
+    return GpuFacts(
+        torch.cuda.get_device_capability(index),
+        torch.backends.cuda.is_flash_attention_available(),
+        torch.version.hip is not None,
+    )
+
+
+def select_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> BlockKernel:
+    """The kernel :func:`kernel_for` picks for this device (its GPU facts read once per device), after
+    ``DS_RING_KERNEL`` (read at every call, so setting or clearing it takes effect at the next block)."""
+    gpu = None
+    if device.type == "cuda":
+        gpu = gpu_facts(device.index if device.index is not None else torch.cuda.current_device())
+    return kernel_for(device.type, dtype, head_dim, gpu, os.environ.get("DS_RING_KERNEL") or None)
 
 
 def _scale(q: torch.Tensor, scale: float | None) -> float:
@@ -143,7 +127,7 @@ def block_forward(
     Returns:
         ``out [batch, heads, m, head_dim]`` in ``q.dtype`` and ``lse [batch, heads, m]`` (fp32/fp64).
     """
-    kernel = select_kernel(q.device.type, q.dtype)
+    kernel = select_kernel(q.device, q.dtype, q.shape[-1])
     return kernel.forward(q, k, v, causal, _scale(q, scale))
 
 
@@ -163,5 +147,5 @@ def block_backward(
     Shapes as in :func:`block_forward`; ``dout``/``out`` are ``[batch, heads, m, head_dim]``,
     ``lse`` is ``[batch, heads, m]``. Returns ``(dq, dk, dv)`` in the input dtypes.
     """
-    kernel = select_kernel(q.device.type, q.dtype)
+    kernel = select_kernel(q.device, q.dtype, q.shape[-1])
     return kernel.backward(dout, q, k, v, out, lse, causal, _scale(q, scale))

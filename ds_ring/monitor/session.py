@@ -26,6 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ds_ring.comm.groups import group_rank
 from ds_ring.hooks import PHASES, HookHandle, peak_memory_bytes, pop_labels, push_labels, register_hook
+from ds_ring.monitor.collectives import NamedCollectives
 from ds_ring.monitor.guard import GUARD_MODES, NumericsGuard
 from ds_ring.monitor.layers import label_layers
 from ds_ring.monitor.metrics import EventWriter, MetricsReporter, rank_metrics
@@ -43,8 +44,9 @@ class RingMonitor:
     Args:
         metrics: gather per-step metrics (:data:`ds_ring.monitor.metrics.METRICS`, min and max over
             ranks) in :meth:`end_step` and write them to ``writer`` from rank 0.
-        watchdog: log communication errors where they happen; ``step_timeout_s``: exit a process
-            whose training step runs longer (``None``: no deadline).
+        watchdog: log communication errors where they happen, DeepSpeed's collectives included (their
+            failures renamed by :class:`~ds_ring.monitor.collectives.NamedCollectives`); ``step_timeout_s``:
+            exit a process whose training step runs longer (``None``: no deadline).
         numerics_guard: ``"off"``, ``"warn"``, ``"raise"`` or ``"skip_step"``.
         model: its attention modules label events with their names (for messages).
         writer: DeepSpeed's ``engine.monitor`` (anything with ``write_events``).
@@ -77,6 +79,7 @@ class RingMonitor:
         self.reporter = MetricsReporter(writer, timeout_s, group) if metrics else None
         self.guard = NumericsGuard(numerics_guard, timeout_s, group) if numerics_guard != "off" else None
         self.watchdog = Watchdog(self.rank, step_timeout_s) if watchdog else None
+        self._collectives = NamedCollectives(timeout_s) if watchdog else None
         if self.timeline is not None:
             self._hooks.append(register_hook(self.timeline, phases=PHASES))
         for hook in (self.guard, self.watchdog):
@@ -138,6 +141,8 @@ class RingMonitor:
         self._hooks, self._module_hooks = [], []
         if self.watchdog is not None:
             self.watchdog.close()
+        if self._collectives is not None:
+            self._collectives.close()
         self._pop_labels()
 
     def _pop_labels(self) -> None:

@@ -18,6 +18,7 @@ import threading
 import time
 
 from ds_ring.hooks import Event, current_labels
+from ds_ring.monitor.collectives import running_collective
 
 __all__ = ["Watchdog", "EXIT_CODE"]
 
@@ -84,10 +85,12 @@ class Watchdog:
                 self._expire()
 
     def _expire(self) -> None:
+        collective = running_collective()
+        inside = f" inside DeepSpeed's {collective}" if collective else ""
         logger.error(
-            "ds_ring watchdog: rank %d: training step %d still running after %s s (step_timeout_s); "
+            "ds_ring watchdog: rank %d: training step %d still running after %s s (step_timeout_s)%s; "
             "dumping every thread's stack and exiting with code %d",
-            self.rank, self._step, self.step_timeout_s, EXIT_CODE,
+            self.rank, self._step, self.step_timeout_s, inside, EXIT_CODE,
         )  # fmt: skip
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()

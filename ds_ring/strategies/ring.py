@@ -6,10 +6,11 @@ full turn) every block has visited every member that needs it. Two K/V buffers, 
 call, alternate: the block being computed on and the one arriving.
 
 Backward (a second ring): K/V blocks rotate again in the same two buffers. Each block's gradient
-accumulator travels one step behind it: a member adds the accumulator it receives (into one receive
-buffer, allocated once per call) to its own gradient of that block — the kernel's dK/dV as they are
-when one call meets the whole block — and sends the sum on; after the last hop it goes home in one
-transfer (for a full turn that is the next member, so the ring simply closes). dQ stays local. A
+accumulator travels one step behind it: its first visitor starts it with its own gradient of the
+block (the kernel's dK/dV as they are when one call meets the whole block), each later visitor adds
+the accumulator it receives (into one receive buffer, allocated once per call) and sends the sum on,
+and the last sends it home (for a full turn that is the next member, so the ring simply closes):
+``span.hops`` transfers per member, none of them an empty accumulator. dQ stays local. A
 member's own runs are computed last, once the ring's buffers are released, so the shard's dK/dV are
 allocated only then. Per rank this holds ``out``, ``dq``, two K/V blocks, the travelling dK/dV and
 one block's gradients at once.
@@ -33,7 +34,6 @@ from ds_ring.strategies.blocks import (
     block_has_work,
     forward_block_,
     forward_own_,
-    new_grad_block,
     pack_block,
     unpack_block,
 )
@@ -126,31 +126,41 @@ class RingExchange(Exchange):
         self, span: SpanPlan, shard: Shard, dout: torch.Tensor, dq: torch.Tensor, comm: CommSpec, opts: Options
     ) -> torch.Tensor | None:
         """The blocks' turn of the backward: accumulates into ``dq``; returns this member's block
-        gradient, home (flat, in the receive buffer)."""
+        gradient, home (flat, in the receive buffer).
+
+        ``span.hops`` gradient transfers per member: at step ``s`` (1 to hops) this member holds the
+        block of the member ``s`` places behind; at step 1 it is that block's first visitor and its
+        gradient starts the accumulator, at later steps it adds the accumulator received from the
+        previous member, and at the last step the sum goes home (the next member for a full turn,
+        ``hops`` places back for a partial one).
+        """
         n, me, hops = len(span.members), span.index, span.hops
         if not hops:
             return None
         batch, head_dim = shard.batch, shard.head_dim
-        blocks, grad_ring = _KVTurn(span, shard, comm), _ring_comm(span, comm, "ring_dkv")
+        blocks = _KVTurn(span, shard, comm)
+        forward = _ring_comm(span, comm, "ring_dkv")
+        home = forward if hops == n - 1 else _ring_comm(span, comm, "ring_dkv", shift=-hops)
         received = BlockBuffers(span, batch, head_dim, accum_dtype(shard.q.dtype), shard.q.device)
-        grad = _halves(new_grad_block(span, me, shard))  # my block's accumulator starts empty
-        travelling = received.view(0, 0)
-        for step in range(hops + 1):
+        travelling = None
+        blocks.post(0)
+        blocks.arrive()
+        for step in range(1, hops + 1):
             src = (me - step) % n
             if step < hops:
                 blocks.post(step)
-            if step > 0:
-                grad_ring.wait()  # before computing: the block gradient sent last step is released first
-                grad = None
-                grad = block_grad(span, src, blocks.kv(src), shard, dout, dq, opts)
+            if travelling is not None:
+                forward.wait()  # before computing: the block gradient sent last step is released first
+            grad = block_grad(span, src, blocks.kv(src), shard, dout, dq, opts)
+            if travelling is not None:
                 _add_halves_(grad, travelling)
             if step < hops:
                 blocks.arrive()
             last = step == hops
-            ring = grad_ring if not last or hops == n - 1 else _ring_comm(span, comm, "ring_dkv", shift=-hops)
             travelling = received.view(0, span.block_numel(me if last else (src - 1) % n, batch, head_dim))
-            _send_halves(ring, grad, travelling, step)
-        ring.wait()  # the last transfer: my block's gradient, home
+            _send_halves(home if last else forward, grad, travelling, step)
+            del grad
+        home.wait()  # the last transfer: my block's gradient, home
         return travelling
 
 

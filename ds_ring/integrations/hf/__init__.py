@@ -34,6 +34,7 @@ from ds_ring.integrations.hf.loss import causal_lm_loss
 from ds_ring.integrations.hf.registration import register_with_transformers, unregister_from_transformers
 
 __all__ = [
+    "SequenceParallelTrainer",
     "register_with_transformers",
     "unregister_from_transformers",
     "shard_batch",
@@ -42,3 +43,11 @@ __all__ = [
     "UlyssesSPAttentionHF",
     "UlyssesSPDataLoaderAdapter",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name == "SequenceParallelTrainer":  # imports transformers' Trainer (and accelerate): only when asked for
+        from ds_ring.integrations.hf.trainer import SequenceParallelTrainer
+
+        return SequenceParallelTrainer
+    raise AttributeError(f"module 'ds_ring.integrations.hf' has no attribute {name!r}")

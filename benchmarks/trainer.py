@@ -1,0 +1,89 @@
+"""``python -m benchmarks.trainer``: tokens/s of ``SequenceParallelTrainer`` vs the hand-written loop, same job.
+
+Both run the recall task (``launch/train_trainer.py`` with ``ds_configs/hf_trainer.json``, ``launch/train_hf.py``
+with ``ds_configs/hf_ring.json``: the same model, ring dilated attention over 2 ranks, ZeRO 2, AdamW, clipping 1.0,
+4 sequences of ``--seq`` tokens per step) under ``torchrun`` on 2 CPU ranks, alternated round by round so that a
+change of load hits both. Each script times its steps alone (not the engine's start). Writes ``DIR/trainer.json``
+(every round's numbers, the machine's load) and ``DIR/trainer_tokens.png``; prints the median of the per-round
+ratios Trainer ÷ loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+JOBS = {
+    "hand-written loop": ("launch/train_hf.py", "ds_configs/hf_ring.json", r"rank 0:\s+(\d+) tokens/s"),
+    "SequenceParallelTrainer": ("launch/train_trainer.py", "ds_configs/hf_trainer.json", r"\((\d+) tokens/s\)"),
+}
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tokens_per_s(script: str, config: str, pattern: str, steps: int, seq: int) -> float:
+    torchrun = Path(sys.executable).parent / "torchrun"
+    command = [str(torchrun), "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(_port()), script, "--deepspeed_config", config, "--steps", str(steps),
+               "--seq", str(seq)]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
+    found = re.search(pattern, done.stdout + done.stderr)
+    if done.returncode != 0 or found is None:
+        raise RuntimeError(f"{script} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+    return float(found.group(1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = p.parse_args(argv)
+    rounds = []
+    for r in range(args.rounds):
+        row = {name: _tokens_per_s(*job, args.steps, args.seq) for name, job in JOBS.items()}
+        row["load"] = os.getloadavg()[0]
+        rounds.append(row)
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v:.0f}" for k, v in row.items()), flush=True)
+    ratios = [row["SequenceParallelTrainer"] / row["hand-written loop"] for row in rounds]
+    summary = {name: statistics.median(row[name] for row in rounds) for name in JOBS}
+    summary["median ratio Trainer / loop"] = statistics.median(ratios)
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {"settings": vars(args) | {"out": str(args.out)}, "rounds": rounds, "ratios": ratios, "summary": summary}
+    (args.out / "trainer.json").write_text(json.dumps(result, indent=1))
+    _plot(rounds, args.out / "trainer_tokens.png")
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+def _plot(rounds: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name in JOBS:
+        ax.plot(range(1, len(rounds) + 1), [row[name] for row in rounds], marker="o", label=name)
+    ax.set(xlabel="round (alternated)", ylabel="tokens/s (2 CPU ranks)", title="Trainer vs hand-written loop")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

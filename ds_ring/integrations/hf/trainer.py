@@ -1,0 +1,280 @@
+"""transformers' ``Trainer``, sequence parallel from the ds_config alone: change ``Trainer`` to
+:class:`SequenceParallelTrainer` and add a ``ring_attention`` section to the ds_config passed as
+``TrainingArguments(deepspeed=...)``.
+
+What it changes in ``Trainer`` (and nothing else):
+
+- **topology and attention**: builds the :class:`~ds_ring.Topology` from the section once ``torch.distributed`` is
+  up (collective) and registers the model's attention (:func:`register_with_transformers`, which also applies the
+  section's ``long_context`` to the model);
+- **the engine**: every ``deepspeed.initialize`` the Trainer (through accelerate) makes gets the topology as its
+  ``mpu``, the batch size of the data-parallel replicas (not of every rank), ZeRO 3 on the all-reduce path and the
+  parameters marked as ``ds_ring.initialize`` marks them (:mod:`ds_ring.zero`);
+- **the data**: every rank of a sequence-parallel group gets the same batches (the samplers split over the
+  ``D = world ÷ sequence-parallel`` data-parallel replicas), then this rank's shard (:func:`shard_batch`: packed
+  batches from ``DataCollatorWithFlattening`` included); steps per epoch, the total batch size and the tokens
+  logged count each sequence once;
+- **the loss**: :func:`causal_lm_loss` (ds_ring's contract: the group's mean, each rank's gradient its share), or the
+  model's own ``.loss`` when ``long_context.tiled_loss`` computes it; gradient accumulation as the Trainer does it;
+- **evaluation and prediction**: sequence parallel, the loss the group's mean, logits gathered along the sequence
+  and metrics over the data-parallel replicas; with ``disable_in_eval=True`` the original attention on whole
+  sequences instead, each rank its own samples, as a plain ``Trainer`` would.
+
+Checkpoints are the Trainer's (DeepSpeed's engine checkpoint, RNG states, sampler position): ``save_model`` writes
+an ordinary Hugging Face checkpoint and ``resume_from_checkpoint`` continues where the run stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ds_ring.comm.collectives import all_gather
+from ds_ring.comm.spans import group_members
+from ds_ring.config import SECTION, RingAttentionConfig, load_config, read_ds_config
+from ds_ring.integrations.hf.batches import shard_batch
+from ds_ring.integrations.hf.loss import causal_lm_loss
+from ds_ring.integrations.hf.registration import register_with_transformers, unregister_from_transformers
+from ds_ring.sharding import gather_sequence
+from ds_ring.topology import Topology
+
+__all__ = ["SequenceParallelTrainer"]
+
+
+def _trainer_base() -> type:
+    from transformers import Trainer
+
+    return Trainer
+
+
+class SequenceParallelTrainer(_trainer_base()):  # type: ignore[misc]
+    """A ``transformers.Trainer`` whose model trains sequence parallel as the ds_config's ``ring_attention`` says.
+
+    Takes the Trainer's arguments; ``args.deepspeed`` (a path or dict) must hold an enabled ``ring_attention``
+    section. ``disable_in_eval``: evaluate and predict on whole sequences with the model's original attention.
+
+    Raises:
+        ValueError: before training, naming both sides: no ds_config or no enabled section, a
+            ``parallelism_config`` that also asks for sequence parallelism (ALST's), or a section that does not fit
+            the job (the world size, the model's heads).
+    """
+
+    def __init__(self, model: nn.Module | None = None, args: Any = None, *rest: Any, disable_in_eval: bool = False,
+                 **kwargs: Any) -> None:  # fmt: skip
+        self.ds_config, self.section = _section_of(args)
+        _refuse_other_sequence_parallelism(args)
+        super().__init__(model, args, *rest, **kwargs)
+        self.model_accepts_loss_kwargs = False  # ds_ring's loss, not the model's with num_items_in_batch
+        self.disable_in_eval = disable_in_eval
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        _check_fits(self.section, world_size, self.accelerator.unwrap_model(self.model))
+        self.topology = Topology.from_config(self.section, world_size)
+        register_with_transformers(
+            self.accelerator.unwrap_model(self.model), config=self.ds_config, topology=self.topology,
+            disable_in_eval=disable_in_eval,
+        )  # fmt: skip
+
+    # --- the engine ---------------------------------------------------------------------------------
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        with _engine_over(self.topology, self.args):
+            return super().train(*args, **kwargs)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        with _engine_over(self.topology, self.args):
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        with _engine_over(self.topology, self.args):
+            return super().predict(*args, **kwargs)
+
+    def close(self) -> None:
+        """Put back transformers' attention (the registration lives as long as the trainer is used)."""
+        unregister_from_transformers()
+
+    # --- arithmetic of the data-parallel replicas -----------------------------------------------------
+
+    def get_total_train_batch_size(self, args: Any) -> int:
+        return self._train_batch_size * args.gradient_accumulation_steps * self.topology.get_data_parallel_world_size()
+
+    def _track_num_input_tokens(self, inputs: Mapping[str, Any]) -> None:
+        """Each sequence counted once: only sequence-parallel rank 0 of a group counts the group's batch."""
+        if self.topology.get_sequence_parallel_rank() == 0:
+            super()._track_num_input_tokens(inputs)
+        elif self.args.include_num_input_tokens_seen != "no":
+            zero = torch.zeros((), dtype=torch.int64, device=self.args.device)
+            self.state.num_input_tokens_seen += self.accelerator.gather(zero).sum().item()
+
+    # --- the data ----------------------------------------------------------------------------------------
+
+    def _sequence_parallel(self, training: bool) -> bool:
+        return training or not self.disable_in_eval
+
+    def _get_dataloader(self, dataset: Any, description: str, batch_size: int, *args: Any, **kwargs: Any) -> Any:
+        dataloader = super()._get_dataloader(dataset, description, batch_size, *args, **kwargs)
+        if self._sequence_parallel(description == "Training"):
+            _over_data_parallel_replicas(dataloader, self.topology)
+        return dataloader
+
+    def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        inputs = super()._prepare_inputs(inputs)
+        if not self._sequence_parallel(self.model.training):
+            return inputs
+        return shard_batch(inputs, self.topology)
+
+    # --- the loss ----------------------------------------------------------------------------------------
+
+    def compute_loss(
+        self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        if "shift_labels" not in inputs:  # whole sequences (disable_in_eval): the model's own loss
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        outputs = model(**inputs)  # with long_context.tiled_loss the model computes the loss from shift_labels
+        loss = outputs.loss if outputs.get("loss") is not None else None
+        if loss is None:
+            loss = causal_lm_loss(outputs.logits, inputs["shift_labels"], self.topology)
+        return (loss, outputs) if return_outputs else loss
+
+    # --- evaluation -----------------------------------------------------------------------------------
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        if self._sequence_parallel(False):
+            self.gather_function = _DataParallelGather(self)  # the Trainer resets it at the end of the loop
+        return super().evaluation_loop(*args, **kwargs)
+
+    def prediction_step(
+        self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys: list[str] | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        if not self._sequence_parallel(False):
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        labels = inputs.get("labels")
+        sharded = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss, outputs = self.compute_loss(model, sharded, return_outputs=True)
+        if prediction_loss_only or outputs.get("logits") is None:
+            return loss.detach(), None, None
+        logits = gather_sequence(outputs.logits.detach(), self.topology, layout=self.section.layout)
+        return loss.detach(), logits, None if labels is None else labels.to(logits.device)
+
+
+def _section_of(args: Any) -> tuple[dict[str, Any], RingAttentionConfig]:
+    ds_config = getattr(args, "deepspeed", None)
+    if ds_config is None:
+        raise ValueError(
+            f"SequenceParallelTrainer needs TrainingArguments(deepspeed=...): a ds_config (path or dict) with a "
+            f"{SECTION!r} section; pass the ds_config, or use transformers' Trainer"
+        )
+    ds_config = read_ds_config(ds_config)
+    section = load_config(ds_config)
+    if not section.enabled:
+        raise ValueError(
+            f"SequenceParallelTrainer: the ds_config TrainingArguments(deepspeed=...) names has no enabled {SECTION!r} "
+            f"section; add one (strategy, degrees, branches), or use transformers' Trainer"
+        )
+    return ds_config, section
+
+
+def _check_fits(section: RingAttentionConfig, world_size: int, model: nn.Module) -> None:
+    """``ValueError`` naming the section and the job when its degrees or the model's heads do not fit (no
+    communication: the same on every rank)."""
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(config, "num_attention_heads", None)
+    try:
+        section.degrees(world_size)
+        if heads is not None:
+            section.check(
+                world_size=world_size, num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None)
+            )
+    except ValueError as err:
+        raise ValueError(
+            f"SequenceParallelTrainer: the ds_config's {SECTION} section does not fit this job ({world_size} ranks, "
+            f"num_attention_heads = {heads}): {err}"
+        ) from None
+
+
+def _refuse_other_sequence_parallelism(args: Any) -> None:
+    config = getattr(args, "parallelism_config", None)
+    sp_size = getattr(config, "sp_size", 1) or 1
+    if config is not None and (sp_size > 1 or getattr(config, "sp_backend", None) is not None and sp_size > 1):
+        raise ValueError(
+            f"TrainingArguments(parallelism_config=...) asks for sequence parallelism (sp_backend="
+            f"{getattr(config, 'sp_backend', None)!r}, sp_size={sp_size}) and the ds_config's {SECTION!r} section "
+            f"asks for ds_ring's; remove sp_size/sp_backend from parallelism_config (ds_ring's section sets the "
+            f"degrees), or use transformers' Trainer for ALST"
+        )
+
+
+@contextlib.contextmanager
+def _engine_over(topology: Topology, args: Any) -> Iterator[None]:
+    """Every ``deepspeed.initialize`` inside gets ``mpu=topology`` and the ds_config ``ds_ring.initialize`` gives."""
+    import deepspeed
+
+    from ds_ring.engine import deepspeed_config_for, mark_engine_parameters
+
+    original = deepspeed.initialize
+
+    def initialize(*positional: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("mpu", topology)
+        key = "config_params" if "config_params" in kwargs else "config"
+        config = deepspeed_config_for(read_ds_config(kwargs[key]), topology)
+        micro, steps = config.get("train_micro_batch_size_per_gpu"), config.get("gradient_accumulation_steps", 1)
+        if isinstance(micro, int) and isinstance(steps, int):  # the Trainer counted every rank as a replica
+            config["train_batch_size"] = micro * steps * topology.get_data_parallel_world_size()
+        kwargs[key] = config
+        initialized = original(*positional, **kwargs)
+        mark_engine_parameters(kwargs.get("model", positional[1] if len(positional) > 1 else None), config, topology)
+        return initialized
+
+    deepspeed.initialize = initialize
+    try:
+        yield
+    finally:
+        deepspeed.initialize = original
+
+
+def _over_data_parallel_replicas(dataloader: Any, topology: Topology) -> None:
+    """Make an accelerate-prepared loader split its batches over the ``D`` data-parallel replicas, not every rank:
+    the ranks of a sequence-parallel group then get the same batches (as the Trainer itself does for
+    rank-aware samplers)."""
+    replicas, replica = topology.get_data_parallel_world_size(), topology.get_data_parallel_rank()
+    for shard in (getattr(dataloader, "batch_sampler", None), getattr(dataloader, "dataset", None)):
+        if shard is not None and hasattr(shard, "num_processes") and hasattr(shard, "process_index"):
+            shard.num_processes, shard.process_index = replicas, replica
+            return
+    raise ValueError(
+        f"SequenceParallelTrainer cannot split the batches of a {type(dataloader).__name__} over the data-parallel "
+        f"replicas; use a map-style or iterable dataset the Trainer prepares with accelerate"
+    )
+
+
+class _DataParallelGather:
+    """The Trainer's ``gather_function`` during sequence-parallel evaluation: every tensor gathered over the
+    data-parallel replicas (the ranks of a group hold the same), the padding of the last batches dropped as
+    accelerate's ``gather_for_metrics`` drops it."""
+
+    def __init__(self, trainer: SequenceParallelTrainer) -> None:
+        self.trainer = trainer
+        self.topology = trainer.topology
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        group = self.topology.data_parallel_group
+        ranks = group_members(group)
+        flat = tensor.contiguous()
+        parts = all_gather(flat.reshape(-1), ranks, group=group, op="gather_for_metrics",
+                           timeout_s=self.topology.timeout_s)  # fmt: skip
+        gathered = torch.cat([p.view(flat.shape) for p in parts])
+        state = self.trainer.accelerator.gradient_state
+        loader = state.active_dataloader
+        if state.end_of_dataloader and loader is not None:
+            total = len(loader.dataset) if hasattr(loader, "dataset") else 0
+            per_step = flat.shape[0] * len(ranks)
+            remainder = total % per_step if per_step else 0
+            if remainder:
+                gathered = gathered[:remainder]
+        return gathered

@@ -1,0 +1,96 @@
+"""PyTorch's fused attention kernels that return the LSE, as block kernels (:mod:`ds_ring.kernels.base`).
+
+- ``cpu_flash``: ``_scaled_dot_product_flash_attention_for_cpu`` and its backward (fp64, fp32, bf16, fp16).
+- ``cuda_flash``: FlashAttention-2, ``_scaled_dot_product_flash_attention`` (fp16, bf16; sm80+, head_dim up
+  to 256, 192 on sm86-89 and sm120-121: :func:`ds_ring.kernels.block.kernel_for` decides).
+- ``cuda_efficient``: the memory-efficient (CUTLASS) kernel, ``_scaled_dot_product_efficient_attention``
+  (fp32, and fp16/bf16 where FlashAttention-2 cannot run).
+
+None of them forms a score matrix. No attention bias, no dropout (so the random-state tensors the backward
+takes are never read). The CUDA kernels get a head dim zero-padded to a multiple of 8 (zero columns change
+no score and give zero output columns, cut off again; the scale is always passed explicitly); the
+memory-efficient kernel's LSE comes back padded to a multiple of 32 rows: it is cut in the forward and
+rebuilt for the backward with ``+inf`` rows, whose probabilities are 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ds_ring.kernels.base import BlockKernel
+from ds_ring.kernels.merge import accum_dtype
+
+__all__ = ["CPU_FLASH", "CUDA_FLASH", "CUDA_EFFICIENT", "HEAD_DIM_MULTIPLE", "LSE_ROWS_MULTIPLE"]
+
+HEAD_DIM_MULTIPLE = 8
+"""The CUDA kernels see head dims padded to a multiple of this."""
+LSE_ROWS_MULTIPLE = 32
+"""The memory-efficient kernel's LSE has its rows padded to a multiple of this."""
+
+
+def _cpu_flash_forward(q, k, v, causal, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+
+def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.to(accum_dtype(q.dtype)), 0.0, causal, scale=scale
+    )
+
+
+def _padded(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """``x`` in ``dtype``, contiguous, its last dim zero-padded to a multiple of :data:`HEAD_DIM_MULTIPLE`."""
+    x = x if dtype is None else x.to(dtype)
+    pad = -x.shape[-1] % HEAD_DIM_MULTIPLE
+    return F.pad(x, (0, pad)) if pad else x.contiguous()
+
+
+def _no_random_state(device: torch.device) -> Tensor:
+    """Stands in for the seed/offset tensors of a backward without dropout (never read)."""
+    return torch.empty((), dtype=torch.int64, device=device)
+
+
+def _cuda_flash_forward(q, k, v, causal, scale):
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
+        _padded(q), _padded(k), _padded(v), 0.0, causal, False, scale=scale
+    )
+    return out[..., : q.shape[-1]], lse
+
+
+def _cuda_flash_backward(dout, q, k, v, out, lse, causal, scale):
+    none = _no_random_state(q.device)
+    # cum_seq_q/k: None (not empty tensors) marks a dense batch rather than a varlen one.
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        _padded(dout, q.dtype), _padded(q), _padded(k), _padded(v), _padded(out, q.dtype), lse.float().contiguous(),
+        None, None, q.shape[-2], k.shape[-2], 0.0, causal, none, none, scale=scale,
+    )  # fmt: skip
+    return tuple(g[..., : q.shape[-1]] for g in grads)
+
+
+def _cuda_efficient_forward(q, k, v, causal, scale):
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        _padded(q), _padded(k), _padded(v), None, True, 0.0, causal, scale=scale
+    )
+    return out[..., : q.shape[-1]], lse[..., : q.shape[-2]]
+
+
+def _cuda_efficient_backward(dout, q, k, v, out, lse, causal, scale):
+    rows = q.shape[-2]
+    padded_lse = torch.full(
+        (*lse.shape[:-1], -(-rows // LSE_ROWS_MULTIPLE) * LSE_ROWS_MULTIPLE), float("inf"),
+        dtype=torch.float32, device=lse.device,
+    )  # fmt: skip
+    padded_lse[..., :rows] = lse
+    none = _no_random_state(q.device)
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        _padded(dout, q.dtype), _padded(q), _padded(k), _padded(v), None, _padded(out, q.dtype), padded_lse,
+        none, none, 0.0, [True, True, True, False], causal, scale=scale,
+    )  # fmt: skip
+    return tuple(g[..., : q.shape[-1]] for g in (dq, dk, dv))
+
+
+CPU_FLASH = BlockKernel("cpu_flash", _cpu_flash_forward, _cpu_flash_backward)
+CUDA_FLASH = BlockKernel("cuda_flash", _cuda_flash_forward, _cuda_flash_backward)
+CUDA_EFFICIENT = BlockKernel("cuda_efficient", _cuda_efficient_forward, _cuda_efficient_backward)

@@ -1,0 +1,200 @@
+"""Two network hosts on one machine: network namespaces joined by a veth pair, one torchrun agent in each.
+
+Host ``i`` is a network namespace holding one end of a veth pair with address ``10.77.0.{i+1}/24``, its
+loopback up, a UTS namespace of its own per launched command (hostname ``node{i}``) and an ``/etc/hosts``
+(``ip netns exec`` bind-mounts ``/etc/netns/<ns>/hosts``) naming both nodes. Nothing in a namespace can
+reach any other address. Every process the tests start runs inside a namespace, so ``ip netns pids``
+finds all of them (torchrun's workers included, which leave the agent's process group) and
+:meth:`TwoHosts.close` kills them by pid before deleting the namespaces (which deletes the veth).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+IP = shutil.which("ip") or "/usr/sbin/ip"
+TC = shutil.which("tc") or "/usr/sbin/tc"
+UNSHARE = shutil.which("unshare")
+SUBNET = "10.77.0"
+RDZV_PORT = 29400
+
+
+def unavailable() -> str | None:
+    """Why two hosts cannot be made here (``None``: they can)."""
+    if os.geteuid() != 0:
+        return "needs root (ip netns add, veth pairs)"
+    if not os.path.exists(IP):
+        return "iproute2's `ip` is not installed"
+    if UNSHARE is None:
+        return "`unshare` (util-linux) is not installed"
+    probe = f"dsrprobe{os.getpid()}"
+    made = subprocess.run([IP, "netns", "add", probe], capture_output=True, text=True)
+    subprocess.run([IP, "netns", "del", probe], capture_output=True)
+    if made.returncode != 0:
+        return f"`ip netns add` fails here: {made.stderr.strip()}"
+    return None
+
+
+@dataclass
+class HostRun:
+    """One agent: its process and log."""
+
+    proc: subprocess.Popen
+    log: Path
+    handle: object
+
+
+@dataclass
+class TwoHosts:
+    """Two namespaces ``ns[0]``, ``ns[1]`` joined by veth ``veth[0]`` <-> ``veth[1]``, hosts ``node0``, ``node1``."""
+
+    tag: str = field(default_factory=lambda: f"dsr{os.getpid() % 100000}")
+    runs: list[HostRun] = field(default_factory=list)
+
+    @property
+    def ns(self) -> tuple[str, str]:
+        return f"{self.tag}a", f"{self.tag}b"
+
+    @property
+    def veth(self) -> tuple[str, str]:
+        return f"{self.tag}va", f"{self.tag}vb"
+
+    hostnames = ("node0", "node1")
+
+    def address(self, host: int) -> str:
+        return f"{SUBNET}.{host + 1}"
+
+    def open(self) -> TwoHosts:
+        for ns in self.ns:
+            _ip("netns", "add", ns)
+            hosts = Path("/etc/netns") / ns / "hosts"
+            hosts.parent.mkdir(parents=True, exist_ok=True)
+            names = "".join(f"{self.address(i)} {name}\n" for i, name in enumerate(self.hostnames))
+            hosts.write_text(f"127.0.0.1 localhost\n{names}")
+        _ip("link", "add", self.veth[0], "type", "veth", "peer", "name", self.veth[1])
+        for i, (ns, veth) in enumerate(zip(self.ns, self.veth, strict=True)):
+            _ip("link", "set", veth, "netns", ns)
+            _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", veth)
+            _ip("-n", ns, "link", "set", veth, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        return self
+
+    def close(self) -> None:
+        """Kill every process in both namespaces, then delete them (and the veth); never raises."""
+        self.kill_all()
+        for ns in self.ns:
+            subprocess.run([IP, "netns", "del", ns], capture_output=True)
+            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+
+    # Processes ---------------------------------------------------------------------------------------
+
+    def command(self, host: int, argv: list[str], **env: str) -> list[str]:
+        """``argv`` run on ``host``: inside its namespace, with its hostname and ``GLOO_SOCKET_IFNAME``."""
+        variables = {"GLOO_SOCKET_IFNAME": self.veth[host], "PYTHONUNBUFFERED": "1", **env}
+        inner = ["env", *(f"{k}={v}" for k, v in variables.items()), *argv]
+        set_name = 'hostname "$0" && exec "$@"'
+        return [IP, "netns", "exec", self.ns[host], UNSHARE, "--uts", "sh", "-c", set_name, self.hostnames[host],
+                *inner]  # fmt: skip
+
+    def torchrun(self, script: list[str], logs: Path, *, nproc: int = 2, max_restarts: int = 0, **env: str) -> None:
+        """Start one ``torchrun --nnodes 2`` agent per host (c10d rendezvous on host 0); logs ``logs/node{i}.log``."""
+        self.runs = []
+        run_id = f"{self.tag}-{time.monotonic_ns()}"
+        for host in (0, 1):
+            argv = [str(BIN / "torchrun"), "--nnodes", "2", "--nproc-per-node", str(nproc), "--node-rank", str(host),
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.address(0)}:{RDZV_PORT}", "--rdzv-id", run_id,
+                    "--max-restarts", str(max_restarts), *script]  # fmt: skip
+            log = logs / f"node{host}.log"
+            handle = open(log, "w")  # noqa: SIM115 - closed in wait()
+            proc = subprocess.Popen(self.command(host, argv, **env), cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT,
+                                    start_new_session=True)  # fmt: skip
+            self.runs.append(HostRun(proc, log, handle))
+
+    def wait(self, timeout: float) -> list[int | None]:
+        """Exit codes of both agents (``None``: still running at the deadline, then killed); kills every
+        process left in either namespace."""
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline and any(run.proc.poll() is None for run in self.runs):
+                time.sleep(0.05)
+            return [run.proc.poll() for run in self.runs]
+        finally:
+            self.kill_all()
+            for run in self.runs:
+                run.handle.close()
+
+    def output(self, host: int) -> str:
+        return self.runs[host].log.read_text(errors="replace")
+
+    def pids(self, host: int) -> list[int]:
+        listed = subprocess.run([IP, "netns", "pids", self.ns[host]], capture_output=True, text=True).stdout
+        return [int(pid) for pid in listed.split() if int(pid) != os.getpid()]
+
+    def kill_host(self, host: int) -> None:
+        """SIGKILL every process on ``host`` (the node dies)."""
+        for _ in range(3):  # a process may fork while the others are being killed
+            for pid in self.pids(host):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        for run in self.runs:
+            with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
+                if run.proc.poll() is None and not self.pids(self.runs.index(run)):
+                    run.proc.wait(1)
+
+    def kill_all(self) -> None:
+        for host in (0, 1):
+            self.kill_host(host)
+        for run in self.runs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(run.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                run.proc.wait(5)
+
+    # The link ----------------------------------------------------------------------------------------
+
+    def link(self, up: bool) -> None:
+        """Set host 0's end of the veth up or down (down: nothing passes either way)."""
+        _ip("-n", self.ns[0], "link", "set", self.veth[0], "up" if up else "down")
+
+    def netem(self, spec: str | None) -> None:
+        """``tc netem`` on both ends (e.g. ``"delay 20ms 5ms loss 1%"``); ``None`` removes it."""
+        for ns, veth in zip(self.ns, self.veth, strict=True):
+            subprocess.run([IP, "netns", "exec", ns, TC, "qdisc", "del", "dev", veth, "root"], capture_output=True)
+            if spec:
+                _run([IP, "netns", "exec", ns, TC, "qdisc", "add", "dev", veth, "root", "netem", *spec.split()])
+
+    def netem_unavailable(self) -> str | None:
+        """Why ``tc netem`` cannot shape the link here (``None``: it can)."""
+        try:
+            self.netem("delay 1ms")
+        except (RuntimeError, OSError) as err:
+            return f"tc netem is unavailable ({err}); the kernel needs CONFIG_NET_SCH_NETEM"
+        self.netem(None)
+        return None
+
+    def bytes_sent(self, host: int) -> int:
+        """Bytes ``host`` has sent over the veth since it was made."""
+        shown = _run([IP, "-n", self.ns[host], "-j", "-s", "link", "show", "dev", self.veth[host]])
+        return int(json.loads(shown)[0]["stats64"]["tx"]["bytes"])
+
+
+def _ip(*args: str) -> None:
+    _run([IP, *args])
+
+
+def _run(command: list[str]) -> str:
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()}")
+    return done.stdout

@@ -1,0 +1,70 @@
+"""On a CUDA machine (``pytest -m cuda``; skipped without one): the block kernels a GPU runs, and their memory.
+
+- every kernel this GPU can run (FlashAttention-2 where :func:`~ds_ring.kernels.block.kernel_for` allows it,
+  the memory-efficient kernel, the tiled pure-torch kernel) in fp16 / bf16 / fp32 (pure torch also fp64)
+  against the fp64 oracle: out, LSE and dq/dk/dv, causal and not, m != n, head dims and rows that need padding;
+- dense causal attention at 64K tokens, one process, forward + backward on each kernel the GPU picks (bf16, fp32)
+  and on ``DS_RING_KERNEL=torch``: ``torch.cuda.max_memory_allocated`` grows by at most 16 q-shards.
+
+Nothing here has run yet: the project has no GPU (README, "Which paths have run on a GPU").
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ds_ring
+from ds_ring.kernels import block, chunked, fused
+from tests.block_cases import SHAPES, check_against_oracle
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run with -m cuda on a GPU machine)"),
+]
+
+F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+TOLERANCE = {F64: 1e-12, F32: 1e-4, F16: 1e-2, BF16: 3e-2}
+
+
+def _facts() -> block.GpuFacts:
+    return block.gpu_facts(torch.cuda.current_device())
+
+
+def _runnable() -> list[tuple[object, torch.dtype]]:
+    """(kernel, dtype) pairs this GPU runs: those kernel_for would pick for some head dim, and pure torch."""
+    if not torch.cuda.is_available():
+        return []
+    facts, pairs = _facts(), []
+    for dtype in (F16, BF16, F32):
+        if block.kernel_for("cuda", dtype, 64, facts) is fused.CUDA_FLASH:
+            pairs.append((fused.CUDA_FLASH, dtype))
+        if not facts.rocm and facts.capability >= (5, 0):
+            pairs.append((fused.CUDA_EFFICIENT, dtype))
+    return pairs + [(chunked.CHUNKED, dtype) for dtype in (F16, BF16, F32, F64)]
+
+
+@pytest.mark.parametrize(("kernel", "dtype"), _runnable(), ids=lambda x: getattr(x, "name", str(x)))
+@pytest.mark.parametrize(("shape", "causal"), SHAPES)
+def test_cuda_kernel_matches_oracle(kernel, dtype, shape, causal):
+    check_against_oracle(kernel, dtype, shape, causal, "cuda", TOLERANCE[dtype])
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("dtype", "override"), [(BF16, None), (F32, None), (F32, "torch")], ids=str)
+def test_dense_64k_forward_backward_memory(monkeypatch, dtype, override):
+    if override is None:
+        monkeypatch.delenv("DS_RING_KERNEL", raising=False)
+    else:
+        monkeypatch.setenv("DS_RING_KERNEL", override)
+    seq, heads, head_dim = 65536, 8, 64
+    q, k, v = (torch.randn(1, seq, heads, head_dim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    q_shard = q.numel() * q.element_size()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    ds_ring.dilated_attention(q, k, v, causal=True).sum().backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    kernel = block.select_kernel(q.device, dtype, head_dim).name
+    assert extra <= 16 * q_shard, f"{kernel}: {extra / q_shard:.1f} q-shards"
