@@ -1,5 +1,8 @@
 """Two network hosts on one machine: network namespaces joined by a veth pair, one torchrun agent in each.
 
+With ``wire=Wire(...)`` the namespaces are joined instead by two TAP devices and a user-space wire
+(``wire.py``) that delays and drops frames like ``tc netem`` would (this machine's kernel has no netem).
+
 Host ``i`` is a network namespace holding one end of a veth pair with address ``10.77.0.{i+1}/24``, its
 loopback up, a UTS namespace of its own per launched command (hostname ``node{i}``) and an ``/etc/hosts``
 (``ip netns exec`` bind-mounts ``/etc/netns/<ns>/hosts``) naming both nodes. Nothing in a namespace can
@@ -11,6 +14,7 @@ finds all of them (torchrun's workers included, which leave the agent's process 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -18,16 +22,17 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 IP = shutil.which("ip") or "/usr/sbin/ip"
-TC = shutil.which("tc") or "/usr/sbin/tc"
 UNSHARE = shutil.which("unshare")
 SUBNET = "10.77.0"
 RDZV_PORT = 29400
+_pairs = itertools.count()
 
 
 def unavailable() -> str | None:
@@ -46,6 +51,17 @@ def unavailable() -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Wire:
+    """A slow, lossy link: each frame delayed ``delay_ms ± jitter_ms`` (uniform) and dropped with probability
+    ``loss``. Its MTU is 65000 bytes, like the 64 KiB GSO packets netem delays and drops on a veth."""
+
+    delay_ms: float = 20.0
+    jitter_ms: float = 5.0
+    loss: float = 0.01
+    mtu: int = 65000
+
+
 @dataclass
 class HostRun:
     """One agent: its process and log."""
@@ -59,8 +75,10 @@ class HostRun:
 class TwoHosts:
     """Two namespaces ``ns[0]``, ``ns[1]`` joined by veth ``veth[0]`` <-> ``veth[1]``, hosts ``node0``, ``node1``."""
 
-    tag: str = field(default_factory=lambda: f"dsr{os.getpid() % 100000}")
+    tag: str = field(default_factory=lambda: f"dsr{os.getpid() % 100000}{next(_pairs)}")
+    wire: Wire | None = None
     runs: list[HostRun] = field(default_factory=list)
+    _wire_proc: subprocess.Popen | None = None
 
     @property
     def ns(self) -> tuple[str, str]:
@@ -82,17 +100,38 @@ class TwoHosts:
             hosts.parent.mkdir(parents=True, exist_ok=True)
             names = "".join(f"{self.address(i)} {name}\n" for i, name in enumerate(self.hostnames))
             hosts.write_text(f"127.0.0.1 localhost\n{names}")
-        _ip("link", "add", self.veth[0], "type", "veth", "peer", "name", self.veth[1])
+        if self.wire is None:
+            _ip("link", "add", self.veth[0], "type", "veth", "peer", "name", self.veth[1])
+        else:
+            self._start_wire(self.wire)
         for i, (ns, veth) in enumerate(zip(self.ns, self.veth, strict=True)):
             _ip("link", "set", veth, "netns", ns)
             _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", veth)
+            if self.wire is not None:
+                _ip("-n", ns, "link", "set", veth, "mtu", str(self.wire.mtu))
             _ip("-n", ns, "link", "set", veth, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
         return self
 
+    def _start_wire(self, wire: Wire) -> None:
+        script = Path(__file__).with_name("wire.py")
+        self._wire_proc = subprocess.Popen(
+            [sys.executable, str(script), *self.veth, "--delay-ms", str(wire.delay_ms), "--jitter-ms",
+             str(wire.jitter_ms), "--loss", str(wire.loss)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )  # fmt: skip
+        ready = self._wire_proc.stdout.readline() if self._wire_proc.stdout else ""
+        if ready.strip() != "ready":
+            raise RuntimeError(f"the user-space wire did not start: {ready}{self._wire_proc.stdout.read()}")
+
     def close(self) -> None:
         """Kill every process in both namespaces, then delete them (and the veth); never raises."""
         self.kill_all()
+        if self._wire_proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._wire_proc.pid, signal.SIGKILL)
+            self._wire_proc.wait()
+            self._wire_proc = None
         for ns in self.ns:
             subprocess.run([IP, "netns", "del", ns], capture_output=True)
             shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
@@ -121,12 +160,14 @@ class TwoHosts:
                                     start_new_session=True)  # fmt: skip
             self.runs.append(HostRun(proc, log, handle))
 
-    def wait(self, timeout: float) -> list[int | None]:
-        """Exit codes of both agents (``None``: still running at the deadline, then killed); kills every
-        process left in either namespace."""
+    def wait(self, timeout: float, poll: Callable[[], object] | None = None) -> list[int | None]:
+        """Exit codes of both agents (``None``: still running at the deadline, then killed), calling ``poll()``
+        every 50 ms meanwhile; kills every process left in either namespace."""
         deadline = time.monotonic() + timeout
         try:
             while time.monotonic() < deadline and any(run.proc.poll() is None for run in self.runs):
+                if poll is not None:
+                    poll()
                 time.sleep(0.05)
             return [run.proc.poll() for run in self.runs]
         finally:
@@ -167,24 +208,10 @@ class TwoHosts:
         """Set host 0's end of the veth up or down (down: nothing passes either way)."""
         _ip("-n", self.ns[0], "link", "set", self.veth[0], "up" if up else "down")
 
-    def netem(self, spec: str | None) -> None:
-        """``tc netem`` on both ends (e.g. ``"delay 20ms 5ms loss 1%"``); ``None`` removes it."""
-        for ns, veth in zip(self.ns, self.veth, strict=True):
-            subprocess.run([IP, "netns", "exec", ns, TC, "qdisc", "del", "dev", veth, "root"], capture_output=True)
-            if spec:
-                _run([IP, "netns", "exec", ns, TC, "qdisc", "add", "dev", veth, "root", "netem", *spec.split()])
-
-    def netem_unavailable(self) -> str | None:
-        """Why ``tc netem`` cannot shape the link here (``None``: it can)."""
-        try:
-            self.netem("delay 1ms")
-        except (RuntimeError, OSError) as err:
-            return f"tc netem is unavailable ({err}); the kernel needs CONFIG_NET_SCH_NETEM"
-        self.netem(None)
-        return None
-
-    def bytes_sent(self, host: int) -> int:
-        """Bytes ``host`` has sent over the veth since it was made."""
+    def bytes_sent(self, host: int | None = None) -> int:
+        """Bytes ``host`` (``None``: both) has sent over the link since it was made."""
+        if host is None:
+            return self.bytes_sent(0) + self.bytes_sent(1)
         shown = _run([IP, "-n", self.ns[host], "-j", "-s", "link", "show", "dev", self.veth[host]])
         return int(json.loads(shown)[0]["stats64"]["tx"]["bytes"])
 
