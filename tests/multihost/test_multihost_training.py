@@ -105,12 +105,14 @@ def test_dead_host_stops_the_other_and_a_relaunch_resumes_bit_equal(
     hosts.kill_host(1)
     killed_at = time.monotonic()
     codes = hosts.wait(TIMEOUT_S + 30)
+    took = time.monotonic() - killed_at
     survivor = hosts.output(0)
     assert codes[0] not in (0, None), survivor[-3000:]
-    assert time.monotonic() - killed_at < TIMEOUT_S + 30
+    assert took < TIMEOUT_S + 30
     exits = [line for line in survivor.splitlines() if "exiting with code 1 after Comm" in line]
     assert len(exits) == 2, survivor[-3000:]  # both ranks of the surviving host, each naming its peer
     assert all(" rank " in line and " step=" in line and "node" in line for line in exits), exits
+    print(f"host 1 killed: host 0's agent exited {took:.1f} s later; {exits[0]}")
     latest = (run / "ckpt" / "latest").read_text().strip()
     assert latest != f"step{STEPS}", "the job finished before the host was killed"
 
