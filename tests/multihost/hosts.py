@@ -32,6 +32,8 @@ IP = shutil.which("ip") or "/usr/sbin/ip"
 UNSHARE = shutil.which("unshare")
 SUBNET = "10.77.0"
 RDZV_PORT = 29400
+IFACE = "hostlink"
+"""The name of the link's end inside each host (the same on both, like ``eth0`` on every node of a cluster)."""
 _pairs = itertools.count()
 
 
@@ -73,7 +75,8 @@ class HostRun:
 
 @dataclass
 class TwoHosts:
-    """Two namespaces ``ns[0]``, ``ns[1]`` joined by veth ``veth[0]`` <-> ``veth[1]``, hosts ``node0``, ``node1``."""
+    """Two namespaces ``ns[0]``, ``ns[1]`` joined by veth ``veth[0]`` <-> ``veth[1]`` (each renamed :data:`IFACE`
+    inside its namespace), hosts ``node0``, ``node1``."""
 
     tag: str = field(default_factory=lambda: f"dsr{os.getpid() % 100000}{next(_pairs)}")
     wire: Wire | None = None
@@ -106,10 +109,11 @@ class TwoHosts:
             self._start_wire(self.wire)
         for i, (ns, veth) in enumerate(zip(self.ns, self.veth, strict=True)):
             _ip("link", "set", veth, "netns", ns)
-            _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", veth)
+            _ip("-n", ns, "link", "set", veth, "name", IFACE)
+            _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", IFACE)
             if self.wire is not None:
-                _ip("-n", ns, "link", "set", veth, "mtu", str(self.wire.mtu))
-            _ip("-n", ns, "link", "set", veth, "up")
+                _ip("-n", ns, "link", "set", IFACE, "mtu", str(self.wire.mtu))
+            _ip("-n", ns, "link", "set", IFACE, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
         return self
 
@@ -140,7 +144,7 @@ class TwoHosts:
 
     def command(self, host: int, argv: list[str], **env: str) -> list[str]:
         """``argv`` run on ``host``: inside its namespace, with its hostname and ``GLOO_SOCKET_IFNAME``."""
-        variables = {"GLOO_SOCKET_IFNAME": self.veth[host], "PYTHONUNBUFFERED": "1", **env}
+        variables = {"GLOO_SOCKET_IFNAME": IFACE, "PYTHONUNBUFFERED": "1", **env}
         inner = ["env", *(f"{k}={v}" for k, v in variables.items()), *argv]
         set_name = 'hostname "$0" && exec "$@"'
         return [IP, "netns", "exec", self.ns[host], UNSHARE, "--uts", "sh", "-c", set_name, self.hostnames[host],
@@ -159,6 +163,35 @@ class TwoHosts:
             proc = subprocess.Popen(self.command(host, argv, **env), cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT,
                                     start_new_session=True)  # fmt: skip
             self.runs.append(HostRun(proc, log, handle))
+
+    def mpirun(self, script: list[str], logs: Path, **env: str) -> None:
+        """Start ``mpirun -np 4`` (2 slots per host) of ``python script`` on host 0; it starts host 1's ranks
+        through an ``ssh`` stand-in (``plm_rsh_agent``) that enters host 1's namespace. Logs ``logs/node0.log``."""
+        agent = logs / "agent.sh"
+        cases = " ".join(f"{name}) ns={ns};;" for name, ns in zip(self.hostnames, self.ns, strict=True))
+        agent.write_text(f"""#!/bin/sh
+# ssh HOST COMMAND, for hosts that are network namespaces of this machine
+host=$1; shift
+case $host in {cases} *) echo "unknown host $host" >&2; exit 1;; esac
+exec {IP} netns exec $ns {UNSHARE} --uts sh -c 'hostname "$0" && exec sh -c "$1"' "$host" "$*"
+""")
+        agent.chmod(0o755)
+        hostfile = logs / "hostfile"
+        hostfile.write_text("".join(f"{name} slots=2\n" for name in self.hostnames))
+        variables = {"GLOO_SOCKET_IFNAME": IFACE, "MASTER_ADDR": self.hostnames[0], "MASTER_PORT": str(RDZV_PORT),
+                     "PYTHONUNBUFFERED": "1", **env}  # fmt: skip
+        exported = [arg for key in ("PATH", "DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "PYTHONPATH") if key in os.environ
+                    for arg in ("-x", key)]  # fmt: skip
+        argv = ["mpirun", "--allow-run-as-root", "-np", "4", "--hostfile", str(hostfile), "--bind-to", "none",
+                "--display-map", "--mca", "plm_rsh_agent", str(agent), "--mca", "btl", "self,tcp",
+                "--mca", "btl_tcp_if_include", IFACE, "--mca", "oob_tcp_if_include", IFACE, *exported,
+                *(arg for key, value in variables.items() for arg in ("-x", f"{key}={value}")),
+                sys.executable, *script]  # fmt: skip
+        log = logs / "node0.log"
+        handle = open(log, "w")  # noqa: SIM115 - closed in wait()
+        proc = subprocess.Popen(self.command(0, argv), cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+        self.runs = [HostRun(proc, log, handle)]
 
     def wait(self, timeout: float, poll: Callable[[], object] | None = None) -> list[int | None]:
         """Exit codes of both agents (``None``: still running at the deadline, then killed), calling ``poll()``
@@ -206,13 +239,13 @@ class TwoHosts:
 
     def link(self, up: bool) -> None:
         """Set host 0's end of the veth up or down (down: nothing passes either way)."""
-        _ip("-n", self.ns[0], "link", "set", self.veth[0], "up" if up else "down")
+        _ip("-n", self.ns[0], "link", "set", IFACE, "up" if up else "down")
 
     def bytes_sent(self, host: int | None = None) -> int:
         """Bytes ``host`` (``None``: both) has sent over the link since it was made."""
         if host is None:
             return self.bytes_sent(0) + self.bytes_sent(1)
-        shown = _run([IP, "-n", self.ns[host], "-j", "-s", "link", "show", "dev", self.veth[host]])
+        shown = _run([IP, "-n", self.ns[host], "-j", "-s", "link", "show", "dev", IFACE])
         return int(json.loads(shown)[0]["stats64"]["tx"]["bytes"])
 
 
