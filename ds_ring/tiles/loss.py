@@ -32,29 +32,33 @@ class _TiledCrossEntropySum(torch.autograd.Function):
             targets = labels[start : start + tile_tokens]
             counted = targets != ignore_index
             picked = targets.masked_fill(~counted, 0).unsqueeze(1)
-            logits = rows @ head.T  # [tile, vocab]
-            lse = torch.logsumexp(logits, dim=1)
-            total += ((lse - logits.gather(1, picked).squeeze(1)) * counted).sum()
+            logits = rows @ head.T  # [tile, vocab]: the one buffer of this size; everything below is in place
+            target_logit = logits.gather(1, picked).squeeze(1)
+            peak = logits.amax(dim=1, keepdim=True)
+            probs = logits.sub_(peak).exp_()
+            norm = probs.sum(dim=1, keepdim=True)
+            lse = peak.squeeze(1) + norm.squeeze(1).log()
+            total += ((lse - target_logit) * counted).sum()
             if grad_hidden is None and grad_weight is None:
                 continue
-            dlogits = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the logits
+            dlogits = probs.div_(norm)  # softmax - one_hot, zero for tokens not counted
             dlogits.scatter_add_(1, picked, -counted.to(acc).unsqueeze(1))
             dlogits.mul_(counted.unsqueeze(1))
             if grad_hidden is not None:
                 grad_hidden[start : start + tile_tokens] = dlogits @ head
             if grad_weight is not None:
                 grad_weight.addmm_(dlogits.T, rows)
-        ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.weight_dtype = weight.dtype
+        # Not saved tensors: the backward scales them in place and hands them on (no second copy of [vocab, hidden]).
+        ctx.grads = (grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None)
         return total
 
     @staticmethod
     def backward(ctx, grad_total):  # noqa: ANN001, ANN205
-        grad_hidden, grad_weight = ctx.saved_tensors
-        if grad_hidden is not None:
-            grad_hidden = grad_hidden * grad_total.to(grad_hidden.dtype)
-        if grad_weight is not None:
-            grad_weight = (grad_weight * grad_total).to(ctx.weight_dtype)
+        grad_hidden, grad_weight = ctx.grads
+        ctx.grads = None
+        for grad in (grad_hidden, grad_weight):
+            if grad is not None:
+                grad.mul_(grad_total.to(grad.dtype))
         return grad_hidden, grad_weight, None, None, None, None
 
 

@@ -22,7 +22,8 @@ sequence group (what ZeRO's reduction does) is the whole model's gradient.
 
 The package is laid out by job: :mod:`.registration` (what goes into transformers' registries),
 :mod:`.attention` (what runs inside the model), :mod:`.batches` and :mod:`.documents` (what prepares
-batches), :mod:`.loss`, and :mod:`.alst`: DeepSpeed ALST's names (``UlyssesSPAttentionHF``,
+batches), :mod:`.loss`, :mod:`.long_context` (the section's ``long_context`` applied to the model: tiled loss
+and MLP, offloaded checkpoints), and :mod:`.alst`: DeepSpeed ALST's names (``UlyssesSPAttentionHF``,
 ``UlyssesSPDataLoaderAdapter``) with ALST's semantics, so an ALST user changes one import.
 transformers is imported on first use (``pip install ds_ring[hf]``).
 """

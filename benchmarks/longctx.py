@@ -1,0 +1,262 @@
+"""Whole-model long context (issue 22): step memory and tokens/s of a Llama-shaped model, ds_ring vs DeepSpeed ALST.
+
+``python -m benchmarks.longctx [--quick] [--seqs 2048 4096 8192] [--vocabs 32000 128256] [--impls ...]``: a
+random-initialised ``LlamaForCausalLM`` (vocab 32,000 or 128,256, hidden 256, SwiGLU 1,024, 4 layers, 8 heads / 4 K/V
+heads, fp32; the sequences of ``launch/train_hf.py``'s recall task with every token counted in the loss, as in
+pre-training), batch 1, 2 rank processes × 1 thread, ZeRO 0, AdamW. One timed call is one training step on this
+rank's shard: forward, loss, backward, optimizer step. The 128,256 vocab runs at half the lengths (4× the logits).
+Implementations:
+
+* ``plain``: ds_ring ring attention (zigzag), ``causal_lm_loss`` on the model's logits, no checkpointing;
+* ``long_context``: the same with ``ring_attention.long_context`` = tiled loss + tiled MLP (``TILE_TOKENS`` tokens
+  per tile) and ``model.gradient_checkpointing_enable()``;
+* ``long_context+disk``: and ``offload_checkpoints: "disk"`` (in the temp directory, on disk here);
+* ``alst``: DeepSpeed 0.19's ALST as its tutorial runs it (``UlyssesSPAttentionHF``, ``deepspeed.initialize(mpu=)``,
+  gradient checkpointing, per-rank mean losses all-gathered and weighted by token counts);
+* ``alst full``: ALST's full recipe on CPU: checkpointing, ``TiledMLP`` patched into ``LlamaMLP`` as its docstring
+  shows (``ceil(seq / hidden)`` shards), the loss through ``TiledFusedLogitsLoss`` on ``TILE_TOKENS``-token shards.
+
+step MiB/rank: each rank's peak RSS during the timed step above its RSS right before it (after one warm-up step, a
+fresh process per configuration); slope: MiB per 1K tokens per rank between the shortest and longest length; fits
+8 GiB: the longest sequence whose process RSS before the step plus the fitted step memory stays within 8 GiB per rank.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+from benchmarks import driver
+from benchmarks.driver import Case, Column, Row, Session, Target, compare, find, fmt_seq, ratio
+from benchmarks.hf import train_rank
+
+IMPLS = ("plain", "long_context", "long_context+disk", "alst", "alst full")
+LABELS = {"plain": "ds_ring ring", "long_context": "ds_ring long_context",
+          "long_context+disk": "ds_ring long_context + disk", "alst": "ALST tutorial (checkpointing)",
+          "alst full": "ALST full recipe"}  # fmt: skip
+MODEL = SimpleNamespace(hidden=256, intermediate=1024, layers=4, heads=8, kv_heads=4, seed=0)
+TILE_TOKENS = 512
+VOCABS = (32000, 128256)
+BUDGET_MIB = 8 * 1024
+LR = 1e-4
+
+
+def _vocab(case: Case) -> int:
+    return int(case.tag)
+
+
+def _case(impl: str, seq: int, vocab: int) -> Case:
+    ours = not impl.startswith("alst")
+    return Case(impl, seq, world=2, heads=MODEL.heads, head_dim=MODEL.hidden // MODEL.heads,
+                layout="zigzag" if ours else "contiguous", ulysses=1 if ours else 2, tag=str(vocab))  # fmt: skip
+
+
+def _model_and_batch(case: Case) -> tuple[Any, dict[str, Any]]:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from launch.train_hf import RecallDataset
+
+    torch.manual_seed(MODEL.seed)
+    config = LlamaConfig(
+        vocab_size=_vocab(case), hidden_size=MODEL.hidden, intermediate_size=MODEL.intermediate,
+        num_hidden_layers=MODEL.layers, num_attention_heads=MODEL.heads, num_key_value_heads=MODEL.kv_heads,
+        max_position_embeddings=case.seq, attn_implementation="sdpa", use_cache=False,
+    )  # fmt: skip
+    input_ids = RecallDataset(1, case.seq, MODEL.seed)[0]["input_ids"].unsqueeze(0)
+    return LlamaForCausalLM(config), {"input_ids": input_ids, "labels": input_ids}  # every token counted
+
+
+def _zero0(case: Case) -> dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": case.batch, "gradient_clipping": 0.0, "zero_optimization": {"stage": 0},
+            "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}  # fmt: skip
+
+
+def _ds_ring_step(case: Case) -> Callable[[], None]:
+    import torch
+
+    import ds_ring
+    from ds_ring.integrations.hf import causal_lm_loss, register_with_transformers, shard_batch
+
+    model, batch = _model_and_batch(case)
+    section: dict[str, Any] = {"strategy": "ring", "layout": case.layout, "timeout_s": 600}
+    if case.impl != "plain":
+        section["long_context"] = {"tiled_loss": True, "tiled_mlp": True, "tile_tokens": TILE_TOKENS}
+        model.gradient_checkpointing_enable()
+    if case.impl == "long_context+disk":
+        section["long_context"].update(offload_checkpoints="disk", offload_dir=tempfile.gettempdir())
+    config = {**_zero0(case), "ring_attention": section}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    engine, *_ = ds_ring.initialize(model=model, optimizer=optimizer, config=config, seq_len=case.seq)
+    topology = register_with_transformers(model, config=config, topology=engine.mpu)
+    inputs = shard_batch(batch, topology)
+
+    def step() -> None:
+        out = engine(**inputs)
+        loss = out.loss if out.loss is not None else causal_lm_loss(out.logits, inputs["shift_labels"], topology)
+        engine.backward(loss)
+        engine.step()
+
+    return step
+
+
+def _tiled_mlp_forward(self: Any, x: Any) -> Any:
+    """ALST's ``TiledMLP`` as its docstring patches it into ``LlamaMLP``: ``ceil(seq / hidden)`` shards."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    shards = math.ceil(x.shape[-2] / x.shape[-1])
+    params = [self.down_proj.weight, self.gate_proj.weight, self.up_proj.weight]
+    return TiledMLP.apply(lambda mlp, t: mlp.down_proj(mlp.act_fn(mlp.gate_proj(t)) * mlp.up_proj(t)), self, x, shards,
+                          params)  # fmt: skip
+
+
+def _alst_step(case: Case, rank: int) -> Callable[[], None]:
+    import deepspeed
+    import torch
+    import torch.distributed.nn.functional as dist_nn
+    import torch.nn.functional as F
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, UlyssesSPAttentionHF
+    from transformers.models.llama import modeling_llama
+
+    full = case.impl == "alst full"
+    if full:
+        modeling_llama.LlamaMLP.forward = _tiled_mlp_forward
+    model, batch = _model_and_batch(case)
+    model.gradient_checkpointing_enable()
+    deepspeed.init_distributed(dist_backend="gloo")
+    mpu = UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=case.world,
+        micro_batch_size=case.batch, seq_length=case.seq, seq_length_is_variable=True,
+    )  # fmt: skip
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=_zero0(case), mpu=mpu)
+    group, sp = mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_world_size()
+    labels = F.pad(batch["labels"], (0, 1), value=-100)[:, 1:]  # the adapter's shift_labels
+    positions = torch.arange(case.seq).expand(case.batch, -1)
+    shard = slice(rank * case.seq // sp, (rank + 1) * case.seq // sp)
+    input_ids, position_ids, shift_labels = (x[:, shard] for x in (batch["input_ids"], positions, labels))
+    vocab, lm = _vocab(case), engine.module
+
+    def summed_loss(head: Any, hidden: Any, targets: Any) -> Any:
+        return F.cross_entropy(head.lm_head(hidden).view(-1, vocab), targets.view(-1), reduction="sum")
+
+    def step() -> None:
+        tokens = (shift_labels != -100).sum()
+        if full:
+            hidden = lm.model(input_ids=input_ids, position_ids=position_ids).last_hidden_state
+            shards = math.ceil(hidden.shape[1] / TILE_TOKENS)
+            local = TiledFusedLogitsLoss.apply(summed_loss, lm, hidden, shift_labels, None, shards,
+                                               [lm.lm_head.weight], "sum")  # fmt: skip
+        else:
+            logits = engine(input_ids=input_ids, position_ids=position_ids).logits
+            local = lm.loss_function(logits=logits, labels=None, shift_labels=shift_labels, vocab_size=vocab,
+                                     num_items_in_batch=1)  # the sum: a rank may hold no counted token  # fmt: skip
+        sums, counts = dist_nn.all_gather(local, group=group), dist_nn.all_gather(tokens, group=group)
+        engine.backward(sum(sums) / max(sum(counts), 1) / sp)  # / sp: ALST's all-gather sums the group's gradients
+        engine.step()
+
+    return step
+
+
+def build(case: Case, rank: int, timeout_s: float) -> Callable[[], None]:
+    """One training step of ``case`` on this rank (the model, optimizer and shard built once here)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(case.world), MASTER_ADDR="127.0.0.1")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    return _alst_step(case, rank) if case.impl.startswith("alst") else _ds_ring_step(case)
+
+
+def plan(session: Session) -> None:
+    for vocab in session.args.vocabs:
+        seqs = session.args.seqs if vocab <= VOCABS[0] else [seq // 2 for seq in session.args.seqs]
+        for seq in seqs:
+            for impl in session.args.impls:
+                session.run(_case(impl, seq, vocab))
+
+
+def _series(rows: list[Row], impl: str, vocab: int) -> list[Row]:
+    return sorted(
+        (r for r in rows if r.case.impl == impl and _vocab(r.case) == vocab and r.peak_mib), key=lambda r: r.case.seq
+    )
+
+
+def slope_mib_per_1k(rows: list[Row], impl: str, vocab: int) -> float | None:
+    """Step MiB per 1K tokens per rank between the shortest and the longest length measured."""
+    series = _series(rows, impl, vocab)
+    if len(series) < 2:
+        return None
+    first, last = series[0], series[-1]
+    per_rank = lambda r: r.case.seq / r.case.world / 1000
+    return (last.peak_mib - first.peak_mib) / (per_rank(last) - per_rank(first))
+
+
+def fits_tokens(rows: list[Row], impl: str, vocab: int) -> int | None:
+    """The longest sequence (total tokens, 2 ranks) whose RSS before the step + fitted step MiB fit ``BUDGET_MIB``."""
+    series, slope = _series(rows, impl, vocab), slope_mib_per_1k(rows, impl, vocab)
+    if not series or not slope or slope <= 0:
+        return None
+    last = series[-1]
+    before = last.largest("rss_before_inputs_mib") or 0.0
+    per_rank_k = last.case.seq / last.case.world / 1000 + (BUDGET_MIB - before - last.peak_mib) / slope
+    return int(per_rank_k * 1000 * last.case.world) if per_rank_k > 0 else 0
+
+
+def targets(session: Session) -> list[Target]:
+    out = []
+    for r in session.rows:
+        if r.case.impl != "long_context":
+            continue
+        alst = find(session.rows, impl="alst full", seq=r.case.seq, tag=r.case.tag)
+        where = f"{fmt_seq(r.case.seq)}, vocab {r.case.tag}"
+        out += compare(f"long_context step memory ≤ 0.8 × ALST full recipe, {where}", r, alst, "peak_mib",
+                       lambda x: x <= 0.8, " step MiB/rank (long_context vs ALST full)")  # fmt: skip
+        out += compare(f"long_context tokens/s ≥ ALST full recipe, {where}", alst, r, met=lambda x: x >= 1.0,
+                       note=" step time (ALST full vs long_context)")  # fmt: skip
+    return out
+
+
+def report(session: Session) -> str:
+    rows = session.rows
+    alst = lambda r: find(rows, impl="alst full", seq=r.case.seq, tag=r.case.tag)
+    table = driver.markdown_table(rows, [
+        Column("vocab", lambda r: r.case.tag, "{}"), "impl", "seq", Column("step s", lambda r: r.fwdbwd_s, "{:.2f}"),
+        "tokens/s", Column("tokens/s ÷ ALST full", lambda r: ratio(alst(r), r), "{:.2f}"),
+        Column("step MiB/rank", lambda r: r.peak_mib, "{:.0f}"),
+        Column("step MiB ÷ ALST full", lambda r: ratio(r, alst(r), "peak_mib"), "{:.2f}"),
+        Column("RSS before step MiB", lambda r: r.largest("rss_before_inputs_mib"), "{:.0f}"), "other load %", "notes",
+    ])  # fmt: skip
+    lines = ["| vocab | impl | slope MiB per 1K tokens/rank | fits 8 GiB/rank (tokens, 2 ranks) |", "|---|---|---|---|"]
+    for vocab in session.args.vocabs:
+        for impl in session.args.impls:
+            slope, fits = slope_mib_per_1k(rows, impl, vocab), fits_tokens(rows, impl, vocab)
+            if slope is not None:
+                lines.append(f"| {vocab} | {LABELS[impl]} | {slope:.1f} | {fits:,} |" if fits is not None else
+                             f"| {vocab} | {LABELS[impl]} | {slope:.1f} | — |")  # fmt: skip
+    session.extra["slopes"] = {f"{v} {i}": [slope_mib_per_1k(rows, i, v), fits_tokens(rows, i, v)]
+                               for v in session.args.vocabs for i in session.args.impls}  # fmt: skip
+    return table + "\n\n" + "\n".join(lines)
+
+
+def _add_args(parser: Any) -> None:
+    parser.add_argument("--vocabs", type=int, nargs="+", default=list(VOCABS), help="vocabulary sizes")
+
+
+BENCHMARK = driver.Benchmark(
+    name="longctx", module="benchmarks.longctx",
+    title="Whole-model long context: Llama 4 layers, hidden 256, 2 ranks — ds_ring vs DeepSpeed ALST",
+    plan=plan, build=build, report=report, targets=targets, add_args=_add_args,
+    label=lambda case: f"{LABELS[case.impl]}, vocab {case.tag}",
+    seqs=([2048, 4096, 8192], [1024, 2048]), impls=list(IMPLS),
+    plots=lambda s: driver.plot_rows(s, lambda r: f"vocab {r.case.tag}", "Llama 4×256 step, 2 ranks × 1 thread", [
+        ("memory", "step memory per rank (MiB)", [("", lambda r: r.peak_mib, "-o")]),
+        ("throughput", "tokens/s (whole job)", [("", lambda r: r.tokens_per_s, "-o")])], logy=False),
+    flop=lambda case: MODEL.layers * driver.useful_gflop(case), packages=("deepspeed", "transformers"), calls=1,
+    rank=train_rank,
+)  # fmt: skip
+
+if __name__ == "__main__":
+    sys.exit(driver.main(BENCHMARK))
