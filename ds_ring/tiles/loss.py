@@ -40,6 +40,7 @@ class _TiledCrossEntropySum(torch.autograd.Function):
             lse = peak.squeeze(1) + norm.squeeze(1).log()
             total += ((lse - target_logit) * counted).sum()
             if grad_hidden is None and grad_weight is None:
+                del logits, probs
                 continue
             dlogits = probs.div_(norm)  # softmax - one_hot, zero for tokens not counted
             dlogits.scatter_add_(1, picked, -counted.to(acc).unsqueeze(1))
@@ -48,6 +49,7 @@ class _TiledCrossEntropySum(torch.autograd.Function):
                 grad_hidden[start : start + tile_tokens] = dlogits @ head
             if grad_weight is not None:
                 grad_weight.addmm_(dlogits.T, rows)
+            del logits, probs, dlogits  # before the next tile's logits exist: one [tile, vocab] at a time
         # Not saved tensors: the backward scales them in place and hands them on (no second copy of [vocab, hidden]).
         ctx.grads = (grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None)
         return total

@@ -70,6 +70,7 @@ class _TiledGatedMLP(torch.autograd.Function):
                     grad_x[start : start + ctx.tile_tokens] = grads[0]
                 for total, grad in zip([s for s in sums if s is not None], grads[want_x:], strict=True):
                     total += grad
+                del out, grads  # this tile's activations go before the next tile's exist
         grad_x = grad_x.view_as(x) if want_x else None
         return (grad_x, None, None, *sums)
 
