@@ -4,7 +4,8 @@ Tiny float64 Llama (GQA) and Qwen2 at 2 and 4 gloo ranks: with the tiled loss (`
 ``.logits`` None), the tiled MLP, both, and both with gradient checkpointing offloaded to disk, the loss and
 every parameter's gradient summed over the sequence group equal the whole model's — tiles that do not divide
 a shard, packed batches with -100 labels (against every document run alone), ring, zigzag and Ulysses. Through
-``ds_ring.initialize`` at ZeRO 0, 2 and 3 (fp32), three SGD steps give the one-process parameters. Refusals
+``ds_ring.initialize`` at ZeRO 0, 2 and 3 (fp32; both tiles and disk-offloaded checkpoints), three SGD steps give
+the one-process parameters, and ZeRO 3 makes as many collectives with 7 tiles per shard as with one. Refusals
 name the field and the fix, before any communication.
 """
 
@@ -213,6 +214,7 @@ def _rank(rank: int, world: int, cases: list, offload_dir: str, zero_stages: lis
     if zero_stages:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
         long_context = {"tiled_loss": True, "tiled_mlp": True, "tile_tokens": TILE}
+        long_context.update(offload_checkpoints="disk", offload_dir=offload_dir)  # reentrant checkpoints under ZeRO
         reference = _train(unpacked, None, long_context)
         for stage in zero_stages:
             with log.case(f"ds_ring.initialize, ZeRO {stage}, {world} ranks"):
