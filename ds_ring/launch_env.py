@@ -5,6 +5,9 @@
 here. DeepSpeed's own MPI discovery overwrites ``MASTER_ADDR`` with the host's external address;
 this one keeps a ``MASTER_ADDR`` the user set (e.g. ``127.0.0.1``) and only falls back to rank 0's
 hostname.
+
+Across nodes, every launcher needs ``GLOO_SOCKET_IFNAME`` (and ``NCCL_SOCKET_IFNAME`` on GPUs) set on each
+node to the interface the nodes reach each other on; it is not derived here, as only the cluster knows it.
 """
 
 from __future__ import annotations

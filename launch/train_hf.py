@@ -94,12 +94,17 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     return LlamaForCausalLM(config)
 
 
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """What :func:`build_model` reads beyond :func:`launch.train.add_training_arguments`."""
+    p.add_argument("--init-std", type=float, default=0.2, help="weight init std (HF's 0.02 learns this task slowly)")
+    p.add_argument("--vocab", type=int, default=VOCAB, help=f"vocabulary size (the task uses {VOCAB} tokens)")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--deepspeed_config", default="ds_configs/hf_ring.json", help="ds_config.json path")
     add_training_arguments(p, steps=150)
-    p.add_argument("--init-std", type=float, default=0.2, help="weight init std (HF's 0.02 learns this task slowly)")
-    p.add_argument("--vocab", type=int, default=VOCAB, help=f"vocabulary size (the task uses {VOCAB} tokens)")
+    add_model_arguments(p)
     p.add_argument("--long-context", action="store_true", help="tiled loss and tiled MLP (ring_attention.long_context)")
     p.add_argument("--tile-tokens", type=int, default=4096, help="tokens per tile with --long-context")
     p.add_argument("--offload-dir", help="with --long-context: keep checkpointed layer inputs in files here")

@@ -31,14 +31,14 @@ if not torch.cuda.is_available():
 
 from ds_ring.monitor import run_main  # noqa: E402
 from launch.train import Fault, add_training_arguments  # noqa: E402
-from launch.train_hf import RecallDataset, build_model  # noqa: E402
+from launch.train_hf import RecallDataset, add_model_arguments, build_model  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--deepspeed_config", default="ds_configs/hf_trainer.json", help="ds_config path")
     add_training_arguments(p, steps=60)
-    p.add_argument("--init-std", type=float, default=0.2, help="weight init std (HF's 0.02 learns this task slowly)")
+    add_model_arguments(p)
     p.add_argument("--batch", type=int, default=4, help="sequences per step per data-parallel replica")
     p.add_argument("--output-dir", default="runs/trainer")
     p.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: never)")

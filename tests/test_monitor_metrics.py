@@ -2,8 +2,8 @@
 
 - ``RingMonitor`` alone (no DeepSpeed), p = 2 and 3: one dense ring attention forward + backward
   per step, bit-equal to the same call with no hook registered; bytes sent and received per rank
-  are exactly the ring's (``3p − 2`` K/V-sized blocks: p − 1 forward, p − 1 backward, p gradient
-  hops) whatever the monitor's own aggregation moves; times are consistent (compute ≤ attention,
+  are exactly the ring's (``3(p − 1)`` K/V-sized blocks: p − 1 forward, p − 1 backward, p − 1
+  gradient hops) whatever the monitor's own aggregation moves; times are consistent (compute ≤ attention,
   wait ≤ in flight, hidden share in [0, 1]); only rank 0 writes, min ≤ max, every rank gets the
   same summary; ``close()`` unhooks everything.
 - The main job under ``torchrun`` with ``ds_configs/cpu_default.json`` (metrics on, CSV monitor):
@@ -66,7 +66,7 @@ def _rank(rank: int, world: int) -> dict:
     with log.case("bytes: exactly the ring's, per rank and step"):
         for summary in summaries:
             for name in ("sent_bytes", "received_bytes"):
-                assert summary[f"{name}_min"] == summary[f"{name}_max"] == (3 * world - 2) * block, summary
+                assert summary[f"{name}_min"] == summary[f"{name}_max"] == 3 * (world - 1) * block, summary
     with log.case("times are consistent"):
         for s in summaries:
             assert 0 < s["attention_compute_ms_min"] <= s["attention_ms_max"], s

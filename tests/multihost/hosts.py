@@ -1,5 +1,8 @@
 """Two network hosts on one machine: network namespaces joined by a veth pair, one torchrun agent in each.
 
+With ``wire=Wire(...)`` the namespaces are joined instead by two TAP devices and a user-space wire
+(``wire.py``) that delays and drops frames like ``tc netem`` would (this machine's kernel has no netem).
+
 Host ``i`` is a network namespace holding one end of a veth pair with address ``10.77.0.{i+1}/24``, its
 loopback up, a UTS namespace of its own per launched command (hostname ``node{i}``) and an ``/etc/hosts``
 (``ip netns exec`` bind-mounts ``/etc/netns/<ns>/hosts``) naming both nodes. Nothing in a namespace can
@@ -11,6 +14,7 @@ finds all of them (torchrun's workers included, which leave the agent's process 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -18,16 +22,19 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 IP = shutil.which("ip") or "/usr/sbin/ip"
-TC = shutil.which("tc") or "/usr/sbin/tc"
 UNSHARE = shutil.which("unshare")
 SUBNET = "10.77.0"
 RDZV_PORT = 29400
+IFACE = "hostlink"
+"""The name of the link's end inside each host (the same on both, like ``eth0`` on every node of a cluster)."""
+_pairs = itertools.count()
 
 
 def unavailable() -> str | None:
@@ -46,6 +53,17 @@ def unavailable() -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Wire:
+    """A slow, lossy link: each frame delayed ``delay_ms ± jitter_ms`` (uniform) and dropped with probability
+    ``loss``. Its MTU is 65000 bytes, like the 64 KiB GSO packets netem delays and drops on a veth."""
+
+    delay_ms: float = 20.0
+    jitter_ms: float = 5.0
+    loss: float = 0.01
+    mtu: int = 65000
+
+
 @dataclass
 class HostRun:
     """One agent: its process and log."""
@@ -57,10 +75,13 @@ class HostRun:
 
 @dataclass
 class TwoHosts:
-    """Two namespaces ``ns[0]``, ``ns[1]`` joined by veth ``veth[0]`` <-> ``veth[1]``, hosts ``node0``, ``node1``."""
+    """Two namespaces ``ns[0]``, ``ns[1]`` joined by veth ``veth[0]`` <-> ``veth[1]`` (each renamed :data:`IFACE`
+    inside its namespace), hosts ``node0``, ``node1``."""
 
-    tag: str = field(default_factory=lambda: f"dsr{os.getpid() % 100000}")
+    tag: str = field(default_factory=lambda: f"dsr{os.getpid() % 100000}{next(_pairs)}")
+    wire: Wire | None = None
     runs: list[HostRun] = field(default_factory=list)
+    _wire_proc: subprocess.Popen | None = None
 
     @property
     def ns(self) -> tuple[str, str]:
@@ -82,17 +103,39 @@ class TwoHosts:
             hosts.parent.mkdir(parents=True, exist_ok=True)
             names = "".join(f"{self.address(i)} {name}\n" for i, name in enumerate(self.hostnames))
             hosts.write_text(f"127.0.0.1 localhost\n{names}")
-        _ip("link", "add", self.veth[0], "type", "veth", "peer", "name", self.veth[1])
+        if self.wire is None:
+            _ip("link", "add", self.veth[0], "type", "veth", "peer", "name", self.veth[1])
+        else:
+            self._start_wire(self.wire)
         for i, (ns, veth) in enumerate(zip(self.ns, self.veth, strict=True)):
             _ip("link", "set", veth, "netns", ns)
-            _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", veth)
-            _ip("-n", ns, "link", "set", veth, "up")
+            _ip("-n", ns, "link", "set", veth, "name", IFACE)
+            _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", IFACE)
+            if self.wire is not None:
+                _ip("-n", ns, "link", "set", IFACE, "mtu", str(self.wire.mtu))
+            _ip("-n", ns, "link", "set", IFACE, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
         return self
+
+    def _start_wire(self, wire: Wire) -> None:
+        script = Path(__file__).with_name("wire.py")
+        self._wire_proc = subprocess.Popen(
+            [sys.executable, str(script), *self.veth, "--delay-ms", str(wire.delay_ms), "--jitter-ms",
+             str(wire.jitter_ms), "--loss", str(wire.loss)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )  # fmt: skip
+        ready = self._wire_proc.stdout.readline() if self._wire_proc.stdout else ""
+        if ready.strip() != "ready":
+            raise RuntimeError(f"the user-space wire did not start: {ready}{self._wire_proc.stdout.read()}")
 
     def close(self) -> None:
         """Kill every process in both namespaces, then delete them (and the veth); never raises."""
         self.kill_all()
+        if self._wire_proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._wire_proc.pid, signal.SIGKILL)
+            self._wire_proc.wait()
+            self._wire_proc = None
         for ns in self.ns:
             subprocess.run([IP, "netns", "del", ns], capture_output=True)
             shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
@@ -101,7 +144,7 @@ class TwoHosts:
 
     def command(self, host: int, argv: list[str], **env: str) -> list[str]:
         """``argv`` run on ``host``: inside its namespace, with its hostname and ``GLOO_SOCKET_IFNAME``."""
-        variables = {"GLOO_SOCKET_IFNAME": self.veth[host], "PYTHONUNBUFFERED": "1", **env}
+        variables = {"GLOO_SOCKET_IFNAME": IFACE, "PYTHONUNBUFFERED": "1", **env}
         inner = ["env", *(f"{k}={v}" for k, v in variables.items()), *argv]
         set_name = 'hostname "$0" && exec "$@"'
         return [IP, "netns", "exec", self.ns[host], UNSHARE, "--uts", "sh", "-c", set_name, self.hostnames[host],
@@ -121,12 +164,43 @@ class TwoHosts:
                                     start_new_session=True)  # fmt: skip
             self.runs.append(HostRun(proc, log, handle))
 
-    def wait(self, timeout: float) -> list[int | None]:
-        """Exit codes of both agents (``None``: still running at the deadline, then killed); kills every
-        process left in either namespace."""
+    def mpirun(self, script: list[str], logs: Path, **env: str) -> None:
+        """Start ``mpirun -np 4`` (2 slots per host) of ``python script`` on host 0; it starts host 1's ranks
+        through an ``ssh`` stand-in (``plm_rsh_agent``) that enters host 1's namespace. Logs ``logs/node0.log``."""
+        agent = logs / "agent.sh"
+        cases = " ".join(f"{name}) ns={ns};;" for name, ns in zip(self.hostnames, self.ns, strict=True))
+        agent.write_text(f"""#!/bin/sh
+# ssh HOST COMMAND, for hosts that are network namespaces of this machine
+host=$1; shift
+case $host in {cases} *) echo "unknown host $host" >&2; exit 1;; esac
+exec {IP} netns exec $ns {UNSHARE} --uts sh -c 'hostname "$0" && exec sh -c "$1"' "$host" "$*"
+""")
+        agent.chmod(0o755)
+        hostfile = logs / "hostfile"
+        hostfile.write_text("".join(f"{name} slots=2\n" for name in self.hostnames))
+        variables = {"GLOO_SOCKET_IFNAME": IFACE, "MASTER_ADDR": self.hostnames[0], "MASTER_PORT": str(RDZV_PORT),
+                     "PYTHONUNBUFFERED": "1", **env}  # fmt: skip
+        exported = [arg for key in ("PATH", "DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "PYTHONPATH") if key in os.environ
+                    for arg in ("-x", key)]  # fmt: skip
+        argv = ["mpirun", "--allow-run-as-root", "-np", "4", "--hostfile", str(hostfile), "--bind-to", "none",
+                "--display-map", "--mca", "plm_rsh_agent", str(agent), "--mca", "btl", "self,tcp",
+                "--mca", "btl_tcp_if_include", IFACE, "--mca", "oob_tcp_if_include", IFACE, *exported,
+                *(arg for key, value in variables.items() for arg in ("-x", f"{key}={value}")),
+                sys.executable, *script]  # fmt: skip
+        log = logs / "node0.log"
+        handle = open(log, "w")  # noqa: SIM115 - closed in wait()
+        proc = subprocess.Popen(self.command(0, argv), cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+        self.runs = [HostRun(proc, log, handle)]
+
+    def wait(self, timeout: float, poll: Callable[[], object] | None = None) -> list[int | None]:
+        """Exit codes of both agents (``None``: still running at the deadline, then killed), calling ``poll()``
+        every 50 ms meanwhile; kills every process left in either namespace."""
         deadline = time.monotonic() + timeout
         try:
             while time.monotonic() < deadline and any(run.proc.poll() is None for run in self.runs):
+                if poll is not None:
+                    poll()
                 time.sleep(0.05)
             return [run.proc.poll() for run in self.runs]
         finally:
@@ -165,27 +239,13 @@ class TwoHosts:
 
     def link(self, up: bool) -> None:
         """Set host 0's end of the veth up or down (down: nothing passes either way)."""
-        _ip("-n", self.ns[0], "link", "set", self.veth[0], "up" if up else "down")
+        _ip("-n", self.ns[0], "link", "set", IFACE, "up" if up else "down")
 
-    def netem(self, spec: str | None) -> None:
-        """``tc netem`` on both ends (e.g. ``"delay 20ms 5ms loss 1%"``); ``None`` removes it."""
-        for ns, veth in zip(self.ns, self.veth, strict=True):
-            subprocess.run([IP, "netns", "exec", ns, TC, "qdisc", "del", "dev", veth, "root"], capture_output=True)
-            if spec:
-                _run([IP, "netns", "exec", ns, TC, "qdisc", "add", "dev", veth, "root", "netem", *spec.split()])
-
-    def netem_unavailable(self) -> str | None:
-        """Why ``tc netem`` cannot shape the link here (``None``: it can)."""
-        try:
-            self.netem("delay 1ms")
-        except (RuntimeError, OSError) as err:
-            return f"tc netem is unavailable ({err}); the kernel needs CONFIG_NET_SCH_NETEM"
-        self.netem(None)
-        return None
-
-    def bytes_sent(self, host: int) -> int:
-        """Bytes ``host`` has sent over the veth since it was made."""
-        shown = _run([IP, "-n", self.ns[host], "-j", "-s", "link", "show", "dev", self.veth[host]])
+    def bytes_sent(self, host: int | None = None) -> int:
+        """Bytes ``host`` (``None``: both) has sent over the link since it was made."""
+        if host is None:
+            return self.bytes_sent(0) + self.bytes_sent(1)
+        shown = _run([IP, "-n", self.ns[host], "-j", "-s", "link", "show", "dev", IFACE])
         return int(json.loads(shown)[0]["stats64"]["tx"]["bytes"])
 
 
