@@ -242,6 +242,26 @@ def test_long_context_matches_the_whole_model(world, tmp_path):
     assert not list(Path(tmp_path).iterdir()), "offloaded checkpoints left files behind"
 
 
+def test_tiled_loss_in_bf16_is_the_models_own_head_and_loss():
+    """Half precision: logits in bf16 (as the model's head computes them), the loss in fp32, the gradients in bf16."""
+    from ds_ring.tiles import tiled_cross_entropy_sum
+
+    torch.manual_seed(0)
+    hidden = torch.randn(300, 64).bfloat16().requires_grad_()
+    weight = (torch.randn(1000, 64) / 8).bfloat16().requires_grad_()
+    labels = torch.randint(0, 1000, (300,))
+    labels[::7] = -100
+    expected = F.cross_entropy((hidden @ weight.T).float(), labels, reduction="sum")
+    want = torch.autograd.grad(expected, [hidden, weight])
+    got = tiled_cross_entropy_sum(hidden, weight, labels, tile_tokens=64)
+    assert got.dtype == torch.float32
+    grads = torch.autograd.grad(got, [hidden, weight])
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=0.0)
+    for grad, reference in zip(grads, want, strict=True):
+        assert grad.dtype == torch.bfloat16
+        torch.testing.assert_close(grad.float(), reference.float(), rtol=2e-2, atol=2e-2)
+
+
 def _section(**long_context) -> dict:
     return ds_config(long_context=long_context)
 

@@ -3,8 +3,8 @@
 One pass computes each tile's logits once, its token losses, and (when a gradient is wanted) the
 gradients of the hidden states and the head's weight: ``softmax - one_hot`` is the logits' gradient of a
 summed cross-entropy, so the backward only scales what the forward kept (``[tokens, hidden]`` and
-``[vocab, hidden]``, the sizes of the inputs). Peak extra memory: one tile's ``[tile, vocab]`` in the
-accumulation dtype.
+``[vocab, hidden]``, the sizes of the inputs, in their dtype). Peak extra memory: one tile's ``[tile, vocab]``
+in the accumulation dtype (fp32 for half precision; the matmuls run in the model's dtype, as its own head does).
 """
 
 from __future__ import annotations
@@ -23,16 +23,16 @@ class _TiledCrossEntropySum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, tile_tokens, ignore_index, want_grads):  # noqa: ANN001, ANN205
         acc = accum_dtype(hidden.dtype)
-        head = weight.to(acc)
         total = torch.zeros((), dtype=acc, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if want_grads[0] else None
-        grad_weight = torch.zeros_like(head) if want_grads[1] else None
+        grad_weight = torch.zeros_like(weight) if want_grads[1] else None
         for start in range(0, hidden.shape[0], tile_tokens):
-            rows = hidden[start : start + tile_tokens].to(acc)
+            rows = hidden[start : start + tile_tokens].to(weight.dtype)
             targets = labels[start : start + tile_tokens]
             counted = targets != ignore_index
             picked = targets.masked_fill(~counted, 0).unsqueeze(1)
-            logits = rows @ head.T  # [tile, vocab]: the one buffer of this size; everything below is in place
+            # [tile, vocab] in the model's dtype, then fp32 for half precision (as the model's own head and loss)
+            logits = (rows @ weight.T).to(acc)
             target_logit = logits.gather(1, picked).squeeze(1)
             peak = logits.amax(dim=1, keepdim=True)
             probs = logits.sub_(peak).exp_()
@@ -44,14 +44,14 @@ class _TiledCrossEntropySum(torch.autograd.Function):
                 continue
             dlogits = probs.div_(norm)  # softmax - one_hot, zero for tokens not counted
             dlogits.scatter_add_(1, picked, -counted.to(acc).unsqueeze(1))
-            dlogits.mul_(counted.unsqueeze(1))
+            dlogits = dlogits.mul_(counted.unsqueeze(1)).to(weight.dtype)
             if grad_hidden is not None:
-                grad_hidden[start : start + tile_tokens] = dlogits @ head
+                grad_hidden[start : start + tile_tokens] = dlogits @ weight
             if grad_weight is not None:
                 grad_weight.addmm_(dlogits.T, rows)
             del logits, probs, dlogits  # before the next tile's logits exist: one [tile, vocab] at a time
         # Not saved tensors: the backward scales them in place and hands them on (no second copy of [vocab, hidden]).
-        ctx.grads = (grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None)
+        ctx.grads = (grad_hidden, grad_weight)
         return total
 
     @staticmethod
