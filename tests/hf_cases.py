@@ -62,6 +62,25 @@ def shifted(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels, (0, 1), value=-100)[:, 1:]
 
 
+def sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The optimizer of the training comparisons: SGD with momentum, a step large enough to show any difference."""
+    return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+
+
+def one_process_parameters(batch: dict[str, torch.Tensor], steps: int) -> list[torch.Tensor]:
+    """The whole fp32 :func:`llama` after ``steps`` :func:`sgd` steps on ``batch`` in one process."""
+    model = llama(torch.float32)
+    optimizer = sgd(model)
+    labels = shifted(batch["labels"])
+    for _ in range(steps):
+        logits = model(input_ids=batch["input_ids"]).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return [p.detach() for p in model.parameters()]
+
+
 def register_reference_dilated() -> None:
     """Register ``ds_ring.dilated_attention`` (whole sequence, DILATED branches) as an HF attention."""
     from transformers.modeling_utils import AttentionInterface

@@ -29,7 +29,18 @@ from ds_ring.integrations.hf import (
     unregister_from_transformers,
 )
 from tests.dist import CaseLog, run_distributed
-from tests.hf_cases import BATCH, MODELS, documents_alone, ds_config, full_batch, llama, topology_for, whole_model
+from tests.hf_cases import (
+    BATCH,
+    MODELS,
+    documents_alone,
+    ds_config,
+    full_batch,
+    llama,
+    one_process_parameters,
+    sgd,
+    topology_for,
+    whole_model,
+)
 
 TILE = 5  # divides no shard: 2 × 16 or 2 × 8 rows per rank
 VARIANTS = {
@@ -145,17 +156,10 @@ def _train(
 ) -> list[torch.Tensor]:
     """Three SGD steps: the whole model in one process (``stage`` None), else through ds_ring.initialize (DeepSpeed's
     collectives counted in ``collectives``)."""
-    model = llama(torch.float32)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     if stage is None:
-        labels = F.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
-        for _ in range(STEPS):
-            logits = model(input_ids=batch["input_ids"]).logits
-            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-        return [p.detach() for p in model.parameters()]
+        return one_process_parameters(batch, STEPS)
+    model = llama(torch.float32)
+    optimizer = sgd(model)
     import deepspeed
     import deepspeed.comm
 

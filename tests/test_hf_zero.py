@@ -14,7 +14,6 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import ds_ring
 from ds_ring.integrations.hf import (
@@ -24,7 +23,16 @@ from ds_ring.integrations.hf import (
     unregister_from_transformers,
 )
 from tests.dist import CaseLog, run_distributed
-from tests.hf_cases import BATCH, assert_same, full_batch, llama, sequence_parallel, shifted, whole_model
+from tests.hf_cases import (
+    BATCH,
+    assert_same,
+    full_batch,
+    llama,
+    one_process_parameters,
+    sequence_parallel,
+    sgd,
+    whole_model,
+)
 
 STEPS = 3
 
@@ -41,23 +49,6 @@ def _config(stage: int, **zero) -> dict:
     }
 
 
-def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-
-
-def _one_process_parameters(batch: dict) -> list[torch.Tensor]:
-    model = llama(torch.float32)
-    optimizer = _optimizer(model)
-    labels = shifted(batch["labels"])
-    for _ in range(STEPS):
-        logits = model(input_ids=batch["input_ids"]).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return [p.detach() for p in model.parameters()]
-
-
 def _train(stage: int, batch: dict, *, alst_order: bool = False, **zero) -> tuple[list[torch.Tensor], bool]:
     """``ds_ring.initialize`` then register with its mpu; or (``alst_order``) as ALST users do: register
     first, then ``deepspeed.initialize(mpu=topology)`` with the same ds_config. Returns the parameters and
@@ -68,9 +59,9 @@ def _train(stage: int, batch: dict, *, alst_order: bool = False, **zero) -> tupl
     config = _config(stage, **zero)
     if alst_order:
         topology = register_with_transformers(model, config=config)
-        engine, *_ = deepspeed.initialize(model=model, config=config, optimizer=_optimizer(model), mpu=topology)
+        engine, *_ = deepspeed.initialize(model=model, config=config, optimizer=sgd(model), mpu=topology)
     else:
-        engine, *_ = ds_ring.initialize(model=model, config=config, optimizer=_optimizer(model))
+        engine, *_ = ds_ring.initialize(model=model, config=config, optimizer=sgd(model))
         topology = register_with_transformers(model, config=config, topology=engine.mpu)
     try:
         sharded = shard_batch(batch, topology)
@@ -104,7 +95,7 @@ def _half_step(batch: dict, stage: int, precision: str) -> tuple[torch.dtype, fl
     reference = whole_model(llama(torch.float32), batch).loss.item()
     model = llama(torch.float32)
     config = {**_config(stage), precision: {"enabled": True}}
-    engine, *_ = ds_ring.initialize(model=model, config=config, optimizer=_optimizer(model))
+    engine, *_ = ds_ring.initialize(model=model, config=config, optimizer=sgd(model))
     topology = register_with_transformers(model, config=config, topology=engine.mpu)
     try:
         sharded = shard_batch(batch, topology)
@@ -121,7 +112,7 @@ def _rank(rank: int, world: int, stages: list[int]) -> list[str]:
     log = CaseLog()
     batch = full_batch()
     names = [name for name, _ in llama(torch.float32).named_parameters()]
-    expected = _one_process_parameters(batch)
+    expected = one_process_parameters(batch, STEPS)
     runs = [(f"zero stage {stage}", stage, False, {}) for stage in stages] + [
         ("ALST order, zero stage 2", 2, True, {}),
         ("ALST order, zero stage 3 (reduce-scatter, DeepSpeed's default)", 3, True, {}),
