@@ -115,6 +115,9 @@ def _check(model, batch, topology, strategy: dict, variant: dict, expected, offl
         unregister_from_transformers()
         model.activation_checkpointing_disable()
     assert "forward" not in model.__dict__, "unregister left the model patched"
+    functions = [m.__dict__.get("_gradient_checkpointing_func") for m in model.modules()]
+    left = [f for f in functions if "offloaded_checkpoint" in getattr(f, "__qualname__", "")]
+    assert not left, "unregister left the offloaded checkpointing on the layers"
     torch.testing.assert_close(loss.double(), expected.loss.double(), rtol=1e-12, atol=0.0)
     for name, grad in expected.grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-7, atol=1e-9, msg=lambda m, n=name: f"{n}: {m}")
@@ -301,6 +304,15 @@ def _gpt2():
     return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, attn_implementation="sdpa"))
 
 
+def _granite() -> torch.nn.Module:
+    """A Granite, whose head divides its logits by ``logits_scaling``."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    config = GraniteConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, logits_scaling=8.0)  # fmt: skip
+    return GraniteForCausalLM(config)
+
+
 def test_models_that_cannot_be_tiled_are_refused_before_any_communication():
     assert not dist.is_initialized()
     with pytest.raises(ValueError, match="GPT2MLP.*not a gated MLP.*tiled_mlp to false"):
@@ -308,6 +320,8 @@ def test_models_that_cannot_be_tiled_are_refused_before_any_communication():
     capped = llama(final_logit_softcapping=30.0)
     with pytest.raises(ValueError, match="final_logit_softcapping = 30.0.*tiled_loss to false"):
         register_with_transformers(capped, config=_section(tiled_loss=True))
+    with pytest.raises(ValueError, match="GraniteForCausalLM scales its logits.*logits_scaling = 8.0"):
+        register_with_transformers(_granite(), config=_section(tiled_loss=True))
     with pytest.raises(ValueError, match="model instance.*register_with_transformers\\(model"):
         register_with_transformers(config=_section(tiled_loss=True))
     assert not dist.is_initialized()

@@ -43,8 +43,12 @@ class _Counted:
             self.stored += max(n, 0)
 
 
-class HostStore(_Counted):
-    """Pinned host memory for accelerator tensors; CPU tensors are kept as they are."""
+class HostStore:
+    """Pinned host memory for accelerator tensors; CPU tensors are kept as they are (autograd owns every entry:
+    it goes with the graph, so there is nothing to count or close)."""
+
+    def close(self) -> None:
+        """Nothing to release."""
 
     def pack(self, tensor: torch.Tensor) -> Any:
         if tensor.device.type == "cpu":
@@ -109,6 +113,10 @@ class DiskStore(_Counted):
         self.directory = os.fspath(directory)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds_ring_offload")
         self._slots = threading.BoundedSemaphore(pending)
+
+    def close(self) -> None:
+        """Stop the writer thread once its queued writes are done (the store is not used after)."""
+        self._writer.shutdown(wait=True)
 
     def pack(self, tensor: torch.Tensor) -> _OnDisk:
         self._slots.acquire()  # released when the write is done: a forward waits rather than queue more

@@ -67,12 +67,20 @@ def check_long_context(model: Any, section: LongContextConfig) -> None:
                 f"{_WHERE}.tiled_loss: {name} has no bias-free linear LM head over a decoder to tile; set "
                 f"tiled_loss to false for this model"
             )
-        softcap = getattr(getattr(lm, "config", None), "final_logit_softcapping", None)
+        config = getattr(lm, "config", None)
+        softcap = getattr(config, "final_logit_softcapping", None)
         if softcap is not None:
             raise ValueError(
                 f"{_WHERE}.tiled_loss: {name} caps its logits (config.final_logit_softcapping = {softcap}), which "
                 f"the tiled loss does not compute; set tiled_loss to false, or final_logit_softcapping=None"
             )
+        for field in ("logits_scaling", "logit_scale"):  # Granite divides its logits, Cohere multiplies them
+            factor = getattr(config, field, None)
+            if factor is not None and factor != 1:
+                raise ValueError(
+                    f"{_WHERE}.tiled_loss: {name} scales its logits (config.{field} = {factor}), which the tiled "
+                    f"loss does not compute; set tiled_loss to false for this model"
+                )
     if section.tiled_mlp:
         mlps = _mlps(lm)
         if not mlps:
@@ -115,7 +123,11 @@ def apply_long_context(
             mlp.forward = functools.partial(tiled_gated_mlp, mlp, tile_tokens=section.tile_tokens)
             patched.append(mlp)
     store = make_store(section.offload_checkpoints, section.offload_dir)
-    if store is not None and not lm.is_activation_checkpointing:
+    checkpointing_was_on = lm.is_activation_checkpointing
+    functions = {
+        m: m.__dict__.get("_gradient_checkpointing_func") for m in lm.modules() if hasattr(m, "gradient_checkpointing")
+    }
+    if store is not None and not checkpointing_was_on:
         lm.activation_checkpointing_enable()
     if section.tiled_loss or store is not None:
         lm.forward = functools.partial(
@@ -127,8 +139,17 @@ def apply_long_context(
     def undo() -> None:
         for module in patched:
             del module.forward
-        if "ds_ring_checkpoint_store" in lm.__dict__:
-            del lm.ds_ring_checkpoint_store
+        if store is None:
+            return
+        del lm.ds_ring_checkpoint_store
+        if not checkpointing_was_on:
+            lm.activation_checkpointing_disable()
+        for module, function in functions.items():  # the layers' own checkpointing functions back
+            if function is None:
+                module.__dict__.pop("_gradient_checkpointing_func", None)
+            else:
+                module._gradient_checkpointing_func = function
+        store.close()
 
     return undo
 
