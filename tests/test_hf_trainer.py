@@ -4,13 +4,14 @@ On gloo ranks (a tiny fp32 Llama, SGD with momentum, constant learning rate, no 
 
 - 3 optimizer steps equal the README's hand-written ds_ring loop (``ds_ring.initialize``,
   ``register_with_transformers``, ``shard_batch``, ``causal_lm_loss``) on the same data: ZeRO 2 and 3 at 2 ranks,
-  packed batches from ``DataCollatorWithFlattening``, the long_context tiles (ZeRO 3; fp32 tolerance), and 2 data
-  × 2 sequence-parallel ranks at 4 (each replica its own batches);
+  packed batches from ``DataCollatorWithFlattening``, gradient accumulation 2, the long_context tiles (ZeRO 3;
+  fp32 tolerance), and 2 data × 2 sequence-parallel ranks at 4 (each replica its own batches);
 - ``evaluate()`` (sequence parallel) gives the whole model's loss; ``disable_in_eval`` the same on whole sequences;
   ``predict()`` the whole model's logits; the tokens logged count each sequence once; ``save_model`` writes a
   checkpoint ``from_pretrained`` reads back;
 - refused with a ValueError naming both sides, before training: a section that does not fit the job (its degrees,
-  the model's heads) and a ``parallelism_config`` that also asks for sequence parallelism.
+  the model's heads), a ``parallelism_config`` that also asks for sequence parallelism, and what would be ignored
+  or split the groups' batches (``compute_loss_func``, label smoothing, ``batch_rebalance``).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def _collator(packed: bool):
     return default_data_collator
 
 
-def _trainer(config: dict, data: list[dict], packed: bool, output: str, eval_data=None, **trainer_kwargs):
+def _trainer(config: dict, data: list[dict], packed: bool, output: str, eval_data=None, accumulation: int = 1,
+             **trainer_kwargs):  # fmt: skip
     from transformers import TrainingArguments
 
     from ds_ring.integrations.hf import SequenceParallelTrainer
@@ -71,6 +73,7 @@ def _trainer(config: dict, data: list[dict], packed: bool, output: str, eval_dat
     model = llama(torch.float32)
     args = TrainingArguments(
         output_dir=output, per_device_train_batch_size=BATCH, per_device_eval_batch_size=BATCH, max_steps=STEPS,
+        gradient_accumulation_steps=accumulation,
         learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=0.0, deepspeed=config, report_to=[],
         save_strategy="no", use_cpu=True, include_num_input_tokens_seen="all", remove_unused_columns=False,
         optim="sgd", optim_args="momentum=0.9",  # under DeepSpeed the Trainer builds its optimizer from the args
@@ -87,14 +90,14 @@ def _parameters(engine) -> list[torch.Tensor]:
         return [copy.deepcopy(p.detach()) for p in params]
 
 
-def _hand_written(config: dict, data: list[dict], packed: bool) -> list[torch.Tensor]:
+def _hand_written(config: dict, data: list[dict], packed: bool, accumulation: int = 1) -> list[torch.Tensor]:
     """The README's loop: ds_ring.initialize, register, shard_batch, causal_lm_loss; this replica's batches."""
     import ds_ring
     from ds_ring.integrations.hf import causal_lm_loss, register_with_transformers, shard_batch
     from ds_ring.integrations.hf.registration import unregister_from_transformers
 
     section = {k: v for k, v in config["ring_attention"].items() if k != "long_context"}  # the untiled model
-    ds_config = {**config, "train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
+    ds_config = {**config, "train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": accumulation,
                  "gradient_clipping": 0.0, "ring_attention": section}  # fmt: skip
     ds_config.pop("train_batch_size")
     model = llama(torch.float32)
@@ -104,8 +107,8 @@ def _hand_written(config: dict, data: list[dict], packed: bool) -> list[torch.Te
     replicas, replica = topology.get_data_parallel_world_size(), topology.get_data_parallel_rank()
     collate = _collator(packed)
     try:
-        for step in range(STEPS):
-            first = (step * replicas + replica) * BATCH
+        for micro_step in range(STEPS * accumulation):  # the engine steps the optimizer every `accumulation`
+            first = (micro_step * replicas + replica) * BATCH
             batch = shard_batch(collate(data[first : first + BATCH]), topology)
             labels = batch.pop("shift_labels")
             engine.backward(causal_lm_loss(engine(**batch).logits, labels, topology))
@@ -138,25 +141,27 @@ def _rank(rank: int, world: int) -> list[str]:
     log = CaseLog()
     with tempfile.TemporaryDirectory() as output:
         tiled = {"long_context": {"tiled_loss": True, "tiled_mlp": True, "tile_tokens": 6}}
-        cases = [("zero 2", 2, False, {}), ("zero 3", 3, False, {}), ("zero 2, packed", 2, True, {}),
-                 ("zero 3, long_context tiles", 3, False, tiled)] if world == 2 else [
-            ("2 data x 2 sequence, zero 2", 2, False, {})]  # fmt: skip
-        for name, stage, packed, section in cases:
+        cases = [("zero 2", 2, False, {}, 1), ("zero 3", 3, False, {}, 1), ("zero 2, packed", 2, True, {}, 1),
+                 ("zero 3, long_context tiles", 3, False, tiled, 1),
+                 ("zero 2, gradient accumulation 2", 2, False, {}, 2)] if world == 2 else [
+            ("2 data x 2 sequence, zero 2", 2, False, {}, 1)]  # fmt: skip
+        for name, stage, packed, section, accumulation in cases:
             with log.case(f"3 steps = the hand-written loop: {name}"):
                 config = _ds_config(stage, **section)
-                data = _samples(STEPS * BATCH * (world // 2) + BATCH, packed)
-                trainer = _trainer(config, data, packed, output)
+                samples = STEPS * accumulation * BATCH * (world // 2)
+                data = _samples(samples + BATCH, packed)
+                trainer = _trainer(config, data, packed, output, accumulation=accumulation)
                 try:
                     trainer.train()
                     got = _parameters(trainer.model_wrapped)
                     seen = trainer.state.num_input_tokens_seen
-                    if stage == 2 and not packed and not section:
+                    if stage == 2 and not packed and not section and accumulation == 1:
                         _check_saved(trainer, got, os.path.join(output, "saved"))
                 finally:
                     trainer.close()
-                want_tokens = sum(len(sample["input_ids"]) for sample in data[: STEPS * BATCH * (world // 2)])
+                want_tokens = sum(len(sample["input_ids"]) for sample in data[:samples])
                 assert seen == want_tokens, (seen, want_tokens)
-                _assert_parameters(got, _hand_written(config, data, packed))
+                _assert_parameters(got, _hand_written(config, data, packed, accumulation))
         if world == 2:
             _check_evaluation(log, output)
             _check_refusals(log, output)
@@ -216,19 +221,33 @@ def _check_refusals(log: CaseLog, output: str) -> None:
                 _refused_trainer(config, overrides, output)
             for needle in needles:
                 assert needle in str(raised.value), str(raised.value)
+    losses = [
+        ("a compute_loss_func (it would be ignored)", {"compute_loss_func": lambda *a, **k: None}, {},
+         ["compute_loss_func", "sequence-parallel"]),
+        ("label smoothing (it would be ignored)", {}, {"label_smoothing_factor": 0.1}, ["label_smoothing_factor"]),
+        ("batches rebalanced over every rank", {}, {"train_sampling_strategy": "batch_rebalance"},
+         ["batch_rebalance", "same batches"]),
+    ]  # fmt: skip
+    for name, trainer_kwargs, arguments, needles in losses:
+        with log.case(f"refuses {name}"):
+            with pytest.raises(ValueError) as raised:
+                _refused_trainer(_ds_config(2), {}, output, trainer_kwargs, **arguments)
+            for needle in needles:
+                assert needle in str(raised.value), str(raised.value)
     alst = ParallelismConfig(sp_size=2, sp_backend="deepspeed")
     refused = pytest.raises(ValueError, match="parallelism_config.*ring_attention")
     with log.case("refuses a parallelism_config asking for ALST's sequence parallelism too"), refused:
         _refused_trainer(_ds_config(2), {}, output, parallelism_config=alst)
 
 
-def _refused_trainer(config: dict, overrides: dict, output: str, **arguments):
+def _refused_trainer(config: dict, overrides: dict, output: str, trainer_kwargs: dict | None = None, **arguments):
     from transformers import TrainingArguments
 
     from ds_ring.integrations.hf import SequenceParallelTrainer
 
     args = TrainingArguments(output_dir=output, deepspeed=config, report_to=[], use_cpu=True, max_steps=1, **arguments)
-    SequenceParallelTrainer(model=llama(torch.float32, **overrides), args=args, train_dataset=_samples(2))
+    SequenceParallelTrainer(model=llama(torch.float32, **overrides), args=args, train_dataset=_samples(2),
+                            **(trainer_kwargs or {}))  # fmt: skip
 
 
 @pytest.mark.timeout(400)

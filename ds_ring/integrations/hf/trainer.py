@@ -69,7 +69,9 @@ class SequenceParallelTrainer(_trainer_base()):  # type: ignore[misc]
         self.ds_config, self.section = _section_of(args)
         _refuse_other_sequence_parallelism(args)
         super().__init__(model, args, *rest, **kwargs)
+        _refuse_other_losses(self)
         self.model_accepts_loss_kwargs = False  # ds_ring's loss, not the model's with num_items_in_batch
+        self.loss_is_scaled_for_ga = False  # the group mean of one micro-batch: the Trainer divides it by the steps
         self.disable_in_eval = disable_in_eval
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         _check_fits(self.section, world_size, self.accelerator.unwrap_model(self.model))
@@ -103,12 +105,12 @@ class SequenceParallelTrainer(_trainer_base()):  # type: ignore[misc]
         return self._train_batch_size * args.gradient_accumulation_steps * self.topology.get_data_parallel_world_size()
 
     def _track_num_input_tokens(self, inputs: Mapping[str, Any]) -> None:
-        """Each sequence counted once: only sequence-parallel rank 0 of a group counts the group's batch."""
-        if self.topology.get_sequence_parallel_rank() == 0:
-            super()._track_num_input_tokens(inputs)
-        elif self.args.include_num_input_tokens_seen != "no":
-            zero = torch.zeros((), dtype=torch.int64, device=self.args.device)
-            self.state.num_input_tokens_seen += self.accelerator.gather(zero).sum().item()
+        """Each sequence counted once: the group's batch on its sequence-parallel rank 0, none of it on the others
+        (every rank still takes the Trainer's path, and so its gather)."""
+        if self.topology.get_sequence_parallel_rank() != 0:
+            main = getattr(self.model, "main_input_name", "input_ids")
+            inputs = {main: inputs[main][:0]} if main in inputs else {}
+        super()._track_num_input_tokens(inputs)
 
     # --- the data ----------------------------------------------------------------------------------------
 
@@ -198,10 +200,30 @@ def _check_fits(section: RingAttentionConfig, world_size: int, model: nn.Module)
         ) from None
 
 
+def _refuse_other_losses(trainer: Any) -> None:
+    """The loss is ds_ring's sequence-group mean: a loss function or label smoothing would be silently ignored."""
+    if trainer.compute_loss_func is not None:
+        raise ValueError(
+            "SequenceParallelTrainer(compute_loss_func=...): the loss is ds_ring's sequence-parallel cross-entropy "
+            "(each rank holds a shard of the sequence); drop compute_loss_func, or override compute_loss with a "
+            "loss that is the group's mean"
+        )
+    if trainer.args.label_smoothing_factor:
+        raise ValueError(
+            f"TrainingArguments(label_smoothing_factor={trainer.args.label_smoothing_factor}): ds_ring's "
+            f"sequence-parallel cross-entropy has no label smoothing; set label_smoothing_factor=0"
+        )
+    if getattr(trainer.args, "train_sampling_strategy", None) == "batch_rebalance":
+        raise ValueError(
+            "TrainingArguments(train_sampling_strategy='batch_rebalance') splits batches over every rank, and the "
+            "ranks of a sequence-parallel group need the same batches; use 'random' or 'sequential'"
+        )
+
+
 def _refuse_other_sequence_parallelism(args: Any) -> None:
     config = getattr(args, "parallelism_config", None)
     sp_size = getattr(config, "sp_size", 1) or 1
-    if config is not None and (sp_size > 1 or getattr(config, "sp_backend", None) is not None and sp_size > 1):
+    if sp_size > 1:
         raise ValueError(
             f"TrainingArguments(parallelism_config=...) asks for sequence parallelism (sp_backend="
             f"{getattr(config, 'sp_backend', None)!r}, sp_size={sp_size}) and the ds_config's {SECTION!r} section "
@@ -269,12 +291,7 @@ class _DataParallelGather:
         parts = all_gather(flat.reshape(-1), ranks, group=group, op="gather_for_metrics",
                            timeout_s=self.topology.timeout_s)  # fmt: skip
         gathered = torch.cat([p.view(flat.shape) for p in parts])
-        state = self.trainer.accelerator.gradient_state
-        loader = state.active_dataloader
-        if state.end_of_dataloader and loader is not None:
-            total = len(loader.dataset) if hasattr(loader, "dataset") else 0
-            per_step = flat.shape[0] * len(ranks)
-            remainder = total % per_step if per_step else 0
-            if remainder:
-                gathered = gathered[:remainder]
+        state = self.trainer.accelerator.gradient_state  # its remainder counts the D replicas the loader splits over
+        if state.end_of_dataloader and state.remainder > 0:
+            gathered = gathered[: state.remainder]
         return gathered
