@@ -39,7 +39,11 @@ from ds_ring.comm.spans import group_members
 from ds_ring.config import SECTION, RingAttentionConfig, load_config, read_ds_config
 from ds_ring.integrations.hf.batches import shard_batch
 from ds_ring.integrations.hf.loss import causal_lm_loss
-from ds_ring.integrations.hf.registration import register_with_transformers, unregister_from_transformers
+from ds_ring.integrations.hf.registration import (
+    check_model_config,
+    register_with_transformers,
+    unregister_from_transformers,
+)
 from ds_ring.sharding import gather_sequence
 from ds_ring.topology import Topology
 
@@ -137,7 +141,7 @@ class SequenceParallelTrainer(_trainer_base()):  # type: ignore[misc]
         if "shift_labels" not in inputs:  # whole sequences (disable_in_eval): the model's own loss
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         outputs = model(**inputs)  # with long_context.tiled_loss the model computes the loss from shift_labels
-        loss = outputs.loss if outputs.get("loss") is not None else None
+        loss = outputs.get("loss")
         if loss is None:
             loss = causal_lm_loss(outputs.logits, inputs["shift_labels"], self.topology)
         return (loss, outputs) if return_outputs else loss
@@ -182,21 +186,16 @@ def _section_of(args: Any) -> tuple[dict[str, Any], RingAttentionConfig]:
 
 
 def _check_fits(section: RingAttentionConfig, world_size: int, model: nn.Module) -> None:
-    """``ValueError`` naming the section and the job when its degrees or the model's heads do not fit (no
-    communication: the same on every rank)."""
-    config = getattr(model, "config", None)
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(config, "num_attention_heads", None)
+    """``ValueError`` naming the section and the job when its degrees or the model (its heads, the features
+    :func:`check_model_config` refuses) do not fit; no communication: the same on every rank."""
     try:
         section.degrees(world_size)
-        if heads is not None:
-            section.check(
-                world_size=world_size, num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None)
-            )
+        if getattr(model, "config", None) is not None:
+            check_model_config(model.config, section, world_size)  # what register_with_transformers checks
     except ValueError as err:
         raise ValueError(
             f"SequenceParallelTrainer: the ds_config's {SECTION} section does not fit this job ({world_size} ranks, "
-            f"num_attention_heads = {heads}): {err}"
+            f"{type(model).__name__}): {err}"
         ) from None
 
 
