@@ -1,0 +1,165 @@
+"""Nothing silent: a registered model's sequence-mixing modules either run through ds_ring or are refused.
+
+Under sequence parallelism a rank holds a shard of the sequence, so every module that mixes information along
+the sequence must see the whole of it. Two checks, both naming the module class, why and what to do:
+
+* :func:`refuse_sequence_mixers`, at registration, from the module tree alone: state-space / Mamba mixers,
+  convolutions over time, linear / lightning / delta-rule attention, recurrent blocks and RNNs, recognised by
+  their class names (the model family's prefix removed) and by their torch types. A type the user knows to be
+  position-wise is let through with ``position_wise=("ClassName", ...)``.
+* :class:`ModelWatch`, on the registered model instance: forward hooks that, during the model's first forward,
+  record which attention modules ran and which of them (or their children) called ds_ring's attention. An
+  attention module that ran without calling it (its own ``F.scaled_dot_product_attention`` or eager code: it
+  attended within the shard) is refused after that forward, before any backward. The same hooks hand the
+  attention the batch's ``position_ids`` and documents for models whose attention receives no ``**kwargs``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["refuse_sequence_mixers", "ModelWatch", "BATCH_KEYS"]
+
+_MIXER = re.compile(
+    r"mamba|mixer|ssm|shortconv|conv|lightning|linearattention|lineardecoder|deltanet|deltarule|gateddelta|recurrent|"
+    r"rglru|rwkv|lstm|gru|rnn|retention|hyena|xlstm",
+    re.IGNORECASE,
+)
+_POSITION_WISE = re.compile(r"mlp|moe|expert|feedforward|ffn|router|gate$|norm|embedding", re.IGNORECASE)
+_STRUCTURE = re.compile(r"(model|forcausallm|lmheadmodel|decoderlayer|decoder|layer|block|stack)$", re.IGNORECASE)
+_ATTENTION = re.compile(r"(attention|attn)$", re.IGNORECASE)
+
+BATCH_KEYS = ("position_ids", "ds_ring_cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k")
+"""The model call's keyword arguments the attention may need: passed on for attention modules that get none."""
+
+
+def _family_prefix(model: nn.Module) -> str:
+    config = getattr(model, "config", None)
+    return type(config).__name__.removesuffix("Config") if config is not None else ""
+
+
+def _short_name(module: nn.Module, prefix: str) -> str:
+    name = type(module).__name__
+    return name[len(prefix) :] if prefix and name.lower().startswith(prefix.lower()) and name != prefix else name
+
+
+def _mixes_over_time(module: nn.Module) -> bool:
+    """A torch layer that mixes neighbouring positions: a convolution wider than 1, or a recurrent net."""
+    if isinstance(module, nn.RNNBase):
+        return True
+    return isinstance(module, nn.Conv1d | nn.Conv2d | nn.Conv3d) and max(module.kernel_size) > 1
+
+
+def refuse_sequence_mixers(model: nn.Module, position_wise: Iterable[str] = ()) -> None:
+    """``ValueError`` naming the first module that mixes along the sequence other than through attention.
+
+    Args:
+        model: the model (its module tree is read; nothing runs).
+        position_wise: class names the user declares position-wise (mixing nothing along the sequence).
+    """
+    allowed = set(position_wise)
+    prefix = _family_prefix(model)
+    for path, module in model.named_modules():
+        cls = type(module).__name__
+        if cls in allowed or module is model:
+            continue
+        short = _short_name(module, prefix)
+        named = (
+            _MIXER.search(short)
+            and not _POSITION_WISE.search(short)
+            and not _STRUCTURE.search(short)
+            and not _ATTENTION.search(short) or re.search(r"(lightning|linear|delta)\w*(attention|attn)", short, re.I)
+        )
+        if type(module).__module__.startswith("transformers.pytorch_utils"):  # Conv1D is GPT-2's linear layer
+            named = False
+        if named or _mixes_over_time(module):
+            raise ValueError(
+                f"{cls} (at {path or 'the model'}) mixes information along the sequence other than through "
+                f"attention (a state-space / recurrent / convolution / linear-attention layer): run on one rank's "
+                f"shard it would restart at every shard boundary, so ds_ring refuses it. Train this model without "
+                f"sequence parallelism, or, if {cls} is position-wise (mixes nothing along the sequence), declare it: "
+                f"register_with_transformers(..., position_wise=[{cls!r}])"
+            )
+
+
+class ModelWatch:
+    """Forward hooks on a registered model: the batch's keyword arguments, and the first forward's audit.
+
+    ``batch`` holds, while the model's forward runs, the call's :data:`BATCH_KEYS` (for attention modules that
+    receive no ``**kwargs``). During the first forward, attention modules (class names ending in ``Attention``
+    or ``Attn``) that run are recorded, and :meth:`attended` records the ones that called ds_ring's attention;
+    after that forward, one that ran without a call (itself or a child) is refused.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.batch: Mapping[str, Any] = {}
+        self._ran: dict[int, nn.Module] = {}
+        self._called: set[int] = set()
+        self._auditing = True
+        self._handles = [
+            model.register_forward_pre_hook(self._enter, with_kwargs=True),
+            model.register_forward_hook(self._leave, always_call=True),
+        ]
+        self._audit_handles = [
+            module.register_forward_hook(self._ran_hook)
+            for module in model.modules()
+            if module is not model and _ATTENTION.search(type(module).__name__)
+        ]
+
+    def attended(self, module: nn.Module) -> None:
+        """Called by ds_ring's attention with the module that called it."""
+        if self._auditing:
+            self._called.add(id(module))
+
+    def remove(self) -> None:
+        for handle in self._handles + self._audit_handles:
+            handle.remove()
+        self._handles, self._audit_handles = [], []
+
+    def _enter(self, _module: nn.Module, _args: tuple, kwargs: dict) -> None:
+        self.batch = {key: kwargs[key] for key in BATCH_KEYS if kwargs.get(key) is not None}
+
+    def _ran_hook(self, module: nn.Module, _args: Any, _out: Any) -> None:
+        if self._auditing and torch.is_grad_enabled() is not None:
+            self._ran[id(module)] = module
+
+    def _leave(self, _module: nn.Module, _args: Any, _out: Any) -> None:
+        self.batch = {}
+        if not self._auditing:
+            return
+        self._auditing = False
+        for handle in self._audit_handles:
+            handle.remove()
+        self._audit_handles = []
+        if not self._called:  # ds_ring's attention never ran (e.g. disable_in_eval in eval): audit the next one
+            self._auditing = bool(self._ran) and False
+            return
+        routed = self._routed()
+        for module in self._ran.values():
+            if id(module) not in routed:
+                raise ValueError(
+                    f"{type(module).__name__} ran without calling ds_ring's attention (it computes attention itself, "
+                    f"e.g. with F.scaled_dot_product_attention or eager code, ignoring attn_implementation): on one "
+                    f"rank's shard it attends only within that shard. ds_ring cannot run this model sequence-parallel; "
+                    f"train it without sequence parallelism, or use a model whose attention goes through "
+                    f"transformers' attention interface"
+                )
+
+    def _routed(self) -> set[int]:
+        """Attention modules that called ds_ring, and every module that contains one of them."""
+        routed = set(self._called)
+        for module in self.model.modules():
+            if any(id(child) in self._called for child in module.modules()):
+                routed.add(id(module))
+        return routed
+
+
+def hooks_for(watch: ModelWatch | None) -> Callable[[nn.Module], None]:
+    """What the attention calls with its module: the watch's recorder, or nothing."""
+    return watch.attended if watch is not None else (lambda _module: None)

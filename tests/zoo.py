@@ -1,0 +1,290 @@
+"""transformers' causal-LM zoo under ds_ring: every family built tiny, trained one step sequence-parallel.
+
+Each family in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` is built from its default config made tiny (2 layers,
+hidden 64, 4 heads / 2 K/V heads, vocab 128, sliding windows of 16 tokens: shorter than one rank's shard),
+random weights, float64, dropout off. The reference is the whole model on one process with ``eager``
+attention (the model's own masks, windows, sinks and soft-capping); ds_ring runs it registered
+(:func:`register_with_transformers`), on batches from :func:`shard_batch`, with :func:`causal_lm_loss`. A family
+is *equal* when the loss and every parameter gradient (summed over the sequence group) match the reference,
+*refused* when registration or the first step raises a ``ValueError`` naming why, *wrong* otherwise, and
+*crash* on any other exception. Families that do not build from a tiny decoder-only config are listed with the
+reason (:func:`build_failures`).
+
+``python -m tests.zoo`` runs the zoo on 2 ranks and writes ``docs/model_zoo.md`` (the table the docs show);
+``tests/test_model_zoo.py`` runs the same code and checks the outcomes against :data:`EXPECTED_REFUSALS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+import traceback
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+SEQ, BATCH, VOCAB, WINDOW = 64, 2, 128, 16
+MAX_PARAMETERS = 3_000_000
+"""A family whose tiny config still has more parameters than this is listed as not tiny."""
+
+SIZES: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=4 * SEQ, sliding_window=WINDOW, use_cache=False,
+    num_experts=4, n_routed_experts=4, num_local_experts=4, moe_intermediate_size=32, num_experts_per_tok=2,
+    shared_expert_intermediate_size=32, ffn_hidden_size=128, n_embd=64, n_layer=2, n_head=4, d_model=64,
+    n_positions=4 * SEQ, num_layers=2, num_heads=4, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+"""Fields set on a family's (text) config where it has them."""
+
+STRATEGIES = {"ring": {"strategy": "ring"}, "ulysses": {"strategy": "ulysses"}}
+
+EXPECTED_REFUSALS: dict[str, str] = {}
+"""Family → a regex of the refusal ds_ring gives it (the docs table states each reason)."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One family under one strategy: ``status`` in equal / refused / wrong / crash, and why."""
+
+    family: str
+    strategy: str
+    status: str
+    detail: str = ""
+
+
+def families() -> list[str]:
+    """Every family of transformers' causal-LM mapping, in its order."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def tiny_config(family: str) -> Any:
+    """The family's default config with :data:`SIZES` applied and dropout off; ``ValueError`` if not decoder-only."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config = CONFIG_MAPPING[family]()
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError("an encoder-decoder")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for target in {id(config): config, id(text): text}.values():
+        for key, value in SIZES.items():
+            if hasattr(target, key):
+                setattr(target, key, value)
+        if hasattr(target, "is_decoder"):  # encoder families' causal-LM heads need it (transformers says so)
+            target.is_decoder = True
+        for key, value in list(vars(target).items()):
+            if isinstance(value, float) and not isinstance(value, bool) and re.search(r"dropout|pdrop", key):
+                setattr(target, key, 0.0)
+    return config
+
+
+def build(family: str, attention: str = "eager") -> torch.nn.Module:
+    """The tiny float64 model of ``family`` (seeded: the same weights on every rank), in training mode."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(family)
+    with torch.device("meta"):
+        size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    if size > MAX_PARAMETERS:
+        raise ValueError(f"not tiny: {size:,} parameters")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        config, attn_implementation=attention, experts_implementation="eager"  # grouped_mm has no float64
+    ).double()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model.train()
+
+
+def build_failures(names: Iterable[str]) -> dict[str, str]:
+    """Family → why it does not build tiny here (an encoder-decoder, not tiny, a missing package, an error)."""
+    failures = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for family in names:
+            try:
+                build(family)
+            except Exception as err:  # noqa: BLE001 - every reason is listed, none is fatal
+                failures[family] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}" if str(err) else type(
+                    err
+                ).__name__
+    return failures
+
+
+def batch() -> dict[str, torch.Tensor]:
+    """``input_ids [BATCH, SEQ]`` (ids ≥ 3: no pad / bos / eos) and labels with a few ignored tokens."""
+    input_ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    labels = input_ids.clone()
+    labels[0, :3] = -100
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def _shifted(labels: torch.Tensor) -> torch.Tensor:
+    return F.pad(labels, (0, 1), value=-100)[:, 1:]
+
+
+def _logits(out: Any) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out[0]
+
+
+def reference(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The whole model on the whole batch: the token-mean loss and every parameter's gradient."""
+    model.zero_grad()
+    logits = _logits(model(input_ids=full["input_ids"]))
+    loss = F.cross_entropy(logits.flatten(0, 1).double(), _shifted(full["labels"]).flatten(), ignore_index=-100)
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _implementation(model: torch.nn.Module) -> str:
+    """``sdpa`` where the family allows it, else ds_ring's own registry entry."""
+    try:
+        model.set_attn_implementation("sdpa")
+        return "sdpa"
+    except (ValueError, ImportError):
+        model.set_attn_implementation("ds_ring")
+        return "ds_ring"
+
+
+def sequence_parallel(
+    model: torch.nn.Module, full: dict[str, torch.Tensor], section: dict[str, Any], topology: Any
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The registered model on this rank's shard: the loss and every gradient summed over the group."""
+    from ds_ring.integrations.hf import causal_lm_loss, register_with_transformers, shard_batch
+    from ds_ring.integrations.hf.registration import OWN_NAME, unregister_from_transformers
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if OWN_NAME not in ALL_ATTENTION_FUNCTIONS:  # the entry exists before a model may select it
+        ALL_ATTENTION_FUNCTIONS[OWN_NAME] = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    implementation = _implementation(model)
+    config = {"train_micro_batch_size_per_gpu": BATCH, "ring_attention": {"timeout_s": 60, **section}}
+    register_with_transformers(model, core_attn_implementation=implementation, config=config, topology=topology)
+    try:
+        sharded = shard_batch(full, topology)
+        model.zero_grad()
+        logits = _logits(model(**{k: v for k, v in sharded.items() if k != "shift_labels"}))
+        loss = causal_lm_loss(logits, sharded["shift_labels"], topology)
+        loss.backward()
+    finally:
+        unregister_from_transformers()
+        model.set_attn_implementation("eager")
+    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach() for n, p in model.named_parameters()}
+    flat = torch.cat([g.flatten() for g in grads.values()])
+    dist.all_reduce(flat, group=topology.sequence_parallel_group)
+    summed = dict(zip(grads, flat.split([g.numel() for g in grads.values()]), strict=True))
+    return loss.detach(), {n: summed[n].view_as(g) for n, g in grads.items()}
+
+
+def relative_error(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
+    """max |Δg| / max |g| over every parameter the reference has a gradient for."""
+    scale = max(float(g.abs().max()) for g in expected.values())
+    worst = max(float((got[n] - g).abs().max()) for n, g in expected.items())
+    return worst / max(scale, 1e-300)
+
+
+def check(family: str, strategy: str, topology: Any) -> Outcome:
+    """One family, one strategy, on this rank (every rank of the group calls it alike)."""
+    full = batch()
+    model = build(family)
+    try:
+        loss, grads = reference(model, full)
+    except Exception as err:  # noqa: BLE001 - no reference: the family is listed as not run
+        return Outcome(family, strategy, "no reference", f"{type(err).__name__}: {str(err)[:100]}")
+    try:
+        got_loss, got_grads = sequence_parallel(model, full, STRATEGIES[strategy], topology)
+    except ValueError as err:
+        return Outcome(family, strategy, "refused", str(err).splitlines()[0])
+    except Exception as err:  # noqa: BLE001 - a crash is an outcome to report
+        trace = traceback.format_exc().strip().splitlines()
+        return Outcome(family, strategy, "crash", f"{type(err).__name__}: {err} ({trace[-3].strip()})")
+    error = max(relative_error(got_grads, grads), abs(float(got_loss) - float(loss)) / abs(float(loss)))
+    return Outcome(family, strategy, "equal" if error < 1e-6 else "wrong", f"relative error {error:.2g}")
+
+
+def run_zoo(rank: int, world: int, names: list[str], strategies: list[str]) -> list[Outcome]:
+    """Rank function: every family in ``names`` under every strategy (ranks agree on each outcome)."""
+    import transformers
+
+    import ds_ring
+
+    transformers.logging.set_verbosity_error()
+    warnings.simplefilter("ignore")
+    topology = ds_ring.Topology(1, 1, world)
+    ulysses = ds_ring.Topology(1, world, 1)
+    outcomes = []
+    for family in names:
+        for strategy in strategies:
+            outcome = check(family, strategy, ulysses if strategy == "ulysses" else topology)
+            statuses = [None] * world
+            dist.all_gather_object(statuses, outcome.status)
+            if len(set(statuses)) > 1:  # one rank refused or crashed alone: the others' outcome is moot
+                outcome = Outcome(family, strategy, "crash", f"ranks disagree: {statuses}: {outcome.detail}")
+            outcomes.append(outcome)
+    return outcomes
+
+
+def table(outcomes: list[Outcome], not_built: dict[str, str], seconds: float) -> str:
+    """The docs page: totals per strategy, then one row per family."""
+    strategies = list(dict.fromkeys(o.strategy for o in outcomes))
+    by = {(o.family, o.strategy): o for o in outcomes}
+    names = list(dict.fromkeys(o.family for o in outcomes))
+    lines = [
+        "# transformers' causal-LM zoo under ds_ring",
+        "",
+        "Generated by `python -m tests.zoo` (the code `tests/test_model_zoo.py` runs); do not edit by hand. Every",
+        "family of transformers' `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` built tiny (2 layers, hidden 64, 4 heads / 2",
+        f"K/V heads, vocab {VOCAB}, sliding windows of {WINDOW} tokens), random weights, float64; {BATCH} × {SEQ} tokens",
+        "on 2 ranks. *equal*: the loss and every parameter gradient (summed over the ranks) equal the whole",
+        "model's with `eager` attention to a relative 1e-6; *refused*: a `ValueError` before the first step says why.",
+        f"Run in {seconds:.0f} s.",
+        "",
+        "| | " + " | ".join(strategies) + " |",
+        "|---|" + "---|" * len(strategies),
+    ]
+    for status in ("equal", "refused", "wrong", "crash"):
+        counts = [sum(1 for o in outcomes if o.strategy == s and o.status == status) for s in strategies]
+        lines.append(f"| {status} | " + " | ".join(map(str, counts)) + " |")
+    lines += ["", "| family | " + " | ".join(strategies) + " | why |", "|---|" + "---|" * (len(strategies) + 1)]
+    for name in names:
+        row = [by[name, s] for s in strategies]
+        why = "; ".join(dict.fromkeys(o.detail for o in row if o.status != "equal"))
+        lines.append(f"| {name} | " + " | ".join(o.status for o in row) + f" | {why.replace('|', '/')} |")
+    lines += ["", "## Not built tiny here", "", "| family | why |", "|---|---|"]
+    lines += [f"| {name} | {why.replace('|', '/')} |" for name, why in not_built.items()]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="docs/model_zoo.md")
+    parser.add_argument("--families", nargs="*", help="only these (default: every family)")
+    parser.add_argument("--strategies", nargs="*", default=list(STRATEGIES))
+    args = parser.parse_args()
+    from ds_ring.testing import rank_results, spawn_ranks
+
+    start = time.perf_counter()
+    names = args.families or families()
+    not_built = build_failures(names)
+    names = [n for n in names if n not in not_built]
+    outcomes = rank_results(
+        spawn_ranks(run_zoo, 2, timeout_s=3600, kwargs={"names": names, "strategies": args.strategies})
+    )[0]
+    for o in outcomes:
+        print(f"{o.family:28s} {o.strategy:8s} {o.status:8s} {o.detail}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(table(outcomes, not_built, time.perf_counter() - start))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
