@@ -6,7 +6,14 @@ stay as they are. With ALST's arguments alone ds_ring does what ALST does (Ulyss
 contiguous shards) and the returned ``mpu`` (a :class:`ds_ring.Topology`) goes to ``deepspeed.initialize``
 at ZeRO 0-3; a ``ring_attention`` section in the ds_config given as ``config=`` switches strategy,
 branches and layout. Both are thin: they call :func:`register_with_transformers` and
-:func:`~ds_ring.integrations.hf.batches.shard_batch`.
+:func:`~ds_ring.integrations.hf.batches.shard_batch`. The tiled names of ALST's full recipe are in
+:mod:`.alst_tiles`.
+
+Where ALST trains wrong without a word, ds_ring corrects or refuses: the tutorial's loss (``loss_function`` on
+the shard, weighted through a differentiable all-gather) gets ``sp ×`` the gradient at ZeRO 0–2 under ALST
+(DeepSpeed #5248) and the whole model's under ds_ring (:mod:`ds_ring.integrations.hf.loss`); ranks that pass
+different documents (different samples sharded by hand, ``cu_seq_lens_q``) raise instead of being stitched
+into one sequence; loaders of different lengths raise on every rank at once instead of waiting out the timeout.
 """
 
 from __future__ import annotations
