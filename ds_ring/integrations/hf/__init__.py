@@ -23,12 +23,14 @@ sequence group (what ZeRO's reduction does) is the whole model's gradient.
 The package is laid out by job: :mod:`.registration` (what goes into transformers' registries),
 :mod:`.attention` (what runs inside the model), :mod:`.batches` and :mod:`.documents` (what prepares
 batches), :mod:`.loss`, :mod:`.long_context` (the section's ``long_context`` applied to the model: tiled loss
-and MLP, offloaded checkpoints), and :mod:`.alst`: DeepSpeed ALST's names (``UlyssesSPAttentionHF``,
-``UlyssesSPDataLoaderAdapter``) with ALST's semantics, so an ALST user changes one import.
+and MLP, offloaded checkpoints), and :mod:`.alst` / :mod:`.alst_tiles`: DeepSpeed ALST's names
+(``UlyssesSPAttentionHF``, ``UlyssesSPDataLoaderAdapter``, and its full recipe's ``TiledMLP``, ``TiledFusedLogitsLoss``,
+``sequence_tiled_compute``) with ALST's semantics, so an ALST user changes one import.
 transformers is imported on first use (``pip install ds_ring[hf]``).
 """
 
 from ds_ring.integrations.hf.alst import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
+from ds_ring.integrations.hf.alst_tiles import TiledFusedLogitsLoss, TiledMLP, sequence_tiled_compute
 from ds_ring.integrations.hf.batches import SequenceParallelDataLoader, shard_batch
 from ds_ring.integrations.hf.loss import causal_lm_loss
 from ds_ring.integrations.hf.registration import register_with_transformers, unregister_from_transformers
@@ -42,6 +44,9 @@ __all__ = [
     "causal_lm_loss",
     "UlyssesSPAttentionHF",
     "UlyssesSPDataLoaderAdapter",
+    "TiledMLP",
+    "TiledFusedLogitsLoss",
+    "sequence_tiled_compute",
 ]
 
 

@@ -6,11 +6,19 @@ stay as they are. With ALST's arguments alone ds_ring does what ALST does (Ulyss
 contiguous shards) and the returned ``mpu`` (a :class:`ds_ring.Topology`) goes to ``deepspeed.initialize``
 at ZeRO 0-3; a ``ring_attention`` section in the ds_config given as ``config=`` switches strategy,
 branches and layout. Both are thin: they call :func:`register_with_transformers` and
-:func:`~ds_ring.integrations.hf.batches.shard_batch`.
+:func:`~ds_ring.integrations.hf.batches.shard_batch`. The tiled names of ALST's full recipe are in
+:mod:`.alst_tiles`.
+
+Where ALST trains wrong without a word, ds_ring corrects or refuses: the tutorial's loss (``loss_function`` on
+the shard, weighted through a differentiable all-gather) gets ``sp ×`` the gradient at ZeRO 0–2 under ALST
+(DeepSpeed #5248) and the whole model's under ds_ring (:mod:`ds_ring.integrations.hf.loss`); ranks that pass
+different documents (different samples sharded by hand, ``cu_seq_lens_q``) raise instead of being stitched
+into one sequence; loaders of different lengths raise on every rank at once instead of waiting out the timeout.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -20,8 +28,10 @@ import torch.distributed as dist
 
 from ds_ring.config import SECTION, read_ds_config
 from ds_ring.integrations.hf.batches import gather_batches, shard_batch
+from ds_ring.integrations.hf.documents import DOCUMENTS_KEY
 from ds_ring.integrations.hf.registration import (
     register_with_transformers,
+    registration_for,
     registration_for_group,
     unregister_from_transformers,
 )
@@ -121,9 +131,20 @@ class UlyssesSPDataLoaderAdapter:
     Each rank of a sequence-parallel group loads its own batches (e.g. a ``DistributedSampler`` over the
     world). For every batch of the wrapped loader the ranks gather one another's batch
     (:func:`~ds_ring.integrations.hf.batches.gather_batches`, any lengths), then yield, in
-    sequence-parallel rank order, this rank's shard of each (:func:`shard_batch`: ``input_ids``,
-    global ``position_ids``, ``shift_labels``, and the documents ``cu_seq_lens_q`` / ``cu_seq_lens_k``
-    ds_ring's attention needs). ``len()`` is ALST's: the loader's length times ``sp_world_size``.
+    sequence-parallel rank order, this rank's shard of each (:func:`shard_batch`). A yielded batch has ALST's
+    keys: ``input_ids``, global ``position_ids``, ``shift_labels``, and the batch's other entries; ``labels``
+    and ``attention_mask`` are consumed. ``len()`` is ALST's: the loader's length times ``sp_world_size``.
+
+    The documents of the whole sequence (``position_ids`` restarting at 0 mark where each begins), which a
+    shard alone cannot tell, are not a key of the batch: the adapter hands them to the registered attention
+    with the yielded ``position_ids`` tensor (:meth:`SequenceParallelAttention.expect_documents`), which finds
+    them by that tensor when the model is called with the batch. They live as long as that tensor does, so a
+    call can never read another batch's documents; a model called with position ids of no yielded batch (and
+    no ``cu_seq_lens_q``) raises.
+
+    The first exchange of each step also says whether each rank's loader has another batch: when one is
+    exhausted and another is not, every rank raises at once, naming the ranks and their batch counts (ALST
+    waits in its all-gather until the collective timeout).
 
     Args:
         dl: the loader to wrap; batches are dicts of ``[batch, seq, ...]`` tensors (non-tensors are copied).
@@ -135,7 +156,8 @@ class UlyssesSPDataLoaderAdapter:
 
     Raises:
         ValueError: ``sp_rank`` / ``sp_world_size`` that are not ``sp_group``'s, or no registration for
-            ``sp_group`` — before any communication.
+            ``sp_group`` — before any communication; while iterating, loaders of different lengths on the
+            group's ranks (on every rank, at the first step where they differ).
     """
 
     def __init__(
@@ -162,10 +184,21 @@ class UlyssesSPDataLoaderAdapter:
         return len(self.dl) * self.sp_world_size
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        for batch in self.dl:
-            for gathered in gather_batches(batch, self.topology):
-                sharded = shard_batch(gathered, self.topology, check_same=False)
-                yield {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in sharded.items()}
+        registration = registration_for(self.topology)
+        attention = registration.attention if registration is not None else None
+        loaded = iter(self.dl)
+        for step in itertools.count():
+            gathered = gather_batches(next(loaded, None), self.topology, batches_before=step)
+            if gathered is None:
+                return
+            for batch in gathered:
+                sharded = shard_batch(batch, self.topology, check_same=False)
+                documents = sharded.pop(DOCUMENTS_KEY)
+                del sharded["cu_seq_lens_q"], sharded["cu_seq_lens_k"]
+                out = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in sharded.items()}
+                if attention is not None:
+                    attention.expect_documents(out["position_ids"], documents)
+                yield out
 
 
 def _registered_topology(group: dist.ProcessGroup) -> Topology:

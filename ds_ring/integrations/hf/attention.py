@@ -10,6 +10,7 @@ here imports transformers.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -17,8 +18,9 @@ import torch
 from torch import nn
 
 from ds_ring.calls import sequence_parallel_attention
+from ds_ring.comm.agree import agree
 from ds_ring.config import SECTION, RingAttentionConfig
-from ds_ring.integrations.hf.documents import DOCUMENTS_KEY, document_positions
+from ds_ring.integrations.hf.documents import DOCUMENTS_KEY, Documents, document_positions
 from ds_ring.sharding import shard_sequence
 from ds_ring.topology import Topology
 from ds_ring.zero import parameter_gradient_scale
@@ -35,7 +37,8 @@ class SequenceParallelAttention:
     [b, kv_heads, s/p, d]`` (K/V heads are passed on as they are, not repeated), the kwargs the model
     forwards — ``position_ids [b or 1, s/p]`` (global positions, from ``shard_batch``) and the document
     boundaries ``[0, ..., S]`` over the whole sequence (``ds_ring_cu_seqlens``, Python ints, or
-    ``cu_seq_lens_q``, a tensor read back per call) are required — and returns
+    ``cu_seq_lens_q``, a tensor read back per call, or the documents :meth:`expect_documents` was given for
+    that ``position_ids`` tensor) are required — and returns
     ``(out [b, s/p, heads, d], None)``. Shapes, documents and positions are checked on the first call of
     each; later calls read nothing on the host. The mask transformers built for the shard is not used:
     the section's ``causal``, the layout and the documents say what attends to what.
@@ -61,6 +64,19 @@ class SequenceParallelAttention:
         """What ds_ring's losses scale each rank's gradient share by for the engine of the model that calls
         this (:mod:`ds_ring.zero`), read off the first module's parameters at its first call."""
         self._checked: set[tuple] = set()  # (heads, kv_heads, positions' shape, documents) seen and checked
+        self._expected: dict[int, tuple[weakref.ref, Documents]] = {}  # id(position_ids) -> (it, its documents)
+
+    def expect_documents(self, position_ids: torch.Tensor, documents: Documents) -> None:
+        """The documents of the whole sequence whose shard has ``position_ids [b or 1, s/p]``, for a model called
+        with that tensor and no ``cu_seq_lens_q`` (what ``UlyssesSPDataLoaderAdapter`` yields: ALST's keys only).
+
+        Kept while ``position_ids`` lives (a weak reference: an entry goes with its batch, so it can never be
+        read for another tensor that reuses its ``id``). A call finds them by the tensor's identity, or, for a
+        copy (another device, a checkpoint's detached input), by equal positions when every live entry with
+        those positions has the same documents.
+        """
+        key = id(position_ids)
+        self._expected[key] = (weakref.ref(position_ids, lambda _: self._expected.pop(key, None)), documents)
 
     def __call__(
         self,
@@ -87,6 +103,7 @@ class SequenceParallelAttention:
         checked = (query.shape[1], key.shape[1], kwargs["position_ids"].shape, bounds)
         if checked not in self._checked:  # once per shape and documents: no host read in steady state
             self._check_shapes(module, query, key, bounds[-1])
+            self._agree_on_documents(bounds)
             self._check_positions(kwargs["position_ids"], bounds)
             self._checked.add(checked)
         window = None if sliding_window is None or sliding_window >= bounds[-1] else sliding_window
@@ -142,15 +159,37 @@ class SequenceParallelAttention:
             return documents.bounds
         cu = kwargs.get("cu_seq_lens_q")
         if cu is None:
-            raise ValueError(
-                "the model was called without cu_seq_lens_q, so the attention cannot tell a sharded sequence "
-                "from a whole one; call it with every entry of shard_batch(batch, topology) (model(**batch), "
-                "shift_labels aside)"
-            )
+            return self._expected_bounds(kwargs["position_ids"])
         other = kwargs.get("cu_seq_lens_k")
         if other is not None and not torch.equal(other, cu):
             raise ValueError("cu_seq_lens_k differs from cu_seq_lens_q; self-attention needs one set of documents")
         return tuple(cu.tolist())
+
+    def _expected_bounds(self, position_ids: torch.Tensor) -> tuple[int, ...]:
+        """The documents :meth:`expect_documents` was given for ``position_ids`` (or an equal copy of it)."""
+        entry = self._expected.get(id(position_ids))
+        if entry is not None and entry[0]() is position_ids:
+            return entry[1].bounds
+        found = {
+            documents.bounds
+            for ref, documents in list(self._expected.values())
+            if (known := ref()) is not None
+            and known.shape == position_ids.shape
+            and torch.equal(known.to(position_ids.device), position_ids)
+        }
+        if len(found) == 1:
+            return found.pop()
+        if found:
+            raise ValueError(
+                f"the model's position_ids match {len(found)} live batches of UlyssesSPDataLoaderAdapter with "
+                f"different documents ({sorted(found)}); call the model with the adapter's batch itself "
+                f"(model(**batch)), or pass cu_seq_lens_q"
+            )
+        raise ValueError(
+            "the model was called without cu_seq_lens_q and with position_ids of no batch UlyssesSPDataLoaderAdapter "
+            "yielded, so the attention cannot tell a sharded sequence from a whole one; call it with the adapter's "
+            "batch (model(**batch)), or with every entry of shard_batch(batch, topology) (shift_labels aside)"
+        )
 
     def _check_shapes(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, seq_len: int) -> None:
         heads, kv_heads = query.shape[1], key.shape[1]
@@ -168,6 +207,16 @@ class SequenceParallelAttention:
         except ValueError as err:
             raise ValueError(f"{name}.num_attention_heads = {heads}, sequence length {seq_len}: {err}") from None
 
+    def _agree_on_documents(self, bounds: tuple[int, ...]) -> None:
+        """``ValueError`` on every rank of the group unless all pass the same documents: ranks that shard
+        different samples by hand would attend across their samples as if they were one sequence (ALST stitches
+        them without a word). One small exchange per new set of documents (then remembered)."""
+        group = self.topology.control_group(self.topology.sequence_parallel_group)
+        agree(
+            {"documents of the whole sequence (cu_seq_lens_q)": list(bounds)}, group=group, op="hf_attention",
+            timeout_s=self.topology.timeout_s, fix=_SAME_SEQUENCE,
+        )  # fmt: skip
+
     def _check_positions(self, position_ids: torch.Tensor, bounds: tuple[int, ...]) -> None:
         """The model's RoPE used ``position_ids``: they must be this rank's tokens' positions in their documents.
 
@@ -184,6 +233,13 @@ class SequenceParallelAttention:
                 f"positions of its tokens (expected {_show(expected)}, got {_show(position_ids[0])}); call the "
                 f"model with position_ids from ds_ring.integrations.hf.shard_batch"
             )
+
+
+_SAME_SEQUENCE = (
+    "the ranks of a sequence-parallel group hold shards of one shared sequence and must pass its documents "
+    "alike; shard one batch for the whole group (shard_batch, SequenceParallelDataLoader or "
+    "UlyssesSPDataLoaderAdapter, which runs every rank's sample in turn) rather than a different sample per rank"
+)
 
 
 def _show(positions: torch.Tensor) -> str:

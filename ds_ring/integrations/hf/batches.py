@@ -161,20 +161,40 @@ def agree_on_batch(batch: Mapping[str, Any], topology: Topology) -> None:
     agree(fields, group=group, op="shard_batch", timeout_s=topology.timeout_s, fix=_SAME_BATCH, cache=False)
 
 
-def gather_batches(batch: Mapping[str, Any], topology: Topology) -> list[dict[str, Any]]:
+def gather_batches(
+    batch: Mapping[str, Any] | None, topology: Topology, *, batches_before: int = 0
+) -> list[dict[str, Any]] | None:
     """Every sequence-parallel rank's ``batch`` (any lengths; tensors on the CPU), in sequence-parallel rank order.
 
     Collective over the topology's sequence-parallel group (its control group: CPU tensors): two all-gathers
     (sizes, then the batches serialised with ``torch.save``; tensors, numbers, strings and containers of them),
-    bounded by the topology's timeout.
+    bounded by the topology's timeout. ``batch=None`` says this rank's loader is exhausted (size 0 in the first
+    exchange): ``None`` comes back when every rank's is.
+
+    Raises:
+        ValueError: on every rank at once, when some ranks' loaders are exhausted and others' are not, naming
+            the ranks and their batch counts (``batches_before``: the batches each yielded before this one).
     """
-    buffer = io.BytesIO()
-    torch.save({k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}, buffer)
-    blob = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+    blob = torch.empty(0, dtype=torch.uint8)
+    if batch is not None:
+        buffer = io.BytesIO()
+        torch.save({k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}, buffer)
+        blob = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
     group, timeout_s = topology.control_group(topology.sequence_parallel_group), topology.timeout_s
     ranks = group_members(group)
     sizes = all_gather(torch.tensor([blob.numel()]), ranks, group=group, op="gather_batches", timeout_s=timeout_s)
     numels = [int(size) for size in sizes]
+    ended = [rank for rank, numel in enumerate(numels) if numel == 0]
+    if len(ended) == len(numels):
+        return None
+    if ended:
+        going = [rank for rank in range(len(numels)) if rank not in ended]
+        raise ValueError(
+            f"UlyssesSPDataLoaderAdapter: the loaders of sequence-parallel ranks {ended} ended after "
+            f"{batches_before} batches, while those of ranks {going} have batch {batches_before + 1}: every rank "
+            f"of a sequence-parallel group must load as many batches (each batch runs on all of them); give every "
+            f"rank a loader of the same length (e.g. DistributedSampler(..., drop_last=True))"
+        )
     parts = all_gather(blob, ranks, group=group, numels=numels, op="gather_batches", timeout_s=timeout_s)
     return [torch.load(io.BytesIO(part.numpy().tobytes()), weights_only=True) for part in parts]
 

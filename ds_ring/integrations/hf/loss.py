@@ -1,6 +1,25 @@
-"""The loss of a sequence-parallel causal LM, under ds_ring's gradient contract."""
+"""The loss of a sequence-parallel causal LM, under ds_ring's gradient contract; ALST's tutorial loss made right.
+
+DeepSpeed's ALST tutorial computes the loss as ``model.loss_function(logits=..., labels=None,
+shift_labels=..., vocab_size=...)`` on each rank's shard, all-gathers the ranks' losses with the
+differentiable ``torch.distributed.nn.functional.all_gather`` and weights them by token counts. Every rank
+then back-propagates the same total, and the all-gather's backward sums the ranks' gradients: each rank's
+gradient is ``sp ×`` its share. ZeRO 3's reduce-scatter divides by every rank and undoes that; ZeRO 0–2
+divide by the data-parallel degree only, so ALST trains with ``sp ×`` the whole model's gradient there
+without a word (DeepSpeed #5248). While registered, ds_ring puts :func:`shard_loss` in transformers'
+``LOSS_MAPPING["ForCausalLM"]`` (what ``loss_function`` returns): the loss's value is transformers' own, and
+its gradient is scaled by ``gradient_scale / sp`` (``1 / sp`` at ZeRO 0–2 and on ZeRO 3's all-reduce path, 1
+on its reduce-scatter path), so the tutorial's loop trains like the whole model at every stage.
+
+The scaling applies to a ``loss_function`` call with ``shift_labels`` and no ``labels`` (the tutorial's; a
+model computing its own loss from ``labels`` is unchanged): such a call must be the tutorial's
+differentiable all-gather weighting. Any other use of a shard's loss should be :func:`causal_lm_loss`.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -8,7 +27,7 @@ from ds_ring.integrations.hf.registration import registration_for
 from ds_ring.loss import sequence_parallel_cross_entropy
 from ds_ring.topology import Topology
 
-__all__ = ["causal_lm_loss"]
+__all__ = ["causal_lm_loss", "shard_loss"]
 
 
 def causal_lm_loss(logits: torch.Tensor, shift_labels: torch.Tensor, topology: Topology) -> torch.Tensor:
@@ -31,3 +50,39 @@ def causal_lm_loss(logits: torch.Tensor, shift_labels: torch.Tensor, topology: T
     registration = registration_for(topology)
     scale = 1 if registration is None else registration.gradient_scale
     return sequence_parallel_cross_entropy(logits, shift_labels, topology, gradient_scale=scale)
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """The identity, with the gradient multiplied by ``factor``."""
+
+    @staticmethod
+    def forward(ctx, value, factor):  # noqa: ANN001, ANN205
+        ctx.factor = factor
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        return grad * ctx.factor, None
+
+
+def shard_loss(original: Callable[..., torch.Tensor], gradient_scale: Callable[[], int], sp: int) -> Callable:
+    """transformers' causal LM loss ``original`` for ``LOSS_MAPPING``, its gradient made right for ALST's tutorial.
+
+    Args:
+        original: the entry it replaces (``ForCausalLMLoss``).
+        gradient_scale: the factor ds_ring's losses put on a rank's share for the model's engine (the
+            registration's, known once the model has run).
+        sp: the sequence-parallel degree.
+
+    Returns:
+        ``original``'s signature and value; called with ``shift_labels`` and ``labels=None``, the gradient is
+        ``gradient_scale() / sp`` times transformers' (the module docstring says why).
+    """
+
+    def loss(logits: torch.Tensor, labels: torch.Tensor | None, vocab_size: int, **kwargs: Any) -> torch.Tensor:
+        value = original(logits, labels, vocab_size, **kwargs)
+        if labels is not None or kwargs.get("shift_labels") is None or not value.requires_grad:
+            return value
+        return _ScaleGradient.apply(value, gradient_scale() / sp)
+
+    return loss

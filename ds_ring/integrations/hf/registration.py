@@ -82,7 +82,9 @@ def register_with_transformers(
     replacement converts HF's ``[b, heads, s, d]`` to ds_ring's ``[b, s, heads, d]`` and back, passes
     GQA K/V heads without repeating them, uses the model's ``scaling`` and returns ``(out, None)``.
     Unless ``disable_in_eval``, the mask transformers would build for that implementation is not
-    built either (the attention needs none). A second call replaces the first.
+    built either (the attention needs none). transformers' ``LOSS_MAPPING["ForCausalLM"]`` is replaced too
+    (:func:`~ds_ring.integrations.hf.loss.shard_loss`: ALST's tutorial loss, whose gradient is ``sp ×`` the
+    whole model's at ZeRO 0–2 under ALST, trains right). A second call replaces the first.
 
     Args:
         model_name_or_path: optional: a model, a config, or a model name / local directory whose
@@ -153,6 +155,15 @@ def register_with_transformers(
             section, topology, original, disable_in_eval=disable_in_eval, zero_optimization=zero_optimization
         )
         replaced.append(_replace(ALL_ATTENTION_FUNCTIONS, core_attn_implementation, attention))
+        if topology.get_sequence_parallel_world_size() > 1:  # ALST's tutorial loss, right at every ZeRO stage
+            from transformers.loss.loss_utils import LOSS_MAPPING
+
+            from ds_ring.integrations.hf.loss import shard_loss  # it imports this module
+
+            sp = topology.get_sequence_parallel_world_size()
+            tutorial = shard_loss(LOSS_MAPPING["ForCausalLM"], lambda: attention.gradient_scale or 1, sp)
+            replaced.append((LOSS_MAPPING, "ForCausalLM", True, LOSS_MAPPING["ForCausalLM"]))
+            LOSS_MAPPING["ForCausalLM"] = tutorial
         if not disable_in_eval and (own or core_attn_implementation in ALL_MASK_ATTENTION_FUNCTIONS):
             replaced.append(_replace(ALL_MASK_ATTENTION_FUNCTIONS, core_attn_implementation, _no_mask))
     scale = (lambda: 1) if attention is None else (lambda: attention.gradient_scale or 1)
