@@ -20,7 +20,9 @@ from torch import nn
 from ds_ring.calls import sequence_parallel_attention
 from ds_ring.comm.agree import agree
 from ds_ring.config import SECTION, RingAttentionConfig
+from ds_ring.integrations.hf.audit import CallAudit, ModelWatch
 from ds_ring.integrations.hf.documents import DOCUMENTS_KEY, Documents, document_positions
+from ds_ring.integrations.hf.masks import MaskSpec, check_mask_tensor
 from ds_ring.sharding import shard_sequence
 from ds_ring.topology import Topology
 from ds_ring.zero import parameter_gradient_scale
@@ -40,8 +42,12 @@ class SequenceParallelAttention:
     ``cu_seq_lens_q``, a tensor read back per call, or the documents :meth:`expect_documents` was given for
     that ``position_ids`` tensor) are required — and returns
     ``(out [b, s/p, heads, d], None)``. Shapes, documents and positions are checked on the first call of
-    each; later calls read nothing on the host. The mask transformers built for the shard is not used:
-    the section's ``causal``, the layout and the documents say what attends to what.
+    each; later calls read nothing on the host. What the model's mask says is computed, never discarded: a
+    :class:`~ds_ring.integrations.hf.masks.MaskSpec` (what ds_ring's mask interface returns) gives causal and the
+    window, and one it cannot compute is refused; a mask tensor the model built itself is checked on the first
+    call against causal, the window and the documents, and refused if it says more. For attention modules that
+    receive no ``**kwargs`` the batch's ``position_ids`` and documents come from the registered model's call
+    (:class:`~ds_ring.integrations.hf.audit.ModelWatch`), which also learns which modules called this.
 
     Every refusal is a ``ValueError`` raised before any communication.
     """
@@ -63,7 +69,11 @@ class SequenceParallelAttention:
         self.gradient_scale: int | None = None
         """What ds_ring's losses scale each rank's gradient share by for the engine of the model that calls
         this (:mod:`ds_ring.zero`), read off the first module's parameters at its first call."""
-        self._checked: set[tuple] = set()  # (heads, kv_heads, positions' shape, documents) seen and checked
+        self.watch: ModelWatch | None = None
+        """The registered model's hook (``None``: registered without a model instance)."""
+        self.audit: CallAudit | None = None
+        """Told of every call (attention modules that never call this are refused)."""
+        self._checked: set[tuple] = set()  # (heads, kv_heads, positions' shape, documents, mask) seen and checked
         self._expected: dict[int, tuple[weakref.ref, Documents]] = {}  # id(position_ids) -> (it, its documents)
 
     def expect_documents(self, position_ids: torch.Tensor, documents: Documents) -> None:
@@ -91,20 +101,30 @@ class SequenceParallelAttention:
         softcap: float | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
+        if self.audit is not None:
+            self.audit.attended(module)
         if self.disable_in_eval and not module.training:
             return self.original(
                 module, query, key, value, attention_mask,
                 dropout=dropout, scaling=scaling, sliding_window=sliding_window, softcap=softcap, **kwargs,
             )  # fmt: skip
-        self._refuse_features(module, dropout, sliding_window, softcap, kwargs)
+        if self.watch is not None:
+            kwargs = {**self.watch.batch, **{k: v for k, v in kwargs.items() if v is not None}}
+        spec = attention_mask if isinstance(attention_mask, MaskSpec) else None
+        if spec is not None:  # the mask is the truth (eager and sdpa follow it, not the sliding_window argument)
+            sliding_window = spec.window
+        self._refuse_features(module, dropout, softcap, spec, kwargs)
         if self.gradient_scale is None:
             self._read_gradient_scale(module)
         bounds = self._document_bounds(kwargs)
-        checked = (query.shape[1], key.shape[1], kwargs["position_ids"].shape, bounds)
-        if checked not in self._checked:  # once per shape and documents: no host read in steady state
+        mask_key = spec if spec is not None else (None if attention_mask is None else tuple(attention_mask.shape))
+        checked = (query.shape[1], key.shape[1], kwargs["position_ids"].shape, bounds, mask_key, sliding_window)
+        if checked not in self._checked:  # once per shape, documents and mask: no host read in steady state
             self._check_shapes(module, query, key, bounds[-1])
             self._agree_on_documents(bounds)
             self._check_positions(kwargs["position_ids"], bounds)
+            if isinstance(attention_mask, torch.Tensor):
+                self._check_mask(module, attention_mask, bounds, sliding_window)
             self._checked.add(checked)
         window = None if sliding_window is None or sliding_window >= bounds[-1] else sliding_window
         branches = (None, None) if window is not None else (self.section.segment_lengths, self.section.dilation_rates)
@@ -117,9 +137,15 @@ class SequenceParallelAttention:
         return out, None
 
     def _refuse_features(
-        self, module: nn.Module, dropout: float, sliding_window: int | None, softcap: float | None, kwargs: dict
+        self, module: nn.Module, dropout: float, softcap: float | None, spec: MaskSpec | None, kwargs: dict
     ) -> None:
         name = type(getattr(module, "config", module)).__name__
+        if spec is not None and spec.unsupported is not None:
+            raise ValueError(
+                f"{type(module).__name__} is given a mask with {spec.unsupported}, which ds_ring's attention does "
+                f"not compute (it computes causal or bidirectional attention, a causal sliding window and packed "
+                f"documents); train this model without sequence parallelism"
+            )
         if softcap is not None:
             raise ValueError(
                 f"{name}.attn_logit_softcapping = {softcap}: ds_ring does not cap attention logits; set "
@@ -130,7 +156,7 @@ class SequenceParallelAttention:
                 f"{name}.attention_dropout = {dropout} in training: ds_ring's attention has no dropout; set "
                 f"attention_dropout=0.0"
             )
-        causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
+        causal = spec.causal if spec is not None else kwargs.get("is_causal", getattr(module, "is_causal", True))
         if causal != self.section.causal:
             raise ValueError(
                 f"{type(module).__name__} attends {'causally' if causal else 'bidirectionally'} but {SECTION}.causal "
@@ -152,7 +178,8 @@ class SequenceParallelAttention:
             raise ValueError(
                 "the model passed no position_ids to its attention: ds_ring needs every token's global position "
                 "(each rank holds a slice of the sequence); call the model with position_ids from "
-                "ds_ring.integrations.hf.shard_batch"
+                "ds_ring.integrations.hf.shard_batch, and pass the model instance to register_with_transformers (it "
+                "then hands them to attention modules that receive no keyword arguments)"
             )
         documents = kwargs.get(DOCUMENTS_KEY)
         if documents is not None:
@@ -216,6 +243,22 @@ class SequenceParallelAttention:
             {"documents of the whole sequence (cu_seq_lens_q)": list(bounds)}, group=group, op="hf_attention",
             timeout_s=self.topology.timeout_s, fix=_SAME_SEQUENCE,
         )  # fmt: skip
+
+    def _check_mask(
+        self, module: nn.Module, mask: torch.Tensor, bounds: tuple[int, ...], window: int | None
+    ) -> None:
+        """A mask tensor the model built itself must say no more than causal, the window and the documents."""
+        tokens = shard_sequence(
+            torch.arange(bounds[-1]), self.topology.sequence_parallel_group, layout=self.section.layout, dim=0
+        )
+        window = None if window is None or window >= bounds[-1] else window
+        difference = check_mask_tensor(mask, tokens, bounds, self.section.causal, window)
+        if difference is not None:
+            raise ValueError(
+                f"{type(module).__name__} is given {difference}, which ds_ring's attention (causal "
+                f"{self.section.causal}, window {window}, the batch's documents) does not compute; ds_ring cannot "
+                f"run this attention sequence-parallel: train this model without sequence parallelism"
+            )
 
     def _check_positions(self, position_ids: torch.Tensor, bounds: tuple[int, ...]) -> None:
         """The model's RoPE used ``position_ids``: they must be this rank's tokens' positions in their documents.

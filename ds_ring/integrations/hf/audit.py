@@ -7,23 +7,25 @@ the sequence must see the whole of it. Two checks, both naming the module class,
   convolutions over time, linear / lightning / delta-rule attention, recurrent blocks and RNNs, recognised by
   their class names (the model family's prefix removed) and by their torch types. A type the user knows to be
   position-wise is let through with ``position_wise=("ClassName", ...)``.
-* :class:`ModelWatch`, on the registered model instance: forward hooks that, during the model's first forward,
-  record which attention modules ran and which of them (or their children) called ds_ring's attention. An
-  attention module that ran without calling it (its own ``F.scaled_dot_product_attention`` or eager code: it
-  attended within the shard) is refused after that forward, before any backward. The same hooks hand the
-  attention the batch's ``position_ids`` and documents for models whose attention receives no ``**kwargs``.
+* :class:`CallAudit`, while registered: the first forward of every attention module must call ds_ring's
+  attention (itself or through a child). One that runs without calling it (its own
+  ``F.scaled_dot_product_attention`` or eager code: it attended within the shard) is refused right after that
+  forward, before any backward.
+
+:class:`ModelWatch`, on a registered model instance, hands the attention the batch's ``position_ids`` and
+documents for models whose attention modules receive no ``**kwargs``.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["refuse_sequence_mixers", "ModelWatch", "BATCH_KEYS"]
+__all__ = ["refuse_sequence_mixers", "CallAudit", "ModelWatch", "BATCH_KEYS"]
 
 _MIXER = re.compile(
     r"mamba|mixer|ssm|shortconv|conv|lightning|linearattention|lineardecoder|deltanet|deltarule|gateddelta|recurrent|"
@@ -77,6 +79,14 @@ def refuse_sequence_mixers(model: nn.Module, position_wise: Iterable[str] = ()) 
         )
         if type(module).__module__.startswith("transformers.pytorch_utils"):  # Conv1D is GPT-2's linear layer
             named = False
+        position = "position" in path.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Embedding) and position and module.padding_idx is not None:
+            raise ValueError(
+                f"{cls} (at {path}) is a position embedding with padding_idx {module.padding_idx}: the model counts "
+                f"positions from input_ids past its padding index (RoBERTa-style), while shard_batch gives every "
+                f"token its position from 0; ds_ring refuses it rather than shift every position. Train this model "
+                f"without sequence parallelism"
+            )
         if named or _mixes_over_time(module):
             raise ValueError(
                 f"{cls} (at {path or 'the model'}) mixes information along the sequence other than through "
@@ -87,79 +97,67 @@ def refuse_sequence_mixers(model: nn.Module, position_wise: Iterable[str] = ()) 
             )
 
 
-class ModelWatch:
-    """Forward hooks on a registered model: the batch's keyword arguments, and the first forward's audit.
+class CallAudit:
+    """While installed: the first forward of every attention module (class name ending in ``Attention`` or
+    ``Attn``) must call ds_ring's attention, itself or through a child, else ``ValueError`` right after that
+    forward (before any backward). Process-wide module hooks (any model a registered implementation could serve);
+    after a module's first forward its hooks cost one set lookup."""
 
-    ``batch`` holds, while the model's forward runs, the call's :data:`BATCH_KEYS` (for attention modules that
-    receive no ``**kwargs``). During the first forward, attention modules (class names ending in ``Attention``
-    or ``Attn``) that run are recorded, and :meth:`attended` records the ones that called ds_ring's attention;
-    after that forward, one that ran without a call (itself or a child) is refused.
-    """
+    def __init__(self) -> None:
+        self.calls = 0
+        self._audited: set[int] = set()
+        self._open: list[tuple[int, int]] = []  # (id(module), self.calls when it started)
+        self._handles = [
+            torch.nn.modules.module.register_module_forward_pre_hook(self._enter),
+            torch.nn.modules.module.register_module_forward_hook(self._leave, always_call=True),
+        ]
+
+    def attended(self, _module: nn.Module) -> None:
+        """Called by ds_ring's attention on every call."""
+        self.calls += 1
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _enter(self, module: nn.Module, _args: Any) -> None:
+        if id(module) not in self._audited and _ATTENTION.search(type(module).__name__):
+            self._open.append((id(module), self.calls))
+
+    def _leave(self, module: nn.Module, _args: Any, _out: Any) -> None:
+        if not self._open or self._open[-1][0] != id(module):
+            return
+        _, before = self._open.pop()
+        self._audited.add(id(module))
+        if self.calls == before:
+            raise ValueError(
+                f"{type(module).__name__} ran without calling ds_ring's attention (it computes attention itself, "
+                f"e.g. with F.scaled_dot_product_attention or eager code, ignoring attn_implementation): on one "
+                f"rank's shard it attends only within that shard. ds_ring cannot run this model sequence-parallel; "
+                f"train it without sequence parallelism, or use a model whose attention goes through transformers' "
+                f"attention interface"
+            )
+
+
+class ModelWatch:
+    """A forward pre-hook on the registered model instance: ``batch`` holds, while its forward runs, the call's
+    :data:`BATCH_KEYS`, for attention modules that receive no ``**kwargs``."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.model = model
         self.batch: Mapping[str, Any] = {}
-        self._ran: dict[int, nn.Module] = {}
-        self._called: set[int] = set()
-        self._auditing = True
         self._handles = [
             model.register_forward_pre_hook(self._enter, with_kwargs=True),
             model.register_forward_hook(self._leave, always_call=True),
         ]
-        self._audit_handles = [
-            module.register_forward_hook(self._ran_hook)
-            for module in model.modules()
-            if module is not model and _ATTENTION.search(type(module).__name__)
-        ]
-
-    def attended(self, module: nn.Module) -> None:
-        """Called by ds_ring's attention with the module that called it."""
-        if self._auditing:
-            self._called.add(id(module))
 
     def remove(self) -> None:
-        for handle in self._handles + self._audit_handles:
+        for handle in self._handles:
             handle.remove()
-        self._handles, self._audit_handles = [], []
+        self._handles = []
 
     def _enter(self, _module: nn.Module, _args: tuple, kwargs: dict) -> None:
         self.batch = {key: kwargs[key] for key in BATCH_KEYS if kwargs.get(key) is not None}
 
-    def _ran_hook(self, module: nn.Module, _args: Any, _out: Any) -> None:
-        if self._auditing and torch.is_grad_enabled() is not None:
-            self._ran[id(module)] = module
-
     def _leave(self, _module: nn.Module, _args: Any, _out: Any) -> None:
         self.batch = {}
-        if not self._auditing:
-            return
-        self._auditing = False
-        for handle in self._audit_handles:
-            handle.remove()
-        self._audit_handles = []
-        if not self._called:  # ds_ring's attention never ran (e.g. disable_in_eval in eval): audit the next one
-            self._auditing = bool(self._ran) and False
-            return
-        routed = self._routed()
-        for module in self._ran.values():
-            if id(module) not in routed:
-                raise ValueError(
-                    f"{type(module).__name__} ran without calling ds_ring's attention (it computes attention itself, "
-                    f"e.g. with F.scaled_dot_product_attention or eager code, ignoring attn_implementation): on one "
-                    f"rank's shard it attends only within that shard. ds_ring cannot run this model sequence-parallel; "
-                    f"train it without sequence parallelism, or use a model whose attention goes through "
-                    f"transformers' attention interface"
-                )
-
-    def _routed(self) -> set[int]:
-        """Attention modules that called ds_ring, and every module that contains one of them."""
-        routed = set(self._called)
-        for module in self.model.modules():
-            if any(id(child) in self._called for child in module.modules()):
-                routed.add(id(module))
-        return routed
-
-
-def hooks_for(watch: ModelWatch | None) -> Callable[[nn.Module], None]:
-    """What the attention calls with its module: the watch's recorder, or nothing."""
-    return watch.attended if watch is not None else (lambda _module: None)

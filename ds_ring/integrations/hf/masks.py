@@ -52,6 +52,25 @@ class MaskSpec:
     def __bool__(self) -> bool:  # a model testing ``if attention_mask:`` sees a mask
         return True
 
+    def __getattr__(self, name: str) -> Any:
+        raise _builds_on_mask(f".{name}")
+
+    def __getitem__(self, index: Any) -> Any:
+        raise _builds_on_mask("[...]")
+
+    def _operator(self, *_: Any) -> Any:
+        raise _builds_on_mask("arithmetic")
+
+    __add__ = __radd__ = __mul__ = __rmul__ = __and__ = __rand__ = __or__ = __ror__ = __sub__ = __rsub__ = _operator
+
+
+def _builds_on_mask(use: str) -> ValueError:
+    return ValueError(
+        f"the model's code uses its attention mask as a tensor ({use}): it builds on the mask itself (e.g. a "
+        f"dynamic or learned mask), which ds_ring's attention does not compute; train this model without sequence "
+        f"parallelism"
+    )
+
 
 def _pieces(function: Callable) -> Iterator[Callable]:
     """The leaf functions of a composed mask function (closure cells that are functions or tuples of them)."""

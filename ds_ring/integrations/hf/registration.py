@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +18,10 @@ import torch.distributed as dist
 
 from ds_ring.config import SECTION, RingAttentionConfig, load_config, read_ds_config
 from ds_ring.integrations.hf.attention import SequenceParallelAttention
+from ds_ring.integrations.hf.audit import CallAudit, ModelWatch, refuse_sequence_mixers
 from ds_ring.integrations.hf.documents import refuse_padding
 from ds_ring.integrations.hf.long_context import apply_long_context, check_long_context
+from ds_ring.integrations.hf.masks import MaskSpec, mask_spec
 from ds_ring.topology import Topology
 
 __all__ = [
@@ -73,6 +75,7 @@ def register_with_transformers(
     config: str | os.PathLike | Mapping[str, Any] | None = None,
     topology: Topology | None = None,
     disable_in_eval: bool = False,
+    position_wise: Sequence[str] = (),
 ) -> Topology:
     """Make transformers' ``core_attn_implementation`` attention run ds_ring sequence-parallel attention.
 
@@ -104,6 +107,15 @@ def register_with_transformers(
             degrees must be the section's. ``None``: built from the section, starting
             ``torch.distributed`` from the launcher's environment if it is not started.
         disable_in_eval: ``model.eval()`` runs the original attention on whole sequences.
+        position_wise: class names of modules that ds_ring would refuse as sequence mixers
+            (:func:`~ds_ring.integrations.hf.audit.refuse_sequence_mixers`) but that the user knows mix nothing
+            along the sequence.
+
+    Nothing runs silently wrong: the model's modules that mix along the sequence other than through attention
+    (state-space, recurrent, convolution, linear-attention layers) are refused now; while registered, an
+    attention module whose first forward does not call ds_ring's attention is refused right after it
+    (:class:`~ds_ring.integrations.hf.audit.CallAudit`), and a mask ds_ring does not compute is refused on its
+    first call (:mod:`~ds_ring.integrations.hf.masks`).
 
     Returns:
         The :class:`ds_ring.Topology`: the ``mpu`` for ``deepspeed.initialize``, and what
@@ -129,6 +141,8 @@ def register_with_transformers(
     if not own:
         _check_implementation(core_attn_implementation, ALL_ATTENTION_FUNCTIONS)
     model_config = _model_config(model_name_or_path, core_attn_implementation)
+    if model_config is not None and section.enabled:
+        refuse_sequence_mixers(_module_tree(model_name_or_path, model_config), position_wise)
     check_long_context(model_name_or_path, section.long_context)
     if topology is None and not dist.is_initialized():
         from ds_ring.engine import init_distributed
@@ -155,6 +169,9 @@ def register_with_transformers(
             section, topology, original, disable_in_eval=disable_in_eval, zero_optimization=zero_optimization
         )
         replaced.append(_replace(ALL_ATTENTION_FUNCTIONS, core_attn_implementation, attention))
+        attention.audit = CallAudit()
+        if isinstance(model_name_or_path, torch.nn.Module):
+            attention.watch = ModelWatch(model_name_or_path)
         if topology.get_sequence_parallel_world_size() > 1:  # ALST's tutorial loss, right at every ZeRO stage
             from transformers.loss.loss_utils import LOSS_MAPPING
 
@@ -194,6 +211,10 @@ def unregister_from_transformers() -> None:
         else:
             del interface[key]
     _active.restore_model()
+    if _active.attention is not None:
+        for hooks in (_active.attention.audit, _active.attention.watch):
+            if hooks is not None:
+                hooks.remove()
     _active = None
 
 
@@ -263,10 +284,26 @@ def _replace(interface: Any, key: str, value: Any) -> tuple[Any, str, bool, Any]
     return undo
 
 
-def _no_mask(*, attention_mask: torch.Tensor | None = None, **_: Any) -> None:
-    """The mask function of the replaced implementation: ds_ring needs no mask, so none is built."""
+def _no_mask(*, attention_mask: torch.Tensor | None = None, mask_function: Any = None, **_: Any) -> MaskSpec:
+    """The mask function of the replaced implementation: no ``[s, s]`` tensor is built; the attention gets what the
+    mask says (:func:`~ds_ring.integrations.hf.masks.mask_spec`: causal, the window, or what it cannot compute)."""
     refuse_padding(attention_mask)
-    return None
+    return mask_spec(mask_function)
+
+
+def _module_tree(model_name_or_path: Any, config: Any) -> torch.nn.Module:
+    """The model's modules: the instance itself, or the model its config builds on the meta device (no memory)."""
+    if isinstance(model_name_or_path, torch.nn.Module):
+        return model_name_or_path
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        try:
+            return AutoModelForCausalLM.from_config(config)
+        except ValueError:  # not a causal LM config (a base model's): build what the config's class builds
+            from transformers import AutoModel
+
+            return AutoModel.from_config(config)
 
 
 def _text_config(config: Any) -> Any:
@@ -290,7 +327,9 @@ def check_model_config(config: Any, section: RingAttentionConfig, world_size: in
             f"{name}.attn_logit_softcapping = {softcap}: ds_ring's kernels do not cap attention logits; set "
             f"attn_logit_softcapping=None"
         )
-    heads = config.num_attention_heads
+    heads = getattr(config, "num_attention_heads", None)
+    if heads is None:  # no attention heads to split (the model's sequence mixers were checked on their own)
+        return
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     try:
         section.check(world_size=world_size, num_heads=heads, num_kv_heads=kv_heads)
