@@ -24,7 +24,7 @@ from torch.distributed import ProcessGroup
 from ds_ring.calls import attend, group_placement, topology_placement
 from ds_ring.comm.groups import group_size
 from ds_ring.kernels.dilated import check_window_branches
-from ds_ring.kernels.dilation import make_branches
+from ds_ring.kernels.dilation import check_softcap, make_branches
 from ds_ring.strategies import AttentionCall
 from ds_ring.topology import Topology
 from ds_ring.zero import require_marked
@@ -50,9 +50,11 @@ class RingDilatedAttention(nn.Module):
         head_offset: global index of local head 0.
         timeout_s: bound in seconds on every communication wait (``None``: the topology's; 300 s on a group).
         window: causal sliding window (dense, ``causal=True``): query ``i`` sees keys ``[i - window + 1, i]``.
+        softcap: attention logit soft-cap (Gemma 2): scores ``s`` become ``softcap·tanh(s / softcap)``.
 
-    Shapes: ``forward(q [B, L, H, D], k [B, L, Hkv, D], v [B, L, Hkv, D], *, cu_seqlens=None, sinks=None)
-    -> [B, L, H, D]``; ``cu_seqlens``: document boundaries of a packed sequence over the global sequence (see
+    Shapes: ``forward(q [B, L, H, D], k [B, L, Hkv, D], v [B, L, Hkv, Dv], *, cu_seqlens=None, sinks=None)
+    -> [B, L, H, Dv]`` (``Dv``: ``v``'s head dim, which may differ from ``D``: multi-head latent attention);
+    ``cu_seqlens``: document boundaries of a packed sequence over the global sequence (see
     :func:`ds_ring.ring_dilated_attention`); ``sinks [H]``: attention-sink logits.
     """
 
@@ -71,6 +73,7 @@ class RingDilatedAttention(nn.Module):
         head_offset: int = 0,
         timeout_s: float | None = None,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         super().__init__()
         self.call = _validated(
@@ -84,6 +87,7 @@ class RingDilatedAttention(nn.Module):
                 head_offset,
                 timeout_s=timeout_s,
                 window=window,
+                softcap=softcap,
             )  # fmt: skip
         )
         self.group = group
@@ -92,7 +96,7 @@ class RingDilatedAttention(nn.Module):
 
     _PLACEMENT = frozenset({"group", "topology", "strategy"})
     _SETTINGS = _PLACEMENT | {"communication", "layout", "timeout_s", "causal", "head_offset", "segment_lengths",
-                              "dilation_rates", "window"}  # fmt: skip
+                              "dilation_rates", "window", "softcap"}  # fmt: skip
 
     def configure(self, **settings: Any) -> None:
         """Change how this module computes and communicates (any constructor argument but ``scale``)."""
@@ -113,6 +117,7 @@ class RingDilatedAttention(nn.Module):
     layout = property(lambda self: self.call.layout, doc="How the sequence was sharded.")
     timeout_s = property(lambda self: self.call.timeout_s, doc="Bound on every communication wait, in seconds.")
     window = property(lambda self: self.call.window, doc="Causal sliding window (``None``: none).")
+    softcap = property(lambda self: self.call.softcap, doc="Attention logit soft-cap (``None``: uncapped).")
 
     @property
     def parallel_size(self) -> int:
@@ -147,6 +152,7 @@ def _validated(call: AttentionCall) -> AttentionCall:
     before the first forward; ``seq_len`` at its maximum clamps nothing)."""
     make_branches(2**62, call.segment_lengths, call.dilation_rates)
     check_window_branches(call.window, call.causal, call.segment_lengths)
+    check_softcap(call.softcap)
     segs, rates = call.segment_lengths, call.dilation_rates
     return dataclasses.replace(
         call,

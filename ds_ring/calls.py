@@ -35,7 +35,7 @@ from torch.distributed import ProcessGroup
 
 from ds_ring.comm.agree import agree
 from ds_ring.comm.groups import group_rank, group_size, takes_cpu
-from ds_ring.kernels.dilation import check_cu_seqlens, validate_qkv
+from ds_ring.kernels.dilation import check_cu_seqlens, check_softcap, validate_qkv
 from ds_ring.kernels.sinks import check_sinks
 from ds_ring.strategies import AttentionCall, Bound, Degrees, Placement, Shape, get_strategy
 from ds_ring.topology import Topology
@@ -80,13 +80,15 @@ def ring_dilated_attention(
     cu_seqlens: torch.Tensor | Sequence[int] | None = None,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> Output:
     """Dilated (or dense) attention over a sequence sharded across ``group``.
 
     Every rank passes its shard, made by :func:`ds_ring.shard_sequence` with the same ``layout``.
 
     Args:
-        q: local shard ``[batch, seq/p, heads, head_dim]``; k, v: ``[batch, seq/p, kv_heads, head_dim]``.
+        q: local shard ``[batch, seq/p, heads, head_dim]``; k: ``[batch, seq/p, kv_heads, head_dim]``; v:
+            ``[batch, seq/p, kv_heads, v_head_dim]`` (``v_head_dim`` may differ: multi-head latent attention).
         segment_lengths, dilation_rates: LongNet branches over the *global* sequence; ``None`` = dense.
             Segments may cross shard boundaries anywhere; only the kept rows of those that do travel.
         causal: causal mask by global position.
@@ -103,9 +105,11 @@ def ring_dilated_attention(
             the ranks and rows within its reach travel.
         sinks: ``[heads]`` attention-sink logits (GPT-OSS): one more key per head with that score and value 0,
             differentiable (its gradient is this rank's rows' share, like a parameter's).
+        softcap: attention logit soft-capping (Gemma 2): scores ``s`` become ``softcap·tanh(s / softcap)`` before
+            the softmax (sinks are not capped). ``None``: uncapped.
 
     Returns:
-        The local output shard ``[batch, seq/p, heads, head_dim]`` (and the LSE, the sinks included).
+        The local output shard ``[batch, seq/p, heads, v_head_dim]`` (and the LSE, the sinks included).
 
     Raises:
         ValueError: bad shapes (on this rank, before any communication); ranks whose calls differ
@@ -114,7 +118,7 @@ def ring_dilated_attention(
     """
     call = AttentionCall(
         segment_lengths, dilation_rates, causal, scale, communication, layout, head_offset, return_lse, timeout_s,
-        cu_seqlens, window, sinks,
+        cu_seqlens, window, sinks, softcap,
     )  # fmt: skip
     return attend(q, k, v, call, group_placement(group), "ring", op="ring_dilated_attention")
 
@@ -138,12 +142,14 @@ def sequence_parallel_attention(
     cu_seqlens: torch.Tensor | Sequence[int] | None = None,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> Output:
     """Dilated (or dense) attention over a sequence sharded across ``topology.sequence_parallel_group``.
 
     Args:
-        q: local shard ``[batch, seq/p, heads, head_dim]``; k, v: ``[batch, seq/p, kv_heads, head_dim]``,
-            made by ``ds_ring.shard_sequence(x, topology, layout=layout)``.
+        q: local shard ``[batch, seq/p, heads, head_dim]``; k: ``[batch, seq/p, kv_heads, head_dim]``; v:
+            ``[batch, seq/p, kv_heads, v_head_dim]`` (``v_head_dim`` may differ from ``head_dim``: multi-head latent
+            attention, DeepSeek V2/V3), made by ``ds_ring.shard_sequence(x, topology, layout=layout)``.
         segment_lengths, dilation_rates: LongNet branches over the global sequence; ``None``: dense.
         causal: causal mask by global position.
         scale: softmax scale, default ``1/sqrt(head_dim)``.
@@ -163,9 +169,12 @@ def sequence_parallel_attention(
         window: causal sliding window (dense, ``causal=True``): query ``i`` sees keys ``[i - window + 1, i]`` of its
             document, on every strategy and layout; a ring moves only the blocks and rows within its reach.
         sinks: ``[heads]`` attention-sink logits of ``q``'s heads (GPT-OSS), differentiable.
+        softcap: attention logit soft-capping (Gemma 2, ``attn_logit_softcapping``): scores ``s = q·k·scale``
+            become ``softcap·tanh(s / softcap)`` before the softmax, on every strategy (the tiled pure-torch
+            block kernel computes capped blocks; sinks are not capped). ``None``: uncapped.
 
     Returns:
-        The local output shard ``[batch, seq/p, heads, head_dim]`` in the input dtype (and the LSE, the sinks
+        The local output shard ``[batch, seq/p, heads, v_head_dim]`` in the input dtype (and the LSE, the sinks
         included).
 
     Raises:
@@ -177,7 +186,7 @@ def sequence_parallel_attention(
     """
     call = AttentionCall(
         segment_lengths, dilation_rates, causal, scale, communication, layout, head_offset, return_lse, timeout_s,
-        cu_seqlens, window, sinks,
+        cu_seqlens, window, sinks, softcap,
     )  # fmt: skip
     return attend(q, k, v, call, topology_placement(topology), strategy)
 
@@ -200,7 +209,7 @@ def attend(
     key = (
         op, strategy, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, backward,
         _ints(call.segment_lengths), _ints(call.dilation_rates), call.causal, call.scale, call.communication,
-        call.layout, call.head_offset, call.return_lse, call.timeout_s, documents, call.window,
+        call.layout, call.head_offset, call.return_lse, call.timeout_s, documents, call.window, call.softcap,
         None if sinks is None else (sinks.shape, sinks.dtype, sinks.device),
     )  # fmt: skip
     prepared = _cache(placement)
@@ -232,7 +241,8 @@ def _prepare(
     """Validate, agree, check and plan one key's call; the bound function for it."""
     validate_qkv(q, k, v, call.head_offset)
     check_sinks(call.sinks, q)
-    _agree_on_call(q, k, call, placement, strategy, op, backward, documents)
+    call = dataclasses.replace(call, softcap=check_softcap(call.softcap))
+    _agree_on_call(q, k, v, call, placement, strategy, op, backward, documents)
     chosen = get_strategy(strategy)
     call = _resolved(call, chosen.default_communication(), placement.timeout_s)
     shape = Shape.of(q, k)
@@ -255,6 +265,7 @@ def _resolved(call: AttentionCall, communication: str | None, timeout_s: float |
 def _agree_on_call(
     q: torch.Tensor,
     k: torch.Tensor,
+    v: torch.Tensor,
     call: AttentionCall,
     placement: Placement,
     strategy: str,
@@ -267,6 +278,7 @@ def _agree_on_call(
     batch, rows, heads, head_dim = q.shape
     fields = {
         "batch": batch, "rows": rows, "heads": heads, "kv_heads": k.shape[2], "head_dim": head_dim,
+        "v_head_dim": v.shape[3], "softcap": call.softcap,
         "dtype": q.dtype, "device": q.device.type, "backward": backward,
         "segment_lengths": call.segment_lengths, "dilation_rates": call.dilation_rates, "causal": call.causal,
         "scale": None if call.scale is None else float(call.scale),  # 1 and 1.0 are the same scale

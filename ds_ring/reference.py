@@ -61,14 +61,16 @@ def dilated_attention_reference(
     head_offset: int = 0,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference dilated attention; differentiable with plain autograd.
 
-    Args: as :func:`ds_ring.dilated_attention` (``q [B, S, H, D]``, ``k``/``v`` ``[B, S, Hkv, D]``);
-    ``sinks [H]``: one more key per head with that score and value 0 (its own column of the softmax).
+    Args: as :func:`ds_ring.dilated_attention` (``q [B, S, H, D]``, ``k [B, S, Hkv, D]``, ``v [B, S, Hkv, Dv]``);
+    ``sinks [H]``: one more key per head with that score and value 0 (its own column of the softmax, uncapped);
+    ``softcap``: every score ``s`` becomes ``softcap·tanh(s / softcap)`` before the softmax.
 
     Returns:
-        ``out [B, S, H, D]`` and ``lse [B, H, S]``, both float64; rows no branch covers have
+        ``out [B, S, H, Dv]`` and ``lse [B, H, S]``, both float64; rows no branch covers have
         ``out = 0`` and ``lse = -inf`` (the sink's score with ``sinks``).
     """
     batch, seq_len, num_heads, head_dim = q.shape
@@ -86,10 +88,12 @@ def dilated_attention_reference(
     )  # fmt: skip
     branches = mask.shape[0]
     scores = torch.einsum("bqhd,bkhd->bhqk", q64, k64) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     # [B, H, S, branches * S]: every branch's copy of the keys side by side.
     scores = scores.unsqueeze(3).expand(-1, -1, -1, branches, -1).reshape(batch, num_heads, seq_len, -1)
     mask = mask.permute(1, 2, 0, 3).reshape(num_heads, seq_len, -1).expand(batch, -1, -1, -1)
-    values = v64.repeat(1, branches, 1, 1)  # [B, branches * S, H, D], branch-major like the keys
+    values = v64.repeat(1, branches, 1, 1)  # [B, branches * S, H, Dv], branch-major like the keys
     if sinks is not None:  # one more column: score sinks[h], value 0, always visible
         sink = sinks.to(torch.float64).view(1, num_heads, 1, 1).expand(batch, -1, seq_len, 1)
         scores = torch.cat([scores, sink], dim=-1)

@@ -5,7 +5,8 @@ and compares its output, LSE and q/k/v gradients with the shard of the oracle's.
 runs many cases in one spawn and returns the failures, so one failing case names itself.
 
 A case with ``cu_seqlens`` (packed documents) is checked against the oracle run on each document
-alone (:func:`per_document_reference`), which shares nothing with the packed code path.
+alone (:func:`per_document_reference`), which shares nothing with the packed code path. A case may give
+``v`` a head dim of its own (``v_head_dim``, multi-head latent attention) and cap scores (``softcap``).
 """
 
 from __future__ import annotations
@@ -24,14 +25,16 @@ DTYPES = {"float64": (torch.float64, 1e-10), "float32": (torch.float32, 3e-5)}
 
 
 def full_inputs(case: dict[str, Any]) -> tuple[torch.Tensor, ...]:
-    """Full-sequence ``q, k, v, dout`` for a case, identical on every rank."""
+    """Full-sequence ``q [b, s, h, d]``, ``k [b, s, hkv, d]``, ``v [b, s, hkv, dv]``, ``dout [b, s, h, dv]`` for a
+    case (``dv``: ``v_head_dim``, default ``head_dim``), identical on every rank."""
     dtype = DTYPES[case.get("dtype", "float64")][0]
     g = torch.Generator().manual_seed(case.get("seed", 0))
     b, s, h, hkv, d = case["batch"], case["seq"], case["heads"], case["kv_heads"], case["head_dim"]
+    dv = case.get("v_head_dim", d)
     q = torch.randn(b, s, h, d, generator=g, dtype=dtype)
     k = torch.randn(b, s, hkv, d, generator=g, dtype=dtype)
-    v = torch.randn(b, s, hkv, d, generator=g, dtype=dtype)
-    dout = torch.randn(b, s, h, d, generator=g, dtype=dtype)
+    v = torch.randn(b, s, hkv, dv, generator=g, dtype=dtype)
+    dout = torch.randn(b, s, h, dv, generator=g, dtype=dtype)
     return q, k, v, dout
 
 
@@ -48,8 +51,8 @@ def per_document_reference(
 
 def check_case(case: dict[str, Any], attention: Callable[..., Any], group=None) -> None:
     """Run ``attention(q, k, v, segs, rates, causal=..., head_offset=..., return_lse=True)`` on shards
-    (with ``cu_seqlens=`` when the case packs documents, ``window=`` and ``sinks=`` when it has them; the
-    sinks' gradient is each rank's rows' share, summed over ``group`` before it is compared)."""
+    (with ``cu_seqlens=`` when the case packs documents, ``window=``, ``softcap=`` and ``sinks=`` when it has them;
+    the sinks' gradient is each rank's rows' share, summed over ``group`` before it is compared)."""
     dtype, atol = DTYPES[case.get("dtype", "float64")]
     layout = case.get("layout", "contiguous")
     segs, rates = case.get("segments"), case.get("rates")
@@ -58,6 +61,8 @@ def check_case(case: dict[str, Any], attention: Callable[..., Any], group=None) 
     extra: dict[str, Any] = {} if cu is None else {"cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
     if case.get("window") is not None:
         extra["window"] = case["window"]
+    if case.get("softcap") is not None:
+        extra["softcap"] = case["softcap"]
     q, k, v, dout = full_inputs(case)
     sinks = None
     if case.get("sinks"):
@@ -70,7 +75,9 @@ def check_case(case: dict[str, Any], attention: Callable[..., Any], group=None) 
         *local, segs, rates, causal=case["causal"], head_offset=head_offset, return_lse=True, layout=layout, **extra
     )
     full = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    options = dict(causal=case["causal"], head_offset=head_offset, window=case.get("window"))
+    options = dict(
+        causal=case["causal"], head_offset=head_offset, window=case.get("window"), softcap=case.get("softcap")
+    )
     if sinks is not None:
         full.append(sinks.detach().clone().requires_grad_())
         options["sinks"] = full[-1]
@@ -88,7 +95,7 @@ def check_case(case: dict[str, Any], attention: Callable[..., Any], group=None) 
             dsinks.double(), ref_grads[3].double(), rtol=0, atol=atol * 10, msg=lambda m: f"dsinks: {m}"
         )
         grads, ref_grads = grads[:3], ref_grads[:3]
-    assert out.dtype == dtype and out.shape == local[0].shape
+    assert out.dtype == dtype and out.shape == (*local[0].shape[:-1], v.shape[-1])
     torch.testing.assert_close(out.double(), shard(ref_out), rtol=0, atol=atol, msg=lambda m: f"out: {m}")
     ref_lse = ds_ring.shard_sequence(ref_lse, group, layout=layout, dim=2)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "lse: -inf rows differ"

@@ -35,7 +35,7 @@ def test_heads_not_divisible_by_kv_heads():
 
 def test_shapes_that_disagree():
     q, k, v = _qkv()
-    with pytest.raises(ValueError, match="k and v"):
+    with pytest.raises(ValueError, match=r"k \(1, 8, 4, 8\) and v \(1, 4, 4, 8\) must agree in batch, seq and kv"):
         ds_ring.dilated_attention(q, k, v[:, :4])
     with pytest.raises(ValueError, match="agree in batch, seq and head_dim"):
         ds_ring.dilated_attention(q[:, :4], k, v)

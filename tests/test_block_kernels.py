@@ -11,11 +11,10 @@
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ds_ring.kernels import block, chunked, fused
 from ds_ring.kernels.block import GpuFacts, kernel_for
-from tests.block_cases import SHAPES, check_against_oracle
+from tests.block_cases import SHAPES, LargestOutput, check_against_oracle
 
 H100, A100, RTX4090, T4 = GpuFacts((9, 0)), GpuFacts((8, 0)), GpuFacts((8, 9)), GpuFacts((7, 5))
 NO_FLASH, ROCM = GpuFacts((8, 0), flash_built=False), GpuFacts((9, 4), rocm=True)
@@ -88,27 +87,12 @@ def test_tiling_stays_within_its_budget():
                     assert not causal or t.rows == t.keys, t
 
 
-class _LargestOutput(TorchDispatchMode):
-    """The largest tensor any op produced, in bytes."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.nbytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
-        for x in result if isinstance(result, (tuple, list)) else (result,):
-            if isinstance(x, torch.Tensor):
-                self.nbytes = max(self.nbytes, x.numel() * x.element_size())
-        return result
-
-
 @pytest.mark.parametrize("causal", [False, True])
 def test_pure_torch_kernel_never_holds_more_than_a_tile_of_scores(monkeypatch, causal):
     """64 × 64 scores per (batch, head) would be 16 KiB each; tensors of the block are 1 KiB; budget 2 KiB."""
     monkeypatch.setattr(chunked, "TILE_BYTES", 2048)
     q, k, v, dout = (torch.randn(1, 2, 64, 2) for _ in range(4))
-    with _LargestOutput() as seen:
+    with LargestOutput() as seen:
         out, lse = chunked.CHUNKED.forward(q, k, v, causal, 0.5)
         chunked.CHUNKED.backward(dout, q, k, v, out, lse, causal, 0.5)
     assert seen.nbytes <= 2048, seen.nbytes

@@ -50,6 +50,21 @@ def test_cuda_kernel_matches_oracle(kernel, dtype, shape, causal):
     check_against_oracle(kernel, dtype, shape, causal, "cuda", TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize(("kernel", "dtype"), _runnable(), ids=lambda x: getattr(x, "name", str(x)))
+@pytest.mark.parametrize("v_head_dim", [12, 36])
+def test_cuda_kernel_with_value_head_dim_matches_oracle(kernel, dtype, v_head_dim):
+    """Multi-head latent attention: ``v``'s head dim smaller / larger than q/k's 20 (flash: zero-padded)."""
+    for shape, causal in (((1, 2, 40, 20, 40), True), ((2, 3, 17, 20, 33), False)):
+        check_against_oracle(kernel, dtype, shape, causal, "cuda", TOLERANCE[dtype], v_head_dim=v_head_dim)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32, F64], ids=str)
+def test_cuda_softcap_runs_the_tiled_kernel(dtype):
+    assert block.select_kernel(torch.device("cuda"), dtype, 64, softcap=True) is chunked.CHUNKED
+    for shape, causal in SHAPES:
+        check_against_oracle(chunked.CHUNKED, dtype, shape, causal, "cuda", TOLERANCE[dtype], softcap=1.5)
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("dtype", "override"), [(BF16, None), (F32, None), (F32, "torch")], ids=str)
 def test_dense_64k_forward_backward_memory(monkeypatch, dtype, override):

@@ -1,7 +1,7 @@
 """Ranks that disagree get one clear ValueError on every rank, naming the field and each rank's value.
 
 Two gloo ranks; rank 1 differs from rank 0 in one thing per case (each alone a valid call): sequence
-length, heads, head_dim, segment_lengths, dilation_rates, dtype, causal, communication, layout,
+length, heads, head_dim, v's head dim, softcap, segment_lengths, dilation_rates, dtype, causal, communication, layout,
 strategy, cu_seqlens, and more; the Topology's degrees; the ds_config section of ``ds_ring.initialize``.
 Four ranks for ``hybrid`` (ulysses 2 × ring 2): one agreement over the whole sequence-parallel group.
 Every case must raise on every rank (a rank that raised while another hung would fail the run at its
@@ -23,12 +23,14 @@ TIMEOUT_S = 10.0
 L, H, KV, D = 32, 4, 2, 8  # rows per rank, heads, K/V heads, head_dim
 BASE = dict(rows=L, heads=H, head_dim=D, dtype=torch.float32, segment_lengths=[16, 2 * L], dilation_rates=[1, 2],
             causal=True, communication="ring", layout="contiguous", strategy="ring", cu_seqlens=None,
-            backward=False)  # fmt: skip
+            backward=False, v_head_dim=D, softcap=None)  # fmt: skip
 # field → (rank 1's value, the message's line for it); each alone is a call that runs.
 DIFFERS = {
     "sequence length": (dict(rows=48), "rows: rank 0 has 32, rank 1 has 48"),
     "heads": (dict(heads=2), "heads: rank 0 has 4, rank 1 has 2"),
     "head_dim": (dict(head_dim=16), "head_dim: rank 0 has 8, rank 1 has 16"),
+    "v_head_dim": (dict(v_head_dim=12), "v_head_dim: rank 0 has 8, rank 1 has 12"),
+    "softcap": (dict(softcap=30.0), "softcap: rank 0 has None, rank 1 has 30.0"),
     "segment_lengths": (dict(segment_lengths=[32, 64]), "segment_lengths: rank 0 has [16, 64], rank 1 has [32, 64]"),
     "dilation_rates": (dict(dilation_rates=[1, 4]), "dilation_rates: rank 0 has [1, 2], rank 1 has [1, 4]"),
     "dtype": (dict(dtype=torch.float64), "dtype: rank 0 has torch.float32, rank 1 has torch.float64"),
@@ -42,9 +44,11 @@ DIFFERS = {
 }  # fmt: skip
 
 
-def _inputs(rows: int, heads: int, head_dim: int, dtype: torch.dtype, backward: bool, **_: object) -> list:
+def _inputs(
+    rows: int, heads: int, head_dim: int, dtype: torch.dtype, backward: bool, v_head_dim: int, **_: object
+) -> list:
     g = torch.Generator().manual_seed(0)
-    shapes = [(1, rows, heads, head_dim), (1, rows, KV, head_dim), (1, rows, KV, head_dim)]
+    shapes = [(1, rows, heads, head_dim), (1, rows, KV, head_dim), (1, rows, KV, v_head_dim)]
     return [torch.randn(shape, generator=g, dtype=dtype, requires_grad=backward) for shape in shapes]
 
 
@@ -66,7 +70,8 @@ def _attention_rank(rank: int, world: int) -> tuple[list[str], dict[str, float]]
     """sequence_parallel_attention over Topology(ring=2), one differing field per case, then each entry point."""
     log, seconds = CaseLog(), {}
     topology = ds_ring.Topology(ring=2, timeout_s=TIMEOUT_S)
-    calls = ("segment_lengths", "dilation_rates", "causal", "communication", "layout", "strategy", "cu_seqlens")
+    calls = ("segment_lengths", "dilation_rates", "causal", "communication", "layout", "strategy", "cu_seqlens",
+             "softcap")  # fmt: skip
     for name, (rank1, line) in DIFFERS.items():
         call = {**BASE, **(rank1 if rank == 1 else {})}
         q, k, v = _inputs(**call)

@@ -13,6 +13,11 @@ most :data:`TILE_BYTES` together (:func:`tiling`):
 A causal block (square, aligned at its first row) is tiled as a square grid: query tile ``i`` meets key
 tiles ``j <= i`` and masks only the diagonal one, so every computed row has at least its own key.
 Accumulation is in float32 (float64 for float64 inputs).
+
+``v`` may have another head dim than ``q``/``k`` (multi-head latent attention: ``q``, ``k`` ``[.., D]``, ``v``
+``[.., Dv]``; ``out`` and ``dout`` then have ``Dv``). The only kernel that takes ``softcap`` (Gemma 2): scores
+``s = q·kᵀ·scale`` become ``c·tanh(s / c)`` before the softmax; the backward recomputes ``t = tanh(s / c)``
+and multiplies ``dS`` by ``1 - t²`` (a third score-sized tile, inside the same budget).
 """
 
 from __future__ import annotations
@@ -84,22 +89,32 @@ def _mask_diagonal_(s: Tensor) -> None:
     s.masked_fill_(torch.ones(rows, rows, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
 
 
-def _forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+def _cap_(s: Tensor, softcap: float) -> Tensor:
+    """``softcap · tanh(s / softcap)`` in place."""
+    return s.div_(softcap).tanh_().mul_(softcap)
+
+
+def _forward(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, softcap: float | None = None
+) -> tuple[Tensor, Tensor]:
+    """``q``, ``k`` ``[B, H, m|n, D]``, ``v [B, H, n, Dv]`` → ``out [B, H, m, Dv]`` (``q.dtype``), ``lse [B, H, m]``."""
     _check(q, k, causal)
     acc = accum_dtype(q.dtype)
     (batch, heads, m, _), n = q.shape, k.shape[-2]
-    out = torch.empty(q.shape, dtype=acc, device=q.device)
+    out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=acc, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=acc, device=q.device)
     tile = tiling(batch * heads, m, n, causal, torch.finfo(acc).bits // 8, budget=TILE_BYTES)
     for b, h in _matrices(batch, heads, tile.matrices):
         for i in _starts(m, tile.rows):
             rows = slice(i, i + tile.rows)
             qt = q[b, h, rows].to(acc) * scale
-            o = torch.zeros(qt.shape, dtype=acc, device=q.device)
+            o = torch.zeros((*qt.shape[:-1], v.shape[-1]), dtype=acc, device=q.device)
             l_ = torch.full(qt.shape[:-1], float("-inf"), dtype=acc, device=q.device)
             for j in _starts(i + 1 if causal else n, tile.keys):
                 keys = slice(j, j + tile.keys)
                 s = torch.matmul(qt, k[b, h, keys].to(acc).transpose(-1, -2))
+                if softcap is not None:
+                    _cap_(s, softcap)
                 if causal and j == i:
                     _mask_diagonal_(s)
                 top = s.amax(-1, keepdim=True)
@@ -112,15 +127,26 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tup
 
 
 def _backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    causal: bool,
+    scale: float,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    """``dout``/``out`` ``[B, H, m, Dv]``, the rest as in :func:`_forward` → ``(dq, dk, dv)`` shaped like
+    ``q``, ``k``, ``v`` in their dtypes."""
     _check(q, k, causal)
     acc = accum_dtype(q.dtype)
     (batch, heads, m, _), n = q.shape, k.shape[-2]
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-    tile = tiling(batch * heads, m, n, causal, torch.finfo(acc).bits // 8, scores=2, budget=TILE_BYTES)
+    scores = 2 if softcap is None else 3  # p and dP, and with a cap its tanh
+    tile = tiling(batch * heads, m, n, causal, torch.finfo(acc).bits // 8, scores=scores, budget=TILE_BYTES)
     for b, h in _matrices(batch, heads, tile.matrices):
         for i in _starts(m, tile.rows):
             rows = slice(i, i + tile.rows)
@@ -132,16 +158,23 @@ def _backward(
                 keys = slice(j, j + tile.keys)
                 kt, vt = k[b, h, keys].to(acc), v[b, h, keys].to(acc)
                 p = torch.matmul(qt, kt.transpose(-1, -2)).mul_(scale)
+                tanh = None
+                if softcap is not None:  # p = exp(c·t - lse) with t = tanh(s / c); keep t for dS
+                    tanh = p.div_(softcap).tanh_()
+                    p = tanh * softcap
                 if causal and j == i:
                     _mask_diagonal_(p)
                 p.sub_(lt).exp_()
                 dv[b, h, keys] += torch.matmul(p.transpose(-1, -2), dot)
                 ds = torch.matmul(dot, vt.transpose(-1, -2)).sub_(delta).mul_(p).mul_(scale)
                 del p
+                if tanh is not None:  # d(c·tanh(s / c))/ds = 1 - t²
+                    ds.mul_(tanh.square_().neg_().add_(1))
+                    del tanh
                 dqt += torch.matmul(ds, kt)
                 dk[b, h, keys] += torch.matmul(ds.transpose(-1, -2), qt)
                 del ds
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-CHUNKED = BlockKernel("torch", _forward, _backward)
+CHUNKED = BlockKernel("torch", _forward, _backward, softcap=True)

@@ -7,7 +7,8 @@ per piece and a ``seq × seq`` matrix never exists. The backward recomputes each
 *final* ``out``/``lse`` (DESIGN.md §2), which is exact also when branches overlap.
 
 Token layout helpers: a tensor in *token layout* is ``[*lead, rows, heads, head_dim]`` (``lead`` is
-batch × segments); the block kernels want ``[N, heads, rows, head_dim]``.
+batch × segments); the block kernels want ``[N, heads, rows, head_dim]``. ``v`` may have a head dim ``Dv`` of
+its own (multi-head latent attention): ``out``, ``dout`` and the output accumulator have ``Dv``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ds_ring.kernels.dilation import (
     SegmentRun,
     add_heads_,
     check_cu_seqlens,
+    check_softcap,
     document_regions,
     head_groups,
     kept_rows,
@@ -77,16 +79,20 @@ def attend_into(
     *,
     causal: bool,
     scale: float | None,
+    softcap: float | None = None,
 ) -> None:
     """Attend ``q`` over ``k``/``v`` and LSE-merge the result into ``out``/``lse`` in place.
 
     Args:
-        q: ``[*lead, m, h, D]``; k, v: ``[*lead, n, h, D]`` (heads already matched to ``q``).
-        out: accumulator view ``[*lead, m, h, D]`` (fp32/fp64); lse: ``[*lead, m, h]``.
+        q: ``[*lead, m, h, D]``; k: ``[*lead, n, h, D]``; v: ``[*lead, n, h, Dv]`` (heads already matched to ``q``).
+        out: accumulator view ``[*lead, m, h, Dv]`` (fp32/fp64); lse: ``[*lead, m, h]``.
         causal: diagonal block (``m == n``, same first position); otherwise unmasked.
+        softcap: scores capped to ``softcap·tanh(s / softcap)`` (``None``: uncapped).
     """
     lead = q.shape[:-3]
-    block_out, block_lse = block_forward(_to_kernel(q), _to_kernel(k), _to_kernel(v), causal=causal, scale=scale)
+    block_out, block_lse = block_forward(
+        _to_kernel(q), _to_kernel(k), _to_kernel(v), causal=causal, scale=scale, softcap=softcap
+    )
     merge_(out, lse, _from_kernel(block_out, lead), _lse_from_kernel(block_lse, lead))
 
 
@@ -100,11 +106,12 @@ def attend_backward(
     *,
     causal: bool,
     scale: float | None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradient share of one piece, in token layout; ``out``/``lse`` are the *final* merged values.
 
-    Shapes as in :func:`attend_into` (``dout`` like ``out``). Returns ``(dq, dk, dv)`` views
-    ``[*lead, m|n, h, D]``.
+    Shapes as in :func:`attend_into` (``dout`` like ``out``). Returns ``(dq, dk, dv)`` views shaped like
+    ``q``, ``k``, ``v`` (``[*lead, m|n, h, D|Dv]``).
     """
     lead = q.shape[:-3]
     dq, dk, dv = block_backward(
@@ -116,14 +123,16 @@ def attend_backward(
         _lse_to_kernel(lse),
         causal=causal,
         scale=scale,
+        softcap=softcap,
     )
     return _from_kernel(dq, lead), _from_kernel(dk, lead), _from_kernel(dv, lead)
 
 
-def new_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero output ``[B, S, H, D]`` and ``-inf`` LSE ``[B, S, H]`` in the accumulation dtype of ``q``."""
+def new_accumulators(q: torch.Tensor, v: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero output ``[B, S, H, Dv]`` (``Dv``: ``v``'s head dim; ``q``'s without ``v``) and ``-inf`` LSE
+    ``[B, S, H]`` in the accumulation dtype of ``q``."""
     acc = accum_dtype(q.dtype)
-    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    out = torch.zeros((*q.shape[:-1], (q if v is None else v).shape[-1]), dtype=acc, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
     return out, lse
 
@@ -160,21 +169,23 @@ def branch_forward_(
     scale: float | None,
     head_offset: int,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Merge one branch of dilated attention over a whole local sequence into ``out``/``lse``.
 
-    ``q [B, S, H, D]``, ``k``/``v`` ``[B, S, Hkv, D]``; the sequence starts at a segment boundary.
-    ``out [B, S, H, D]`` and ``lse [B, S, H]`` are accumulators (see :func:`new_accumulators`).
-    ``window``: a causal sliding window inside each segment (rate-1 branches).
+    ``q [B, S, H, D]``, ``k [B, S, Hkv, D]``, ``v [B, S, Hkv, Dv]``; the sequence starts at a segment boundary.
+    ``out [B, S, H, Dv]`` and ``lse [B, S, H]`` are accumulators (see :func:`new_accumulators`).
+    ``window``: a causal sliding window inside each segment (rate-1 branches). ``softcap``: capped scores.
     """
     for group, (qs, ks, vs, outs, lses) in _branch_pieces(q, k, branch, head_offset, (q, k, v, out, lse)):
         h, kv = group.q_heads, group.kv_heads
         kg, vg = select_heads(ks, kv), select_heads(vs, kv)
         if window is None:
-            attend_into(qs[:, :, :, h], kg, vg, outs[:, :, :, h], lses[:, :, :, h], causal=causal, scale=scale)
+            attend_into(qs[:, :, :, h], kg, vg, outs[:, :, :, h], lses[:, :, :, h], causal=causal, scale=scale,
+                        softcap=softcap)  # fmt: skip
         else:
             attend_band_into(qs[:, :, :, h], kg, vg, outs[:, :, :, h], lses[:, :, :, h], d=0, window=window,
-                             scale=scale)  # fmt: skip
+                             scale=scale, softcap=softcap)  # fmt: skip
 
 
 def branch_backward_(
@@ -193,10 +204,11 @@ def branch_backward_(
     scale: float | None,
     head_offset: int,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
-    """Accumulate one branch's gradients into ``dq [B, S, H, D]``, ``dk``/``dv`` ``[B, S, Hkv, D]``.
+    """Accumulate one branch's gradients into ``dq [B, S, H, D]``, ``dk [B, S, Hkv, D]``, ``dv [B, S, Hkv, Dv]``.
 
-    ``out``/``lse`` are the final merged output ``[B, S, H, D]`` and LSE ``[B, S, H]``.
+    ``out``/``lse`` are the final merged output ``[B, S, H, Dv]`` and LSE ``[B, S, H]``.
     """
     pieces = _branch_pieces(q, k, branch, head_offset, (dout, q, k, v, out, lse, dq, dk, dv))
     for group, (douts, qs, ks, vs, outs, lses, dqs, dks, dvs) in pieces:
@@ -204,9 +216,9 @@ def branch_backward_(
         args = (douts[:, :, :, h], qs[:, :, :, h], select_heads(ks, kv), select_heads(vs, kv), outs[:, :, :, h],
                 lses[:, :, :, h])  # fmt: skip
         if window is None:
-            dq_piece, dk_piece, dv_piece = attend_backward(*args, causal=causal, scale=scale)
+            dq_piece, dk_piece, dv_piece = attend_backward(*args, causal=causal, scale=scale, softcap=softcap)
         else:
-            dq_piece, dk_piece, dv_piece = attend_band_backward(*args, d=0, window=window, scale=scale)
+            dq_piece, dk_piece, dv_piece = attend_band_backward(*args, d=0, window=window, scale=scale, softcap=softcap)
         dqs[:, :, :, h] += dq_piece
         add_heads_(dks, kv, dk_piece)
         add_heads_(dvs, kv, dv_piece)
@@ -224,13 +236,14 @@ def regions_forward_(
     scale: float | None,
     head_offset: int,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Merge each region's branch over its rows of ``q [B, S, H, D]``, ``k``/``v`` into ``out``/``lse``."""
     for region in regions:
         rows = region.rows
         branch_forward_(
             q[:, rows], k[:, rows], v[:, rows], region.branch, out[:, rows], lse[:, rows],
-            causal=causal, scale=scale, head_offset=head_offset, window=window,
+            causal=causal, scale=scale, head_offset=head_offset, window=window, softcap=softcap,
         )  # fmt: skip
 
 
@@ -250,13 +263,14 @@ def regions_backward_(
     scale: float | None,
     head_offset: int,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Accumulate each region's gradients (shapes as in :func:`branch_backward_`)."""
     for region in regions:
         r = region.rows
         branch_backward_(
             dout[:, r], q[:, r], k[:, r], v[:, r], out[:, r], lse[:, r], region.branch, dq[:, r], dk[:, r], dv[:, r],
-            causal=causal, scale=scale, head_offset=head_offset, window=window,
+            causal=causal, scale=scale, head_offset=head_offset, window=window, softcap=softcap,
         )  # fmt: skip
 
 
@@ -289,6 +303,7 @@ def regions_backward(
     scale: float | None,
     head_offset: int,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Every region's gradients, when one region is a single kernel call over the whole tensors (not with a
     ``window``, which makes several).
@@ -302,11 +317,13 @@ def regions_backward(
         return None
     region, run = whole
     views = (_segments(x, 0, run.length, run.count) for x in (dout, q, k, v, out, lse))
-    pieces = attend_backward(*views, causal=causal, scale=scale)
+    pieces = attend_backward(*views, causal=causal, scale=scale, softcap=softcap)
     # The kernel's pieces are contiguous in token layout here, so these are views (a copy otherwise).
     dq, dk, dv = (piece.reshape(x.shape) for piece, x in zip(pieces, (q, k, v), strict=True))
     rest = [other for other in regions if other is not region]
-    regions_backward_(dout, q, k, v, out, lse, rest, dq, dk, dv, causal=causal, scale=scale, head_offset=head_offset)
+    regions_backward_(
+        dout, q, k, v, out, lse, rest, dq, dk, dv, causal=causal, scale=scale, head_offset=head_offset, softcap=softcap
+    )
     return dq, dk, dv
 
 
@@ -315,8 +332,7 @@ class _DilatedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, regions, options: tuple):
-        causal, scale, head_offset, window = options
-        out_acc, lse = new_accumulators(q)
+        out_acc, lse = new_accumulators(q, v)
         regions_forward_(q, k, v, regions, out_acc, lse, **_options(options))
         if sinks is not None:
             add_sinks_(out_acc, lse, sinks)
@@ -342,8 +358,8 @@ class _DilatedAttention(torch.autograd.Function):
 
 
 def _options(options: tuple) -> dict:
-    causal, scale, head_offset, window = options
-    return dict(causal=causal, scale=scale, head_offset=head_offset, window=window)
+    causal, scale, head_offset, window, softcap = options
+    return dict(causal=causal, scale=scale, head_offset=head_offset, window=window, softcap=softcap)
 
 
 def check_window_branches(window: int | None, causal: bool, segment_lengths: Sequence[int] | None) -> None:
@@ -371,12 +387,14 @@ def dilated_attention(
     cu_seqlens: torch.Tensor | Sequence[int] | None = None,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """LongNet dilated attention on one device.
 
     Args:
-        q: ``[batch, seq, heads, head_dim]``; k, v: ``[batch, seq, kv_heads, head_dim]`` with
-            ``heads % kv_heads == 0`` (GQA).
+        q: ``[batch, seq, heads, head_dim]``; k: ``[batch, seq, kv_heads, head_dim]`` with ``heads % kv_heads
+            == 0`` (GQA); v: ``[batch, seq, kv_heads, v_head_dim]`` (``v_head_dim`` may differ from ``head_dim``:
+            multi-head latent attention, DeepSeek V2/V3).
         segment_lengths, dilation_rates: one ``(w, r)`` per branch; a segment longer than ``seq``
             is clamped; the last segment may be shorter. Both ``None``: dense attention.
         causal: mask by original position inside each segment.
@@ -389,17 +407,21 @@ def dilated_attention(
         window: causal sliding window: query ``i`` sees keys ``[i - window + 1, i]`` of its document (dense
             attention, ``causal=True``; flash-attn's ``window_size=(window - 1, 0)``). ``None``: no window.
         sinks: ``[heads]`` attention-sink logits (GPT-OSS): one more key per head with that score and value 0;
-            differentiable. ``None``: no sink.
+            differentiable (not capped by ``softcap``). ``None``: no sink.
+        softcap: attention logit soft-capping (Gemma 2): scores ``s = q·k·scale`` become
+            ``softcap·tanh(s / softcap)`` before the softmax (computed by the tiled pure-torch kernel).
+            ``None``: uncapped.
 
     Returns:
-        ``out [batch, seq, heads, head_dim]`` in the input dtype, and with ``return_lse`` also
+        ``out [batch, seq, heads, v_head_dim]`` in the input dtype, and with ``return_lse`` also
         ``lse [batch, heads, seq]`` (float32; float64 for float64 inputs; ``-inf`` for rows no
         branch covers, whose output is 0; the sinks included). ``lse`` carries no gradient.
     """
     validate_qkv(q, k, v, head_offset)
     check_window_branches(window, causal, segment_lengths)
     check_sinks(sinks, q)
+    softcap = check_softcap(softcap)
     documents = check_cu_seqlens(cu_seqlens, q.shape[1])
     regions = document_regions(q.shape[1], segment_lengths, dilation_rates, documents)
-    out, lse = _DilatedAttention.apply(q, k, v, sinks, regions, (causal, scale, head_offset, window))
+    out, lse = _DilatedAttention.apply(q, k, v, sinks, regions, (causal, scale, head_offset, window, softcap))
     return (out, lse.transpose(1, 2)) if return_lse else out

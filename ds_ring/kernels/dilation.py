@@ -35,6 +35,7 @@ __all__ = [
     "select_heads",
     "add_heads_",
     "validate_qkv",
+    "check_softcap",
 ]
 
 
@@ -221,18 +222,23 @@ def add_heads_(dst: torch.Tensor, heads: slice | torch.Tensor, src: torch.Tensor
 
 
 def validate_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_offset: int) -> None:
-    """Check shapes, dtypes and devices of ``[batch, seq, heads, head_dim]`` inputs; ``ValueError`` if bad."""
+    """Check shapes, dtypes and devices of ``q [batch, seq, heads, head_dim]``, ``k [batch, seq, kv_heads,
+    head_dim]`` and ``v [batch, seq, kv_heads, v_head_dim]`` (``v_head_dim`` may differ: multi-head latent
+    attention); ``ValueError`` naming the argument and the fix if bad."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got shape {tuple(t.shape)}")
         if not t.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in batch, seq and kv_heads ([batch, seq, "
+            f"kv_heads, head_dim] layout; only the last dim, v's head dim, may differ); pass one value per key"
+        )
     if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
         raise ValueError(
-            f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree in batch, seq and head_dim "
-            "([batch, seq, heads, head_dim] layout)"
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, seq and head_dim "
+            "([batch, seq, heads, head_dim] layout; v alone may have a head dim of its own)"
         )
     if q.shape[2] % k.shape[2] != 0:
         raise ValueError(
@@ -244,3 +250,15 @@ def validate_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_offset:
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if not isinstance(head_offset, int) or head_offset < 0:
         raise ValueError(f"head_offset must be an integer >= 0, got {head_offset!r}")
+
+
+def check_softcap(softcap: object) -> float | None:
+    """``softcap`` as a float (``None`` stays ``None``); ``ValueError`` unless it is a finite number > 0."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 < softcap < float("inf"):
+        raise ValueError(
+            f"softcap must be a finite number > 0 (scores s become softcap·tanh(s / softcap); Gemma 2's "
+            f"attn_logit_softcapping is 50.0) or None for uncapped scores, got {softcap!r}"
+        )
+    return float(softcap)

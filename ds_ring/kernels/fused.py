@@ -11,6 +11,12 @@ takes are never read). The CUDA kernels get a head dim zero-padded to a multiple
 no score and give zero output columns, cut off again; the scale is always passed explicitly); the
 memory-efficient kernel's LSE comes back padded to a multiple of 32 rows: it is cut in the forward and
 rebuilt for the backward with ``+inf`` rows, whose probabilities are 0.
+
+A value head dim ``Dv`` other than ``q``/``k``'s ``D`` (multi-head latent attention): ``cpu_flash`` and
+``cuda_flash`` take one head dim, so the smaller side is zero-padded to ``max(D, Dv)`` (zero columns of
+``v`` give zero output columns, cut off; zero columns of ``q``/``k`` change no score; their gradients are
+cut likewise: exact, at the price of the padded copies of the block); ``cuda_efficient`` takes ``Dv``
+as it is (each side padded to its own multiple of 8). No fused kernel caps scores (``softcap``).
 """
 
 from __future__ import annotations
@@ -30,21 +36,45 @@ LSE_ROWS_MULTIPLE = 32
 """The memory-efficient kernel's LSE has its rows padded to a multiple of this."""
 
 
+def _round_up(dim: int, multiple: int) -> int:
+    return -(-dim // multiple) * multiple
+
+
+def _padded(x: Tensor, dim: int | None = None, dtype: torch.dtype | None = None) -> Tensor:
+    """``x`` in ``dtype``, contiguous, its last dim zero-padded to ``dim`` (``None``: the next multiple of
+    :data:`HEAD_DIM_MULTIPLE`)."""
+    x = x if dtype is None else x.to(dtype)
+    pad = (_round_up(x.shape[-1], HEAD_DIM_MULTIPLE) if dim is None else dim) - x.shape[-1]
+    return F.pad(x, (0, pad)) if pad else x.contiguous()
+
+
+def _cut(grads, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` cut back to the head dims of ``q``, ``k``, ``v``."""
+    return tuple(g[..., : x.shape[-1]] for g, x in zip(grads, (q, k, v), strict=True))
+
+
 def _cpu_flash_forward(q, k, v, causal, scale):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    dim = max(q.shape[-1], v.shape[-1])  # the CPU kernel wants one head dim: the smaller side zero-padded
+    if dim == q.shape[-1] == v.shape[-1]:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        _padded(q, dim), _padded(k, dim), _padded(v, dim), 0.0, causal, scale=scale
+    )
+    return out[..., : v.shape[-1]], lse
 
 
 def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.to(accum_dtype(q.dtype)), 0.0, causal, scale=scale
-    )
-
-
-def _padded(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    """``x`` in ``dtype``, contiguous, its last dim zero-padded to a multiple of :data:`HEAD_DIM_MULTIPLE`."""
-    x = x if dtype is None else x.to(dtype)
-    pad = -x.shape[-1] % HEAD_DIM_MULTIPLE
-    return F.pad(x, (0, pad)) if pad else x.contiguous()
+    lse = lse.to(accum_dtype(q.dtype))
+    dim = max(q.shape[-1], v.shape[-1])
+    if dim == q.shape[-1] == v.shape[-1]:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.to(q.dtype), q, k, v, out.to(q.dtype), lse, 0.0, causal, scale=scale
+        )
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        _padded(dout, dim, q.dtype), _padded(q, dim), _padded(k, dim), _padded(v, dim), _padded(out, dim, q.dtype),
+        lse, 0.0, causal, scale=scale,
+    )  # fmt: skip
+    return _cut(grads, q, k, v)
 
 
 def _no_random_state(device: torch.device) -> Tensor:
@@ -52,28 +82,35 @@ def _no_random_state(device: torch.device) -> Tensor:
     return torch.empty((), dtype=torch.int64, device=device)
 
 
+def _flash_dim(q: Tensor, v: Tensor) -> int:
+    """The one head dim FlashAttention-2 sees: ``q``'s and ``v``'s, the larger, rounded up."""
+    return _round_up(max(q.shape[-1], v.shape[-1]), HEAD_DIM_MULTIPLE)
+
+
 def _cuda_flash_forward(q, k, v, causal, scale):
+    dim = _flash_dim(q, v)
     out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
-        _padded(q), _padded(k), _padded(v), 0.0, causal, False, scale=scale
+        _padded(q, dim), _padded(k, dim), _padded(v, dim), 0.0, causal, False, scale=scale
     )
-    return out[..., : q.shape[-1]], lse
+    return out[..., : v.shape[-1]], lse
 
 
 def _cuda_flash_backward(dout, q, k, v, out, lse, causal, scale):
-    none = _no_random_state(q.device)
+    none, dim = _no_random_state(q.device), _flash_dim(q, v)
     # cum_seq_q/k: None (not empty tensors) marks a dense batch rather than a varlen one.
     grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        _padded(dout, q.dtype), _padded(q), _padded(k), _padded(v), _padded(out, q.dtype), lse.float().contiguous(),
-        None, None, q.shape[-2], k.shape[-2], 0.0, causal, none, none, scale=scale,
+        _padded(dout, dim, q.dtype), _padded(q, dim), _padded(k, dim), _padded(v, dim), _padded(out, dim, q.dtype),
+        lse.float().contiguous(), None, None, q.shape[-2], k.shape[-2], 0.0, causal, none, none, scale=scale,
     )  # fmt: skip
-    return tuple(g[..., : q.shape[-1]] for g in grads)
+    return _cut(grads, q, k, v)
 
 
 def _cuda_efficient_forward(q, k, v, causal, scale):
+    # q/k and v each padded to their own multiple of 8: this kernel takes a value head dim of its own.
     out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
         _padded(q), _padded(k), _padded(v), None, True, 0.0, causal, scale=scale
     )
-    return out[..., : q.shape[-1]], lse[..., : q.shape[-2]]
+    return out[..., : v.shape[-1]], lse[..., : q.shape[-2]]
 
 
 def _cuda_efficient_backward(dout, q, k, v, out, lse, causal, scale):
@@ -85,10 +122,10 @@ def _cuda_efficient_backward(dout, q, k, v, out, lse, causal, scale):
     padded_lse[..., :rows] = lse
     none = _no_random_state(q.device)
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        _padded(dout, q.dtype), _padded(q), _padded(k), _padded(v), None, _padded(out, q.dtype), padded_lse,
-        none, none, 0.0, [True, True, True, False], causal, scale=scale,
+        _padded(dout, dtype=q.dtype), _padded(q), _padded(k), _padded(v), None, _padded(out, dtype=q.dtype),
+        padded_lse, none, none, 0.0, [True, True, True, False], causal, scale=scale,
     )  # fmt: skip
-    return tuple(g[..., : q.shape[-1]] for g in (dq, dk, dv))
+    return _cut((dq, dk, dv), q, k, v)
 
 
 CPU_FLASH = BlockKernel("cpu_flash", _cpu_flash_forward, _cpu_flash_backward)

@@ -17,7 +17,7 @@ each query's own key: a ``diagonal`` piece, computed elementwise. Pieces of one 
 stacked into one kernel call. No ``seq × seq`` (or ``seq × w``) matrix is formed: a kernel sees one
 chunk against at most ``w`` keys.
 
-Layout: token layout ``[*lead, rows, heads, D]`` as in :mod:`ds_ring.kernels.dilated`.
+Layout: token layout ``[*lead, rows, heads, D]`` as in :mod:`ds_ring.kernels.dilated` (``v``, ``out``: ``Dv``).
 """
 
 from __future__ import annotations
@@ -147,20 +147,26 @@ def attend_band_into(
     d: int,
     window: int,
     scale: float | None,
+    softcap: float | None = None,
 ) -> None:
-    """Merge windowed attention of ``q [*lead, m, h, D]`` over ``k``/``v`` ``[*lead, n, h, D]`` into ``out``
-    ``[*lead, m, h, D]`` / ``lse [*lead, m, h]`` (accumulators, in place); query positions are ``d`` ahead."""
+    """Merge windowed attention of ``q [*lead, m, h, D]`` over ``k [*lead, n, h, D]``, ``v [*lead, n, h, Dv]``
+    into ``out [*lead, m, h, Dv]`` / ``lse [*lead, m, h]`` (accumulators, in place); query positions are ``d``
+    ahead; ``softcap``: scores capped to ``softcap·tanh(s / softcap)``."""
     for group in _grouped(band_pieces(q.shape[-3], k.shape[-3], d, window)):
         rows, keys = [p.rows for p in group], [p.keys for p in group]
         kind = group[0].kind
         if kind == DIAGONAL:
             qs, ks, vs = (_stack(x, s, False) for x, s in ((q, rows), (k, keys), (v, keys)))
             block_out, block_lse = vs, (qs.to(lse.dtype) * ks.to(lse.dtype)).sum(-1) * _scale(q, scale)
+            if softcap is not None:
+                block_lse = torch.tanh(block_lse / softcap) * softcap
         else:
             flip = kind == ANTI
             qs, ks, vs = (_stack(x, s, flip) for x, s in ((q, rows), (k, keys), (v, keys)))
             lead = qs.shape[:-3]
-            o, s_ = block_forward(_to_kernel(qs), _to_kernel(ks), _to_kernel(vs), causal=kind != FULL, scale=scale)
+            o, s_ = block_forward(
+                _to_kernel(qs), _to_kernel(ks), _to_kernel(vs), causal=kind != FULL, scale=scale, softcap=softcap
+            )
             block_out, block_lse = _from_kernel(o, lead), s_.view(*lead, *s_.shape[1:]).transpose(-1, -2)
             if flip:
                 block_out, block_lse = block_out.flip(-3), block_lse.flip(-2)
@@ -179,6 +185,7 @@ def attend_band_backward(
     d: int,
     window: int,
     scale: float | None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`attend_band_into` given the *final* merged ``out``/``lse``: ``(dq, dk, dv)`` shaped
     like ``q``, ``k``, ``v``, in the accumulation dtype (zeros where no piece reaches)."""
@@ -193,7 +200,7 @@ def attend_band_backward(
         dos, qs, os_ = (_stack(x, rows, flip) for x in (dout, q, out))
         ls = _stack_lse(lse, rows, flip)
         ks, vs = (_stack(x, keys, flip) for x in (k, v))
-        gq, gk, gv = _piece_backward(kind, dos, qs, ks, vs, os_, ls, scale)
+        gq, gk, gv = _piece_backward(kind, dos, qs, ks, vs, os_, ls, scale, softcap)
         if flip:
             gq, gk, gv = gq.flip(-3), gk.flip(-3), gv.flip(-3)
         for i, (r, s) in enumerate(zip(rows, keys, strict=True)):
@@ -212,18 +219,24 @@ def _piece_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     scale: float | None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One stacked group's ``(dq, dk, dv)`` in token layout (flash-style, with the final ``out``/``lse``)."""
     if kind == DIAGONAL:  # one key per row: p = exp(s - lse), dv = p·dout, ds = p·(dout·v - D)
         acc = accum_dtype(q.dtype)
         q, k, v, dout, out = (x.to(acc) for x in (q, k, v, dout, out))
         factor = _scale(q, scale)
-        p = torch.exp((q * k).sum(-1) * factor - lse.to(acc))
+        s = (q * k).sum(-1) * factor
+        if softcap is not None:  # s capped to c·tanh(s / c); dS scaled by 1 - tanh²
+            t = torch.tanh(s / softcap)
+            s, factor = t * softcap, (1 - t * t) * factor
+        p = torch.exp(s - lse.to(acc))
         ds = p * ((dout * v).sum(-1) - (dout * out).sum(-1)) * factor
         return ds.unsqueeze(-1) * k, ds.unsqueeze(-1) * q, p.unsqueeze(-1) * dout
     lead = q.shape[:-3]
     grads = block_backward(
         _to_kernel(dout), _to_kernel(q), _to_kernel(k), _to_kernel(v), _to_kernel(out),
         lse.transpose(-1, -2).reshape(-1, lse.shape[-1], lse.shape[-2]), causal=kind != FULL, scale=scale,
+        softcap=softcap,
     )  # fmt: skip
     return tuple(_from_kernel(g, lead) for g in grads)

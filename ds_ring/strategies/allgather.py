@@ -33,7 +33,7 @@ __all__ = ["AllGatherExchange"]
 
 
 def _gather_blocks(span: SpanPlan, shard: Shard, comm: CommSpec) -> list[torch.Tensor]:
-    numels = [span.block_numel(i, shard.batch, shard.head_dim) for i in range(len(span.members))]
+    numels = [span.block_numel(i, shard.batch, *shard.dims) for i in range(len(span.members))]
     ranks = global_ranks(comm.group, span.members)
     return all_gather(
         pack_block(span, shard.k, shard.v), ranks, group=comm.group, numels=numels, op="allgather_kv",
@@ -47,7 +47,7 @@ def _visiting(
     """``(member, its block's K/V views)`` for every other member whose block this rank's queries meet."""
     for src, block in enumerate(blocks):
         if src != span.index and block_has_work(span, src, opts):
-            yield src, unpack_block(span, src, block, shard.batch, shard.head_dim)
+            yield src, unpack_block(span, src, block, shard.batch, shard.dims)
 
 
 class AllGatherExchange(Exchange):
@@ -70,7 +70,7 @@ class AllGatherExchange(Exchange):
         blocks = _gather_blocks(span, shard, comm)
         grads = [new_grad_block(span, i, shard) for i in range(len(blocks))]
         for src, kv in _visiting(span, blocks, shard, opts):
-            dkv = unpack_block(span, src, grads[src], shard.batch, shard.head_dim)
+            dkv = unpack_block(span, src, grads[src], shard.batch, shard.dims)
             backward_block_(span, src, kv, dkv, shard, dout, dq, opts)
         ranks = global_ranks(comm.group, span.members)
         return reduce_scatter(grads, ranks, group=comm.group, op="allgather_dkv", timeout_s=comm.timeout_s)

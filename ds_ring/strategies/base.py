@@ -41,13 +41,14 @@ __all__ = [
 Bound = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]
 ]
-"""A prepared call: ``(q, k, v, sinks) -> (out [B, L, H, D], lse [B, L, H])`` for tensors of its key (``lse``
+"""A prepared call: ``(q, k, v, sinks) -> (out [B, L, H, Dv], lse [B, L, H])`` for tensors of its key (``lse``
 may be ``None`` when the call does not return it and the strategy would have to move it)."""
 
 
 @dataclass(frozen=True)
 class Shape:
-    """This rank's shard: ``q [batch, rows, heads, head_dim]``, ``k``/``v`` ``[batch, rows, kv_heads, head_dim]``."""
+    """This rank's shard: ``q [batch, rows, heads, head_dim]``, ``k [batch, rows, kv_heads, head_dim]`` (``v``'s
+    head dim may differ; no plan depends on it)."""
 
     batch: int
     rows: int
@@ -128,6 +129,9 @@ class AttentionCall:
     sinks: torch.Tensor | None = None
     """``[heads]`` attention-sink logits of this rank's query heads (GPT-OSS): one more key per head with that
     score and value 0, differentiable; ``None``: no sink."""
+    softcap: float | None = None
+    """Attention logit soft-cap (Gemma 2): scores ``s`` become ``softcap·tanh(s / softcap)`` before the softmax;
+    ``None``: uncapped."""
 
 
 class Strategy(ABC):

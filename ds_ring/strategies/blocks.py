@@ -2,7 +2,8 @@
 
 A member's *block* for a spanning branch is the kept (dilated) K/V rows of its runs that another
 member attends to, for every head group, with only the K/V heads that group needs (GQA heads travel
-as they are), packed K-then-V into one contiguous 1-D buffer so a single send moves it. Sizes differ
+as they are), packed K-then-V into one contiguous 1-D buffer so a single send moves it (V rows may be
+shorter or longer than K rows: multi-head latent attention; the V part starts after the K part). Sizes differ
 between members (dilation offsets, documents); every member computes every other's size from the
 plan, so nothing is padded. A rank's own runs meet each other straight from its ``k``/``v``
 (:func:`forward_own_`), never through its block.
@@ -55,9 +56,9 @@ KV = tuple[torch.Tensor, torch.Tensor]
 class Shard:
     """This rank's tensors of one attention call, as an exchange and the block helpers see them.
 
-    ``q``, ``out`` ``[B, L, H, D]``; ``k``, ``v`` ``[B, L, Hkv, D]``; ``lse`` ``[B, L, H]`` (float32, or
-    float64 for float64 inputs). In the forward ``out``/``lse`` are the accumulators merged into in
-    place; in the backward they are the saved results.
+    ``q`` ``[B, L, H, D]``, ``out`` ``[B, L, H, Dv]``; ``k`` ``[B, L, Hkv, D]``, ``v`` ``[B, L, Hkv, Dv]``;
+    ``lse`` ``[B, L, H]`` (float32, or float64 for float64 inputs). In the forward ``out``/``lse`` are the
+    accumulators merged into in place; in the backward they are the saved results.
     """
 
     q: torch.Tensor
@@ -74,6 +75,15 @@ class Shard:
     def head_dim(self) -> int:
         return self.q.shape[-1]
 
+    @property
+    def v_head_dim(self) -> int:
+        return self.v.shape[-1]
+
+    @property
+    def dims(self) -> tuple[int, int]:
+        """``(head_dim, v_head_dim)``: the K and V row lengths of a packed block."""
+        return self.q.shape[-1], self.v.shape[-1]
+
     def heads(self, q_heads: slice, kv_heads: slice) -> Shard:
         """Views of query heads ``q_heads`` (``q``, ``out``, ``lse``) and K/V heads ``kv_heads``."""
         return Shard(
@@ -85,12 +95,14 @@ class Shard:
 @dataclass(frozen=True)
 class Options:
     """How the call computes: causal mask by global position, softmax scale (``None``: ``1/sqrt(D)``),
-    global index of local head 0, causal sliding window (``None``: none; dense attention)."""
+    global index of local head 0, causal sliding window (``None``: none; dense attention), logit soft-cap
+    (``None``: uncapped scores)."""
 
     causal: bool
     scale: float | None
     head_offset: int
     window: int | None = None
+    softcap: float | None = None
 
 
 CHUNK_BYTES = 2 * 2**20
@@ -111,7 +123,7 @@ def head_chunks(span: SpanPlan, shard: Shard) -> list[tuple[SpanPlan, slice, sli
     whole = [(span, slice(None), slice(None))]
     if len(span.groups) != 1 or span.groups[0].rate != 1 or kv_heads == 1:
         return whole
-    largest = max(span.block_numel(m, shard.batch, shard.head_dim) for m in range(len(span.members)))
+    largest = max(span.block_numel(m, shard.batch, *shard.dims) for m in range(len(span.members)))
     if largest * k.element_size() // kv_heads < CHUNK_BYTES:
         return whole
     per_kv = heads // kv_heads
@@ -131,8 +143,10 @@ class BlockBuffers:
     buffer: receive buffers are allocated once per call, never per step.
     """
 
-    def __init__(self, span: SpanPlan, batch: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        self._numel = max(span.block_numel(m, batch, head_dim) for m in range(len(span.members)))
+    def __init__(
+        self, span: SpanPlan, batch: int, dims: tuple[int, int], dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self._numel = max(span.block_numel(m, batch, *dims) for m in range(len(span.members)))
         self._dtype, self._device = dtype, device
         self._buffers: dict[int, torch.Tensor] = {}
 
@@ -144,15 +158,15 @@ class BlockBuffers:
 
 
 def pack_block(span: SpanPlan, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """This member's block: kept rows and travelling heads of ``k``/``v`` ``[B, L, Hkv, D]``, flat.
+    """This member's block: kept rows and travelling heads of ``k [B, L, Hkv, D]`` and ``v [B, L, Hkv, Dv]``, flat.
 
-    Per head group the runs are laid side by side along the rows (``[B, count, heads, D]``). Written
+    Per head group the runs are laid side by side along the rows (``[B, count, heads, D|Dv]``). Written
     into ``out`` (1-D, ``block_numel`` elements) when given, else into a new tensor.
     """
-    batch, head_dim = k.shape[0], k.shape[-1]
+    batch, dims = k.shape[0], (k.shape[-1], v.shape[-1])
     if out is None:
-        out = k.new_empty(span.block_numel(span.index, batch, head_dim))
-    blocks = unpack_block(span, span.index, out, batch, head_dim)
+        out = k.new_empty(span.block_numel(span.index, batch, *dims))
+    blocks = unpack_block(span, span.index, out, batch, dims)
     for held, travel, kv in zip(span.held[span.index], span.travel, blocks, strict=True):
         for x, packed in zip((k, v), kv, strict=True):
             for run in held.runs:
@@ -160,16 +174,16 @@ def pack_block(span: SpanPlan, k: torch.Tensor, v: torch.Tensor, out: torch.Tens
     return out
 
 
-def unpack_block(span: SpanPlan, member: int, flat: torch.Tensor, batch: int, head_dim: int) -> list[KV]:
-    """Views ``(k_g, v_g)`` ``[B, rows, travelled heads, D]`` per head group into member's flat block."""
-    shapes = [
-        (batch, held.count, travel.num_heads, head_dim)
-        for held, travel in zip(span.held[member], span.travel, strict=True)
-    ]
-    sizes = [b * m * h * d for b, m, h, d in shapes]
-    parts = flat.split(sizes + sizes)
-    n = len(shapes)
-    return [(parts[g].view(shapes[g]), parts[n + g].view(shapes[g])) for g in range(n)]
+def unpack_block(span: SpanPlan, member: int, flat: torch.Tensor, batch: int, dims: tuple[int, int]) -> list[KV]:
+    """Views ``(k_g [B, rows, travelled heads, D], v_g [B, rows, travelled heads, Dv])`` per head group into
+    member's flat block; ``dims``: ``(D, Dv)``."""
+    held = list(zip(span.held[member], span.travel, strict=True))
+    shapes = [[(batch, h.count, travel.num_heads, dim) for h, travel in held] for dim in dims]
+    flat_shapes = shapes[0] + shapes[1]
+    parts = flat.split([b * m * h * d for b, m, h, d in flat_shapes])
+    views = [part.view(shape) for part, shape in zip(parts, flat_shapes, strict=True)]
+    n = len(shapes[0])
+    return [(views[g], views[n + g]) for g in range(n)]
 
 
 def _whole_piece(span: SpanPlan, member: int, causal: bool) -> Run | None:
@@ -193,28 +207,30 @@ def block_grad(
     """This rank's gradient of member's block, as its flat (dK, dV) halves in the accumulation dtype.
 
     Accumulates into ``dq [B, L, H, D]``. When one kernel call meets the whole block (dense
-    attention) its dK/dV are returned as they are: no zero block, no copy.
+    attention) its dK/dV are returned as they are: no zero block, no copy. The dK half has
+    :meth:`~ds_ring.strategies.plan.SpanPlan.k_numel` elements, the dV half the rest.
     """
     q, out, lse = shard.q, shard.out, shard.lse
     run = _whole_piece(span, member, opts.causal) if opts.window is None else None
     if run is not None and kv[0][0].dtype == accum_dtype(q.dtype):
         (kb, vb), qs, h = kv[0], run.rows, span.groups[0].q_heads
         dq_piece, dk_piece, dv_piece = attend_backward(
-            dout[:, qs, h], q[:, qs, h], kb, vb, out[:, qs, h], lse[:, qs, h], causal=False, scale=opts.scale
-        )
+            dout[:, qs, h], q[:, qs, h], kb, vb, out[:, qs, h], lse[:, qs, h], causal=False, scale=opts.scale,
+            softcap=opts.softcap,
+        )  # fmt: skip
         dq[:, qs, h] += dq_piece
         return dk_piece.reshape(-1), dv_piece.reshape(-1)
     grad = new_grad_block(span, member, shard)
     if block_has_work(span, member, opts):
-        dkv = unpack_block(span, member, grad, shard.batch, shard.head_dim)
+        dkv = unpack_block(span, member, grad, shard.batch, shard.dims)
         backward_block_(span, member, kv, dkv, shard, dout, dq, opts)
-    half = grad.numel() // 2
+    half = span.k_numel(member, shard.batch, shard.head_dim)
     return grad[:half], grad[half:]
 
 
 def new_grad_block(span: SpanPlan, member: int, shard: Shard) -> torch.Tensor:
     """A zero gradient block for member's K/V, flat, in the accumulation dtype of ``shard.q``."""
-    numel = span.block_numel(member, shard.batch, shard.head_dim)
+    numel = span.block_numel(member, shard.batch, *shard.dims)
     return torch.zeros(numel, dtype=accum_dtype(shard.q.dtype), device=shard.q.device)
 
 
@@ -256,9 +272,12 @@ def _attend(
     """One piece merged into ``out``/``lse``: the band of the window between the runs' positions, or a plain
     block (causal when it is a run meeting itself)."""
     if opts.window is None:
-        attend_into(q, k, v, out, lse, causal=diagonal, scale=opts.scale)
+        attend_into(q, k, v, out, lse, causal=diagonal, scale=opts.scale, softcap=opts.softcap)
     else:
-        attend_band_into(q, k, v, out, lse, d=query.position - key.position, window=opts.window, scale=opts.scale)
+        attend_band_into(
+            q, k, v, out, lse, d=query.position - key.position, window=opts.window, scale=opts.scale,
+            softcap=opts.softcap,
+        )  # fmt: skip
 
 
 def _attend_backward(
@@ -275,9 +294,11 @@ def _attend_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of :func:`_attend`'s piece, with the final ``out``/``lse``."""
     if opts.window is None:
-        return attend_backward(dout, q, k, v, out, lse, causal=diagonal, scale=opts.scale)
+        return attend_backward(dout, q, k, v, out, lse, causal=diagonal, scale=opts.scale, softcap=opts.softcap)
     d = query.position - key.position
-    return attend_band_backward(dout, q, k, v, out, lse, d=d, window=opts.window, scale=opts.scale)
+    return attend_band_backward(
+        dout, q, k, v, out, lse, d=d, window=opts.window, scale=opts.scale, softcap=opts.softcap
+    )
 
 
 def forward_block_(span: SpanPlan, member: int, kv: list[KV], shard: Shard, opts: Options) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ds_ring.kernels.dilated import check_window_branches
-from ds_ring.kernels.dilation import make_branches
+from ds_ring.kernels.dilation import check_softcap, make_branches
 from ds_ring.strategies.base import AttentionCall, Bound, Degrees, Placement, Shape, Strategy
 from ds_ring.strategies.blocks import Options
 from ds_ring.strategies.plan import plan_shards
@@ -41,6 +41,7 @@ class Hybrid(Strategy):
         get_exchange(call.communication)
         make_branches(2**62 if shape is None else shape.rows, call.segment_lengths, call.dilation_rates)
         check_window_branches(call.window, call.causal, call.segment_lengths)
+        check_softcap(call.softcap)
         if shape is None or degrees is None:
             return
         split_heads(shape.heads, shape.kv_heads, degrees.ulysses)  # heads % ulysses
@@ -88,7 +89,7 @@ class Hybrid(Strategy):
                 device=device, causal=call.causal, documents=documents, window=call.window,
             )  # fmt: skip
             exchange, comm = get_exchange(call.communication), CommSpec(placement.ring, timeout_s)
-            options = Options(call.causal, call.scale, offset, call.window)
+            options = Options(call.causal, call.scale, offset, call.window, call.softcap)
 
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None):
                 return sharded_attention(q, k, v, plan, exchange, comm, options, sinks)

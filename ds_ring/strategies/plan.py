@@ -102,10 +102,16 @@ class SpanPlan:
     queries: tuple[Held, ...]
     hops: int
 
-    def block_numel(self, member: int, batch: int, head_dim: int) -> int:
-        """Elements of member's packed K/V block (K then V, every head group)."""
+    def block_numel(self, member: int, batch: int, head_dim: int, v_head_dim: int | None = None) -> int:
+        """Elements of member's packed K/V block (K then V, every head group); K rows have ``head_dim``
+        elements, V rows ``v_head_dim`` (``None``: ``head_dim``)."""
         rows_heads = sum(h.count * t.num_heads for h, t in zip(self.held[member], self.travel, strict=True))
-        return 2 * batch * rows_heads * head_dim
+        return batch * rows_heads * (head_dim + (head_dim if v_head_dim is None else v_head_dim))
+
+    def k_numel(self, member: int, batch: int, head_dim: int) -> int:
+        """Elements of the K part of member's packed block (the V part follows it)."""
+        rows_heads = sum(h.count * t.num_heads for h, t in zip(self.held[member], self.travel, strict=True))
+        return batch * rows_heads * head_dim
 
 
 @dataclass(frozen=True)

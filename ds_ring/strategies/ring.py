@@ -52,20 +52,22 @@ def _ring_comm(span: SpanPlan, comm: CommSpec, op: str, shift: int = 1) -> RingC
     )
 
 
-def _halves(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The dK and dV halves of a flat block gradient."""
-    half = flat.numel() // 2
-    return flat[:half], flat[half:]
+def _halves(flat: torch.Tensor, k_numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dK and dV parts of a flat block gradient whose dK part has ``k_numel`` elements."""
+    return flat[:k_numel], flat[k_numel:]
 
 
 def _add_halves_(grad: tuple[torch.Tensor, torch.Tensor], flat: torch.Tensor) -> None:
-    for mine, theirs in zip(grad, _halves(flat), strict=True):
+    for mine, theirs in zip(grad, _halves(flat, grad[0].numel()), strict=True):
         mine.add_(theirs)
 
 
-def _send_halves(ring: RingComm, grad: tuple[torch.Tensor, torch.Tensor], into: torch.Tensor, step: int) -> None:
-    """Post a block gradient's dK and dV halves to the ring, receiving a flat one into ``into``."""
-    for part, buffer in zip(grad, _halves(into), strict=True):
+def _send_halves(
+    ring: RingComm, grad: tuple[torch.Tensor, torch.Tensor], into: torch.Tensor, k_numel: int, step: int
+) -> None:
+    """Post a block gradient's dK and dV parts to the ring, receiving a flat one (its dK part ``k_numel``
+    elements) into ``into``."""
+    for part, buffer in zip(grad, _halves(into, k_numel), strict=True):
         ring.send_recv(part, buffer)
     ring.commit(step)
 
@@ -76,22 +78,22 @@ class _KVTurn:
     The block held at step ``s`` is the one of the member ``s`` places behind."""
 
     def __init__(self, span: SpanPlan, shard: Shard, comm: CommSpec) -> None:
-        self._span, self._batch, self._head_dim = span, shard.batch, shard.head_dim
+        self._span, self._batch, self._dims = span, shard.batch, shard.dims
         self._ring = _ring_comm(span, comm, "ring_kv")
-        self._buffers = BlockBuffers(span, shard.batch, shard.head_dim, shard.k.dtype, shard.k.device)
-        own = self._buffers.view(0, span.block_numel(span.index, shard.batch, shard.head_dim))
+        self._buffers = BlockBuffers(span, shard.batch, shard.dims, shard.k.dtype, shard.k.device)
+        own = self._buffers.view(0, span.block_numel(span.index, shard.batch, *shard.dims))
         self._block = pack_block(span, shard.k, shard.v, own)
         self._incoming = self._block
 
     def kv(self, member: int) -> list[KV]:
         """Views ``(k_g, v_g)`` per head group into the block held, which is ``member``'s."""
-        return unpack_block(self._span, member, self._block, self._batch, self._head_dim)
+        return unpack_block(self._span, member, self._block, self._batch, self._dims)
 
     def post(self, step: int) -> None:
         """Post the block held at ``step`` to the next member and the receive of step ``step + 1``'s
         into the other buffer."""
         src = (self._span.index - step - 1) % len(self._span.members)
-        numel = self._span.block_numel(src, self._batch, self._head_dim)
+        numel = self._span.block_numel(src, self._batch, *self._dims)
         self._incoming = self._ring.send_recv(self._block, self._buffers.view((step + 1) % 2, numel))
         self._ring.commit(step)
 
@@ -137,11 +139,11 @@ class RingExchange(Exchange):
         n, me, hops = len(span.members), span.index, span.hops
         if not hops:
             return None
-        batch, head_dim = shard.batch, shard.head_dim
+        batch, dims = shard.batch, shard.dims
         blocks = _KVTurn(span, shard, comm)
         forward = _ring_comm(span, comm, "ring_dkv")
         home = forward if hops == n - 1 else _ring_comm(span, comm, "ring_dkv", shift=-hops)
-        received = BlockBuffers(span, batch, head_dim, accum_dtype(shard.q.dtype), shard.q.device)
+        received = BlockBuffers(span, batch, dims, accum_dtype(shard.q.dtype), shard.q.device)
         travelling = None
         blocks.post(0)
         blocks.arrive()
@@ -157,8 +159,9 @@ class RingExchange(Exchange):
             if step < hops:
                 blocks.arrive()
             last = step == hops
-            travelling = received.view(0, span.block_numel(me if last else (src - 1) % n, batch, head_dim))
-            _send_halves(home if last else forward, grad, travelling, step)
+            to = me if last else (src - 1) % n
+            travelling = received.view(0, span.block_numel(to, batch, *dims))
+            _send_halves(home if last else forward, grad, travelling, span.k_numel(to, batch, dims[0]), step)
             del grad
         home.wait()  # the last transfer: my block's gradient, home
         return travelling

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ds_ring.kernels.dilated import check_window_branches
-from ds_ring.kernels.dilation import make_branches
+from ds_ring.kernels.dilation import check_softcap, make_branches
 from ds_ring.strategies.base import AttentionCall, Bound, Degrees, Placement, Shape, Strategy
 from ds_ring.strategies.blocks import Options
 from ds_ring.strategies.plan import plan_shards
@@ -43,6 +43,7 @@ class SequenceShards(Strategy):
         get_exchange(call.communication)
         make_branches(2**62 if shape is None else shape.rows, call.segment_lengths, call.dilation_rates)
         check_window_branches(call.window, call.causal, call.segment_lengths)
+        check_softcap(call.softcap)
         if shape is not None and degrees is not None:
             plan_shards(
                 shape.rows, shape.heads, shape.kv_heads, 0, degrees.sequence, _tuple(call.segment_lengths),
@@ -69,5 +70,5 @@ class SequenceShards(Strategy):
             causal=call.causal, documents=documents, window=call.window,
         )  # fmt: skip
         exchange, comm = get_exchange(call.communication), CommSpec(placement.sequence, call.timeout_s)
-        options = Options(call.causal, call.scale, call.head_offset, call.window)
+        options = Options(call.causal, call.scale, call.head_offset, call.window, call.softcap)
         return lambda q, k, v, sinks: sharded_attention(q, k, v, plan, exchange, comm, options, sinks)

@@ -124,7 +124,7 @@ class Exchange(ABC):
         dk, dv = kv_grads()
         backward_own_(span, shard, dout, dq, dk, dv, opts)
         if home is not None:
-            add_home_grads_(span, unpack_block(span, span.index, home, shard.batch, shard.head_dim), dk, dv)
+            add_home_grads_(span, unpack_block(span, span.index, home, shard.batch, shard.dims), dk, dv)
 
 
 _REGISTRY: Registry[Exchange] = Registry("communication")
@@ -159,12 +159,12 @@ class _ShardedAttention(torch.autograd.Function):
         started = time.perf_counter()
         if hooks_active("start"):
             _attention_event(exchange, "forward", "start")
-        out, lse = new_accumulators(q)
+        out, lse = new_accumulators(q, v)
 
         def local_regions() -> None:
             regions_forward_(
                 q, k, v, plan.local, out, lse, causal=opts.causal, scale=opts.scale, head_offset=opts.head_offset,
-                window=opts.window,
+                window=opts.window, softcap=opts.softcap,
             )  # fmt: skip
 
         overlap: Callable[[], None] | None = local_regions
@@ -199,7 +199,9 @@ class _ShardedAttention(torch.autograd.Function):
         if hooks_active("start"):
             _attention_event(exchange, "backward", "start")
         dout = dout.to(q.dtype)
-        options = dict(causal=opts.causal, scale=opts.scale, head_offset=opts.head_offset, window=opts.window)
+        options = dict(
+            causal=opts.causal, scale=opts.scale, head_offset=opts.head_offset, window=opts.window, softcap=opts.softcap
+        )
         # Shard-local work first when one kernel call covers the shard: its dQ/dK/dV become the gradients.
         local = regions_backward(dout, q, k, v, out, lse, plan.local, **options)
         if local is None:
@@ -230,6 +232,6 @@ def sharded_attention(
     opts: Options,
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable attention of local shards ``[B, L, H, D]`` (with ``sinks [H]``: one sink logit per head,
-    differentiable); returns ``(out, lse [B, L, H])``."""
+    """Differentiable attention of local shards ``q [B, L, H, D]``, ``k [B, L, Hkv, D]``, ``v [B, L, Hkv, Dv]``
+    (with ``sinks [H]``: one sink logit per head, differentiable); returns ``(out [B, L, H, Dv], lse [B, L, H])``."""
     return _ShardedAttention.apply(q, k, v, sinks, plan, exchange, comm, opts)

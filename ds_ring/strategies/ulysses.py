@@ -31,7 +31,7 @@ from ds_ring.comm.collectives import all_to_all
 from ds_ring.comm.groups import group_rank
 from ds_ring.hooks import emit_attention, hooks_active
 from ds_ring.kernels.dilated import check_window_branches, dilated_attention
-from ds_ring.kernels.dilation import make_branches
+from ds_ring.kernels.dilation import check_softcap, make_branches
 from ds_ring.strategies.base import AttentionCall, Bound, Degrees, Placement, Shape, Strategy
 from ds_ring.strategies.plan import LAYOUTS
 
@@ -157,16 +157,18 @@ def to_heads(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sequence shards → head shards, in one all-to-all (differentiable).
 
-    ``q [B, L, H, D]``, ``k``/``v`` ``[B, L, Hkv, D]`` → ``q [B, p·L, H/p, D]``, ``k``/``v``
-    ``[B, p·L, split.kv_heads, D]``, rows in true sequence order.
+    ``q [B, L, H, D]``, ``k [B, L, Hkv, D]``, ``v [B, L, Hkv, Dv]`` → ``q [B, p·L, H/p, D]``, ``k``
+    ``[B, p·L, split.kv_heads, D]``, ``v [B, p·L, split.kv_heads, Dv]``, rows in true sequence order. Each
+    destination's heads travel flattened with their head dims (``[h·D]``), so ``v``'s heads keep ``Dv``.
     """
     if split.kv_index is not None:
         k, v = k.index_select(2, split.kv_index), v.index_select(2, split.kv_index)
-    packed = torch.cat([_by_destination(x, split.degree) for x in (q, k, v)], dim=3)
+    heads = (split.heads, split.kv_heads, split.kv_heads)
+    packed = torch.cat([_by_destination(x, split.degree).flatten(3) for x in (q, k, v)], dim=3)
     received = _exchange(packed, group, "ulysses_qkv", timeout_s)
-    parts = received.split([split.heads, split.kv_heads, split.kv_heads], dim=3)
+    parts = received.split([h * x.shape[-1] for h, x in zip(heads, (q, k, v), strict=True)], dim=3)
     zigzag = layout == "zigzag"
-    return tuple(_to_rows(x, zigzag) for x in parts)
+    return tuple(_to_rows(x.unflatten(3, (h, -1)), zigzag) for x, h in zip(parts, heads, strict=True))
 
 
 def to_sequence(
@@ -201,6 +203,7 @@ def attend_local_heads(
     out, lse = dilated_attention(
         q, k, v, call.segment_lengths, call.dilation_rates, causal=call.causal, scale=call.scale,
         head_offset=head_offset, return_lse=True, cu_seqlens=documents, window=call.window, sinks=sinks,
+        softcap=call.softcap,
     )  # fmt: skip
     if hooks_active():
         emit_attention(strategy, "forward", "end", rank, started, out=out, lse=lse)
@@ -224,6 +227,7 @@ class Ulysses(Strategy):
             )
         make_branches(2**62 if shape is None else shape.rows, call.segment_lengths, call.dilation_rates)
         check_window_branches(call.window, call.causal, call.segment_lengths)
+        check_softcap(call.softcap)
         if shape is None or degrees is None:
             return
         if shape.heads % degrees.sequence:
