@@ -133,6 +133,7 @@ class SequenceParallelAttention:
             causal=self.section.causal, scale=scaling, topology=self.topology, strategy=self.section.strategy,
             communication=self.section.communication, layout=self.section.layout,
             cu_seqlens=bounds if len(bounds) > 2 else None, window=window, sinks=kwargs.get("s_aux"),
+            softcap=softcap,
         )  # fmt: skip
         return out, None
 
@@ -145,11 +146,6 @@ class SequenceParallelAttention:
                 f"{type(module).__name__} is given a mask with {spec.unsupported}, which ds_ring's attention does "
                 f"not compute (it computes causal or bidirectional attention, a causal sliding window and packed "
                 f"documents); train this model without sequence parallelism"
-            )
-        if softcap is not None:
-            raise ValueError(
-                f"{name}.attn_logit_softcapping = {softcap}: ds_ring does not cap attention logits; set "
-                f"attn_logit_softcapping=None"
             )
         if dropout:
             raise ValueError(

@@ -313,20 +313,15 @@ def _text_config(config: Any) -> Any:
 def check_model_config(config: Any, section: RingAttentionConfig, world_size: int) -> None:
     """Refuse a model whose attention ds_ring cannot compute exactly, from its (text) config alone.
 
-    Sliding-window layers and attention sinks are computed (each layer's ``sliding_window`` and ``s_aux``).
+    Sliding-window layers, attention sinks and logit soft-capping are computed (each layer's ``sliding_window``,
+    ``s_aux`` and ``softcap``).
 
     Raises:
-        ValueError: logit soft-capping, or heads that the section's strategy cannot split over
-            ``world_size`` ranks — naming the config field and the fix.
+        ValueError: heads that the section's strategy cannot split over ``world_size`` ranks — naming the config
+            field and the fix.
     """
     config = _text_config(config)
     name = type(config).__name__
-    softcap = getattr(config, "attn_logit_softcapping", None)
-    if softcap is not None:
-        raise ValueError(
-            f"{name}.attn_logit_softcapping = {softcap}: ds_ring's kernels do not cap attention logits; set "
-            f"attn_logit_softcapping=None"
-        )
     heads = getattr(config, "num_attention_heads", None)
     if heads is None:  # no attention heads to split (the model's sequence mixers were checked on their own)
         return
