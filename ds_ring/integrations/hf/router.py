@@ -57,9 +57,14 @@ def router_aux_loss(
     return share + (whole - share).detach()
 
 
-def add_router_aux_loss(loss: torch.Tensor, outputs: Any, model: Any, topology: Topology, gradient_scale: float = 1):
+def add_router_aux_loss(loss: torch.Tensor, outputs: Any, model: Any, topology: Topology) -> torch.Tensor:
     """``loss`` plus the model's ``router_aux_loss_coef × router_aux_loss`` when it returned router logits (what
-    transformers adds to a whole model's loss when labels are given); ``loss`` unchanged otherwise."""
+    transformers adds to a whole model's loss when labels are given); ``loss`` unchanged otherwise. The gradient
+    scale is the registration's, as :func:`~ds_ring.integrations.hf.loss.causal_lm_loss` takes it."""
+    from ds_ring.integrations.hf.registration import registration_for  # registration imports the attention
+
+    registration = registration_for(topology)
+    gradient_scale = 1 if registration is None else registration.gradient_scale
     router_logits = outputs.get("router_logits") if hasattr(outputs, "get") else None
     config = getattr(model, "config", None)
     if not router_logits or config is None or not getattr(config, "output_router_logits", False):

@@ -44,6 +44,7 @@ from ds_ring.integrations.hf.registration import (
     register_with_transformers,
     unregister_from_transformers,
 )
+from ds_ring.integrations.hf.router import add_router_aux_loss
 from ds_ring.sharding import gather_sequence
 from ds_ring.topology import Topology
 
@@ -144,6 +145,7 @@ class SequenceParallelTrainer(_trainer_base()):  # type: ignore[misc]
         loss = outputs.get("loss")
         if loss is None:
             loss = causal_lm_loss(outputs.logits, inputs["shift_labels"], self.topology)
+            loss = add_router_aux_loss(loss, outputs, self.model, self.topology)
         return (loss, outputs) if return_outputs else loss
 
     # --- evaluation -----------------------------------------------------------------------------------
