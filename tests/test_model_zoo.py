@@ -21,7 +21,7 @@ from tests.zoo import STRATEGIES, build_failures, families, run_zoo
 
 REASONS = {
     "sequence mixer": r"mixes information along the sequence other than through attention",
-    "own attention code": r"ran without calling ds_ring's attention",
+    "own attention code": r"computes attention in its own code",
     "chunked mask": r"is given a mask with chunked attention",
     "mask built on": r"uses its attention mask as a tensor",
     "padded positions": r"position embedding with padding_idx",

@@ -41,7 +41,7 @@ SIZES: dict[str, Any] = dict(
     num_experts=4, n_routed_experts=4, num_local_experts=4, moe_intermediate_size=32, num_experts_per_tok=2,
     shared_expert_intermediate_size=32, ffn_hidden_size=128, n_embd=64, n_layer=2, n_head=4, d_model=64,
     n_positions=4 * SEQ, num_layers=2, num_heads=4, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, qk_head_dim=24,
+    kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=8, v_head_dim=16, qk_head_dim=24,
     rotary_dim=8, n_ctx=4 * SEQ, lru_width=64, attention_window_size=WINDOW, attention_hidden_size=128,
     attention_head_dim=16, mamba_dt_rank=8, linear_head_dim=16, first_k_dense_replace=1, n_shared_experts=1,
     n_group=1, topk_group=1,
@@ -84,6 +84,8 @@ def tiny_config(family: str) -> Any:
             if hasattr(target, key):
                 with contextlib.suppress(AttributeError):  # a derived property (Falcon's head_dim)
                     setattr(target, key, value)
+        if getattr(target, "kv_lora_rank", None):  # latent attention: keys and values have every head
+            target.num_key_value_heads = target.num_attention_heads
         if hasattr(target, "is_decoder"):  # encoder families' causal-LM heads need it (transformers says so)
             target.is_decoder = True
         for key, value in list(vars(target).items()):
@@ -157,7 +159,8 @@ def _implementation(model: torch.nn.Module) -> str:
         model.set_attn_implementation("sdpa")
     if model.config._attn_implementation != "sdpa":  # the family allows no sdpa
         model.set_attn_implementation("ds_ring")
-    return model.config._attn_implementation
+    used = model.config._attn_implementation
+    return "sdpa" if used == "eager" else used  # eager only: registration says why it cannot run
 
 
 def sequence_parallel(
@@ -214,6 +217,8 @@ def check(family: str, strategy: str, topology: Any) -> Outcome:
     except ValueError as err:
         return Outcome(family, strategy, "refused", str(err).splitlines()[0])
     except Exception as err:  # noqa: BLE001 - a crash is an outcome to report
+        if missing is not None:  # the whole model fails too: the tiny config is at fault
+            return Outcome(family, strategy, "no reference", missing)
         trace = traceback.format_exc().strip().splitlines()
         return Outcome(family, strategy, "crash", f"{type(err).__name__}: {err} ({trace[-3].strip()})")
     if missing is not None:

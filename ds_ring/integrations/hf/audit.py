@@ -132,8 +132,8 @@ class CallAudit:
         self._audited.add(id(module))
         if self.calls == before:
             raise ValueError(
-                f"{type(module).__name__} ran without calling ds_ring's attention (it computes attention itself, "
-                f"e.g. with F.scaled_dot_product_attention or eager code, ignoring attn_implementation): on one "
+                f"{type(module).__name__} ran without calling ds_ring's attention: it computes attention in its own "
+                f"code (e.g. F.scaled_dot_product_attention or eager code, ignoring attn_implementation); on one "
                 f"rank's shard it attends only within that shard. ds_ring cannot run this model sequence-parallel; "
                 f"train it without sequence parallelism, or use a model whose attention goes through transformers' "
                 f"attention interface"

@@ -183,6 +183,10 @@ def register_with_transformers(
             LOSS_MAPPING["ForCausalLM"] = tutorial
         if not disable_in_eval and (own or core_attn_implementation in ALL_MASK_ATTENTION_FUNCTIONS):
             replaced.append(_replace(ALL_MASK_ATTENTION_FUNCTIONS, core_attn_implementation, _no_mask))
+        if own:  # transformers builds masks only for implementations of its class-wide table: the window lives there
+            table = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+            replaced.append((table, OWN_NAME, OWN_NAME in table, table.get(OWN_NAME)))
+            table[OWN_NAME] = _no_mask
     scale = (lambda: 1) if attention is None else (lambda: attention.gradient_scale or 1)
     restore = apply_long_context(model_name_or_path, section.long_context, topology, scale)
     _active = Registration(section, topology, attention, tuple(replaced), restore)
@@ -266,6 +270,13 @@ def _model_config(model_name_or_path: Any, implementation: str) -> Any:
     if hasattr(model_name_or_path, "config"):  # a built model, or a wrapper of one (PEFT): check what it calls
         config = model_name_or_path.config
         used = getattr(config, "_attn_implementation", None)
+        if used == "eager" and getattr(model_name_or_path, "_supports_attention_backend", True) is False:
+            raise ValueError(
+                f"{type(model_name_or_path).__name__} computes attention in its own code (transformers offers it no "
+                f"attention implementation but eager, which never calls a registered one): on one rank's shard it "
+                f"would attend only within that shard. ds_ring cannot run this model sequence-parallel; train it "
+                f"without sequence parallelism"
+            )
         if used is not None and used != implementation:  # None: a wrapper's config that does not say
             raise ValueError(
                 f"core_attn_implementation {implementation!r} does not match the model's config._attn_implementation "
