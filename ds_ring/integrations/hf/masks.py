@@ -53,6 +53,8 @@ class MaskSpec:
         return True
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # copy, pickle and friends probe dunders: not a use of the mask
+            raise AttributeError(name)
         raise _builds_on_mask(f".{name}")
 
     def __getitem__(self, index: Any) -> Any:
@@ -64,8 +66,13 @@ class MaskSpec:
     __add__ = __radd__ = __mul__ = __rmul__ = __and__ = __rand__ = __or__ = __ror__ = __sub__ = __rsub__ = _operator
 
 
-def _builds_on_mask(use: str) -> ValueError:
-    return ValueError(
+class MaskUsedAsTensor(ValueError, AttributeError):
+    """Model code used a :class:`MaskSpec` as a tensor: a ``ValueError`` (a refusal), and an ``AttributeError`` so
+    that ``hasattr(spec, name)`` stays ``False`` for code that only probes."""
+
+
+def _builds_on_mask(use: str) -> MaskUsedAsTensor:
+    return MaskUsedAsTensor(
         f"the model's code uses its attention mask as a tensor ({use}): it builds on the mask itself (e.g. a "
         f"dynamic or learned mask), which ds_ring's attention does not compute; train this model without sequence "
         f"parallelism"
