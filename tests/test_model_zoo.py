@@ -28,7 +28,26 @@ REASONS = {
 }
 """Why ds_ring refuses a family: a key of :data:`EXPECTED_REFUSALS` → the message it gives."""
 
-EXPECTED_REFUSALS: dict[str, str] = {}
+EXPECTED_REFUSALS: dict[str, str] = {
+    **dict.fromkeys(["axk2", "deepseek_v32", "doge", "glm_moe_dsa", "hy_v4"], "mask built on"),
+    **dict.fromkeys(
+        ["bailing_hybrid", "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "inkling_text", "jamba",
+         "kimi_linear", "lara_mini", "lfm3", "mamba", "mamba2", "minimax", "nemotron_h", "olmo_hybrid", "qwen3_5",
+         "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "qwen4_exp", "qwen4_exp_text",
+         "recurrent_gemma", "zamba", "zamba2", "zaya"],
+        "sequence mixer",
+    ),  # fmt: skip
+    **dict.fromkeys(
+        ["big_bird", "bloom", "cpmant", "falcon", "gpt_neo", "gpt_neox_japanese", "megatron-bert", "mpt",
+         "openai-gpt", "rembert", "roformer", "rwkv", "trocr", "xglm", "xlm"],
+        "own attention code",
+    ),  # fmt: skip
+    **dict.fromkeys(
+        ["camembert", "data2vec-text", "roberta", "roberta-prelayernorm", "xlm-roberta", "xlm-roberta-xl", "xmod"],
+        "padded positions",
+    ),
+    **dict.fromkeys(["llama4", "llama4_text"], "chunked mask"),
+}
 """Family → the key of :data:`REASONS` it is refused for (on every strategy)."""
 
 REPRESENTATIVE = [
