@@ -54,7 +54,7 @@ def test_an_attention_module_that_never_calls_ds_ring_is_refused_after_its_first
 
 
 def _rank(rank: int, world: int) -> None:
-    from transformers import BloomConfig, BloomForCausalLM, NemotronConfig, NemotronForCausalLM
+    from transformers import BloomConfig, BloomForCausalLM, PersimmonConfig, PersimmonForCausalLM
 
     topology = ds_ring.Topology(1, 1, world)
     config = {"ring_attention": {"timeout_s": 60}}
@@ -62,16 +62,16 @@ def _rank(rank: int, world: int) -> None:
     with pytest.raises(ValueError, match="BloomForCausalLM computes attention in its own code"):
         register_with_transformers(bloom, config=config, topology=topology)
     torch.manual_seed(0)
-    nemotron = NemotronForCausalLM(
-        NemotronConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+    persimmon = PersimmonForCausalLM(
+        PersimmonConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                        num_attention_heads=2, num_key_value_heads=2, attn_implementation="sdpa")
     ).double()  # fmt: skip
     input_ids = torch.randint(0, 32, (1, 8), generator=torch.Generator().manual_seed(0))
-    whole = nemotron(input_ids=input_ids).logits
-    register_with_transformers(nemotron, config=config, topology=topology)
-    try:  # Nemotron's attention receives no position_ids: the model's call gives them
+    whole = persimmon(input_ids=input_ids).logits
+    register_with_transformers(persimmon, config=config, topology=topology)
+    try:  # Persimmon's attention receives no position_ids: the model's call gives them
         sharded = shard_batch({"input_ids": input_ids}, topology)
-        local = nemotron(**{k: v for k, v in sharded.items() if k != "shift_labels"}).logits
+        local = persimmon(**{k: v for k, v in sharded.items() if k != "shift_labels"}).logits
     finally:
         unregister_from_transformers()
     torch.testing.assert_close(
