@@ -60,8 +60,9 @@ def _collator(packed: bool):
     return default_data_collator
 
 
-def _trainer(config: dict, data: list[dict], packed: bool, output: str, eval_data=None, accumulation: int = 1,
-             **trainer_kwargs):  # fmt: skip
+def _trainer(config: dict, data, packed: bool, output: str, eval_data=None, accumulation: int = 1,
+             use_cpu: bool = True, **trainer_kwargs):  # fmt: skip
+    """``use_cpu=False``: ``TrainingArguments`` without ``use_cpu``, as a GPU job builds them."""
     from transformers import TrainingArguments
 
     from ds_ring.integrations.hf import SequenceParallelTrainer
@@ -75,8 +76,9 @@ def _trainer(config: dict, data: list[dict], packed: bool, output: str, eval_dat
         output_dir=output, per_device_train_batch_size=BATCH, per_device_eval_batch_size=BATCH, max_steps=STEPS,
         gradient_accumulation_steps=accumulation,
         learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=0.0, deepspeed=config, report_to=[],
-        save_strategy="no", use_cpu=True, include_num_input_tokens_seen="all", remove_unused_columns=False,
+        save_strategy="no", include_num_input_tokens_seen="all", remove_unused_columns=False,
         optim="sgd", optim_args="momentum=0.9",  # under DeepSpeed the Trainer builds its optimizer from the args
+        **({"use_cpu": True} if use_cpu else {}),
     )  # fmt: skip
     return InOrder(model=model, args=args, train_dataset=data, eval_dataset=eval_data,
                    data_collator=_collator(packed), **trainer_kwargs)  # fmt: skip
