@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> dict:
     tokens = trainer.state.num_input_tokens_seen
     if trainer.is_world_process_zero():
         print(f"loss: first {losses[0]:.3f} -> last {losses[-1]:.3f} (chance ln(16) = 2.773)" if losses else "")
-        print(f"{trainer.state.global_step} steps, {tokens} tokens on {training.world_size} ranks in {elapsed:.1f} s "
+        ranks = trainer.args.world_size
+        print(f"{trainer.state.global_step} steps, {tokens} tokens on {ranks} ranks in {elapsed:.1f} s "
               f"({tokens / max(elapsed, 1e-9):.0f} tokens/s)")  # fmt: skip
     if args.final_params:
         import deepspeed

@@ -1,9 +1,10 @@
 """``SequenceParallelTrainer``'s batches in a GPU job's configuration: ``TrainingArguments`` without ``use_cpu``, and
 a ``datasets.Dataset`` as well as a list.
 
-Without ``use_cpu`` accelerate counts one process on a CPU (DeepSpeed starts the process group, accelerate has no
-backend of its own), where ``use_cpu=True`` — and a GPU job — count every rank; the Trainer's loaders split the
-batches over the data-parallel replicas of the topology in every case. On gloo ranks (the tiny fp32 Llama and SGD of
+Without ``use_cpu`` on a CPU, accelerate finds no device backend and counts one process while DeepSpeed starts the
+process group over every rank; ``SequenceParallelTrainer`` then takes the arguments with ``use_cpu=True`` (the job runs
+on the CPU either way), so that accelerate counts every rank, as on a GPU. The Trainer's loaders split the batches over
+the topology's data-parallel replicas whatever accelerate counts. On gloo ranks (the tiny fp32 Llama and SGD of
 ``test_hf_trainer.py``), 3 optimizer steps equal the README's hand-written loop at 2 ranks (ZeRO 2: a list, a
 ``datasets.Dataset`` of the same rows) and at 2 data × 2 sequence-parallel ranks (each replica its own batches: a
 list, a ``datasets.Dataset``), all with ``use_cpu`` unset; the tokens logged count each sequence once.
@@ -48,7 +49,7 @@ def _rank(rank: int, world: int) -> list[str]:
                 trainer = _make_trainer(config, data if kind == "list" else _as_dataset(data), False, output,
                                         use_cpu=False)  # fmt: skip
                 try:
-                    assert not trainer.args.use_cpu
+                    assert trainer.args.world_size == world, (trainer.args.world_size, trainer.args.use_cpu)
                     trainer.train()
                     got = _parameters(trainer.model_wrapped)
                     seen = trainer.state.num_input_tokens_seen

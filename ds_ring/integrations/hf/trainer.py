@@ -73,6 +73,7 @@ class SequenceParallelTrainer(_trainer_base()):  # type: ignore[misc]
                  **kwargs: Any) -> None:  # fmt: skip
         self.ds_config, self.section = _section_of(args)
         _refuse_other_sequence_parallelism(args)
+        args = _on_every_rank(args)
         super().__init__(model, args, *rest, **kwargs)
         _refuse_other_losses(self)
         self.model_accepts_loss_kwargs = False  # ds_ring's loss, not the model's with num_items_in_batch
@@ -226,6 +227,21 @@ def _section_of(args: Any) -> tuple[dict[str, Any], RingAttentionConfig]:
             f"section; add one (strategy, degrees, branches), or use transformers' Trainer"
         )
     return ds_config, section
+
+
+def _on_every_rank(args: Any) -> Any:
+    """``args``, or a copy with ``use_cpu=True`` where accelerate counts one process in a job of several ranks.
+
+    ``use_cpu`` left unset on a machine without an accelerator (a GPU job's arguments run on a CPU): DeepSpeed starts
+    ``torch.distributed`` over every rank, but accelerate finds no device backend and counts one process, so every rank
+    would be the Trainer's process 0 (logging, saving ``trainer_state.json`` and the model, printing). The job runs on
+    the CPU either way; with ``use_cpu=True`` accelerate counts the ranks, as it does on a GPU."""
+    import dataclasses
+
+    counted = args.world_size  # sets up the devices (DeepSpeed starts torch.distributed from the launcher's env)
+    if args.use_cpu or not dist.is_initialized() or counted == dist.get_world_size():
+        return args
+    return dataclasses.replace(args, use_cpu=True)
 
 
 def _check_fits(section: RingAttentionConfig, world_size: int, model: nn.Module) -> None:
