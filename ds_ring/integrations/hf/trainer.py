@@ -145,8 +145,8 @@ class SequenceParallelTrainer(_trainer_base()):  # type: ignore[misc]
             count = (inputs[main] != pad).sum()
         else:
             count = torch.tensor(inputs[main].numel())
-        group = self.topology.data_parallel_group
-        counts = all_gather(count.reshape(1).to(torch.int64).cpu(), group_members(group), group=group,
+        control = self.topology.control_group(self.topology.data_parallel_group)  # CPU counts: gloo, or its twin
+        counts = all_gather(count.reshape(1).to(torch.int64).cpu(), group_members(control), group=control,
                             op="num_input_tokens_seen", timeout_s=self.topology.timeout_s)  # fmt: skip
         self.state.num_input_tokens_seen += int(torch.cat(counts).sum())
 
