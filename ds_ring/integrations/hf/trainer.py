@@ -131,9 +131,9 @@ class SequenceParallelTrainer(_trainer_base()):  # type: ignore[misc]
     def _count_input_tokens(self, inputs: Mapping[str, Any]) -> None:
         """Add the tokens of this step's batches over the data-parallel replicas to ``state.num_input_tokens_seen``:
         each sequence counted once (the ranks of a group hold the same batch), summed over the data-parallel group with
-        ds_ring's collectives (not accelerate's gather, whose processes need not be the ranks: without ``use_cpu`` on a
-        CPU accelerate counts one). ``include_num_input_tokens_seen`` as the Trainer reads it: ``"all"`` or
-        ``"non_padding"`` (the attention mask's ones, else the tokens that are not the processing class's pad)."""
+        ds_ring's collectives (accelerate's gather spans every rank, and so counts each batch once per sequence-parallel
+        rank). ``include_num_input_tokens_seen`` as the Trainer reads it: ``"all"`` or ``"non_padding"`` (the attention
+        mask's ones, else the tokens that are not the processing class's pad)."""
         mode = self._tokens_mode if self._tokens_mode is not None else self.args.include_num_input_tokens_seen
         main = getattr(self.model, "main_input_name", "input_ids")
         if mode == "no" or main not in inputs:
@@ -327,9 +327,9 @@ def _loaders_over_replicas(accelerator: Any, topology: Topology) -> Iterator[Non
     ``process_index`` the replica (batch ``i`` of replica ``d`` is batch ``i·D + d`` of the sampler, as accelerate
     splits a job's batches over its processes), with the accelerator's own settings (device placement, seedable
     sampler, ``even_batches``, ``split_batches``, RNG synchronisation). What accelerate counts as its processes does
-    not enter: it is every rank on a GPU job (``use_cpu`` unset), one process when DeepSpeed started the process group
-    on a CPU without ``use_cpu``, and every rank with ``use_cpu=True``; every case gets the same batches. Each rank
-    loads (``dispatch_batches`` would send rank 0's batches over every rank, split per rank).
+    not enter (every rank on a GPU job or with ``use_cpu=True``; one process with ``use_cpu`` unset on a CPU, which
+    :func:`_on_every_rank` turns into ``use_cpu=True``). Each rank loads (``dispatch_batches`` would send rank 0's
+    batches over every rank, split per rank).
     """
     from accelerate.data_loader import prepare_data_loader
 
