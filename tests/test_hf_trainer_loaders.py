@@ -21,14 +21,13 @@ from tests.dist import CaseLog, assert_no_failures, run_distributed
 from tests.test_hf_trainer import BATCH, STEPS, _assert_parameters, _ds_config, _hand_written, _parameters, _samples
 from tests.test_hf_trainer import _trainer as _make_trainer
 
-datasets = pytest.importorskip("datasets")
-
 
 def _as_dataset(data: list[dict]):
     """The same rows as a ``datasets.Dataset`` (int lists: the default collator stacks them as the list's tensors).
 
     Built from its Arrow table with a fingerprint given: ``Dataset.from_list`` hashes the table with dill, which fails
     on pyarrow's ``MonthDayNano`` type with the releases CI installs (datasets 5.2, pyarrow 26, Python 3.11)."""
+    import datasets  # the dev extra's
     import pyarrow as pa
     from datasets.table import InMemoryTable
 
