@@ -9,6 +9,8 @@ Launch with any of (2 CPU ranks)::
     accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no \
         launch/train_trainer.py  # on a CPU machine too: --cpu would start one process
 
+``use_cpu`` stays at its default (what a GPU job passes; on a CPU the job runs there all the same). ``--dataset
+datasets`` gives the Trainer a ``datasets.Dataset`` of the same samples as the torch dataset (``--samples`` of them).
 ``--save-steps N`` checkpoints every N steps into ``--output-dir``; ``--resume`` continues from the last checkpoint
 there (the Trainer's ``resume_from_checkpoint``). ``DS_RING_FAULT="kill:rank=R:step=S"`` SIGKILLs rank R when
 step S begins, on a run started without ``--resume`` (the resume test).
@@ -22,6 +24,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -44,7 +47,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: never)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output-dir")
     p.add_argument("--final-params", default=None, help="rank 0 saves the final parameters here (torch.save)")
+    p.add_argument(
+        "--dataset",
+        choices=("torch", "datasets"),
+        default="torch",
+        help="the samples as a torch Dataset, or as a `datasets.Dataset` holding the same rows",
+    )
+    p.add_argument("--samples", type=int, default=10**6, help="samples in the dataset (the sampler's order)")
     return p.parse_args(argv)
+
+
+def _dataset(args: argparse.Namespace) -> Any:
+    """``--samples`` recall sequences of ``--seq`` tokens: the torch ``RecallDataset``, or a ``datasets.Dataset`` of
+    the same rows (``input_ids`` and ``labels`` as int lists, which the Trainer's default collator stacks)."""
+    dataset = RecallDataset(args.samples, args.seq, args.seed)
+    if args.dataset == "torch":
+        return dataset
+    import datasets
+    import pyarrow as pa
+    from datasets.table import InMemoryTable
+
+    rows = [dataset[i] for i in range(len(dataset))]
+    table = pa.table({key: [row[key].tolist() for row in rows] for key in ("input_ids", "labels")})
+    # a fingerprint given: Dataset.from_dict would hash the table with dill, which fails on pyarrow's MonthDayNano
+    # type with the releases installed here (datasets 5.2, pyarrow 26, Python 3.11)
+    return datasets.Dataset(InMemoryTable(table), fingerprint=f"recall-{args.samples}-{args.seq}-{args.seed}")
 
 
 def _fault_callback(fault: Fault):
@@ -91,11 +118,10 @@ def main(argv: list[str] | None = None) -> dict:
         output_dir=args.output_dir, per_device_train_batch_size=args.batch, max_steps=args.steps,
         learning_rate=args.lr, weight_decay=0.0, lr_scheduler_type="constant", max_grad_norm=1.0,
         deepspeed=args.deepspeed_config, report_to=[], logging_steps=max(1, min(10, args.steps // 3)), seed=args.seed,
-        use_cpu=not torch.cuda.is_available(),
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
         include_num_input_tokens_seen="all", dataloader_drop_last=True,
     )  # fmt: skip
-    dataset = RecallDataset(10**6, args.seq, args.seed)
+    dataset = _dataset(args)
     fault = Fault.parse(os.environ["DS_RING_FAULT"]) if os.environ.get("DS_RING_FAULT") and not args.resume else None
     callbacks = [_fault_callback(fault)] if fault is not None else []
     clock = _clock_callback()
@@ -106,7 +132,8 @@ def main(argv: list[str] | None = None) -> dict:
     tokens = trainer.state.num_input_tokens_seen
     if trainer.is_world_process_zero():
         print(f"loss: first {losses[0]:.3f} -> last {losses[-1]:.3f} (chance ln(16) = 2.773)" if losses else "")
-        print(f"{trainer.state.global_step} steps, {tokens} tokens on {training.world_size} ranks in {elapsed:.1f} s "
+        ranks = trainer.args.world_size
+        print(f"{trainer.state.global_step} steps, {tokens} tokens on {ranks} ranks in {elapsed:.1f} s "
               f"({tokens / max(elapsed, 1e-9):.0f} tokens/s)")  # fmt: skip
     if args.final_params:
         import deepspeed

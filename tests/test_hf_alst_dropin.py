@@ -82,7 +82,7 @@ def _tutorial(model_dir: str, stage: int) -> list[torch.Tensor]:
     dl = UlyssesSPDataLoaderAdapter(dl, sp_rank=sp_rank, sp_group=sp_group, sp_world_size=sp_world_size,
                                     device=model.device)  # fmt: skip
     for batch in dl:
-        batch = move_to_device(batch, model.device)
+        batch = move_to_device(batch, model.device, torch.is_tensor)  # DeepSpeed 0.16 needs the criterion
         outputs = model(**batch)  # the tutorial passes the whole batch, shift_labels included
         shift_labels = batch["shift_labels"]
         loss = model.module.loss_function(

@@ -28,6 +28,7 @@ from ds_ring.integrations.hf import (
     shard_batch,
     unregister_from_transformers,
 )
+from ds_ring.integrations.hf.compat import activation_checkpointing_disable, activation_checkpointing_enable
 from tests.dist import CaseLog, run_distributed
 from tests.hf_cases import (
     BATCH,
@@ -93,7 +94,7 @@ def _check(model, batch, topology, strategy: dict, variant: dict, expected, offl
     if variant.get("offload_checkpoints") == "disk":
         variant["offload_dir"] = offload_dir
     if checkpointing:
-        model.activation_checkpointing_enable()
+        activation_checkpointing_enable(model)
     model.train()
     section = {**strategy, "long_context": variant}
     register_with_transformers(model, config=ds_config(**section), topology=topology)
@@ -113,7 +114,7 @@ def _check(model, batch, topology, strategy: dict, variant: dict, expected, offl
         grads = _summed_grads(model, topology.sequence_parallel_group)
     finally:
         unregister_from_transformers()
-        model.activation_checkpointing_disable()
+        activation_checkpointing_disable(model)
     assert "forward" not in model.__dict__, "unregister left the model patched"
     functions = [m.__dict__.get("_gradient_checkpointing_func") for m in model.modules()]
     left = [f for f in functions if "offloaded_checkpoint" in getattr(f, "__qualname__", "")]

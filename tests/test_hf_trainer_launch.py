@@ -1,8 +1,10 @@
 """``launch/train_trainer.py`` (``SequenceParallelTrainer``) under the three launchers, killed and resumed.
 
-An uninterrupted 6-step run under ``accelerate launch``; the same run under the ``deepspeed`` launcher with rank 1
-SIGKILLed when step 5 begins (checkpoints every 2 steps); ``torchrun`` resuming it with ``resume_from_checkpoint``
-from ``checkpoint-4``: the final parameters are bit-equal to the uninterrupted run's.
+The script leaves ``TrainingArguments(use_cpu=...)`` at its default, as a GPU job does. An uninterrupted 6-step run
+under ``accelerate launch`` over a ``datasets.Dataset``; the same run over the torch dataset of the same 64 samples
+under the ``deepspeed`` launcher with rank 1 SIGKILLed when step 5 begins (checkpoints every 2 steps); ``torchrun``
+resuming it with ``resume_from_checkpoint`` from ``checkpoint-4``: the final parameters are bit-equal to the
+uninterrupted run's (same batches from either dataset under either launcher, and the resume exact).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 from tests.trainer_runs import BIN, ROOT, free_port, reap, run_command
 
 SCRIPT = str(ROOT / "launch" / "train_trainer.py")
-ARGS = ["--seq", "512", "--steps", "6", "--batch", "2"]
+ARGS = ["--seq", "512", "--steps", "6", "--batch", "2", "--samples", "64"]
 
 
 def _launch(launcher: list[str], tmp: Path, name: str, *args: str, **env: str) -> tuple[int | None, str]:
@@ -36,7 +38,7 @@ def test_trainer_killed_and_resumed_bit_exactly(tmp_path: Path) -> None:
                   "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_ip", "127.0.0.1",
                   "--main_process_port", "PORT"]  # fmt: skip
     code, output = _launch(accelerate, tmp_path, "whole", "--output-dir", str(tmp_path / "whole"),
-                           "--final-params", str(tmp_path / "whole.pt"))  # fmt: skip
+                           "--final-params", str(tmp_path / "whole.pt"), "--dataset", "datasets")  # fmt: skip
     assert code == 0, output[-4000:]
     assert "6 steps, 6144 tokens on 2 ranks" in output, output[-4000:]
 

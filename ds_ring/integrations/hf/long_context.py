@@ -24,6 +24,12 @@ import torch
 from torch import nn
 
 from ds_ring.config import SECTION, LongContextConfig
+from ds_ring.integrations.hf.compat import (
+    activation_checkpointing_disable,
+    activation_checkpointing_enable,
+    causal_lm_output,
+    is_activation_checkpointing,
+)
 from ds_ring.integrations.hf.documents import IGNORE_INDEX
 from ds_ring.loss import sequence_parallel_mean
 from ds_ring.tiles import gated_mlp_parts, make_store, offloaded_checkpoint, tiled_cross_entropy_sum, tiled_gated_mlp
@@ -123,12 +129,12 @@ def apply_long_context(
             mlp.forward = functools.partial(tiled_gated_mlp, mlp, tile_tokens=section.tile_tokens)
             patched.append(mlp)
     store = make_store(section.offload_checkpoints, section.offload_dir)
-    checkpointing_was_on = lm.is_activation_checkpointing
+    checkpointing_was_on = is_activation_checkpointing(lm)
     functions = {
         m: m.__dict__.get("_gradient_checkpointing_func") for m in lm.modules() if hasattr(m, "gradient_checkpointing")
     }
     if store is not None and not checkpointing_was_on:
-        lm.activation_checkpointing_enable()
+        activation_checkpointing_enable(lm)
     if section.tiled_loss or store is not None:
         lm.forward = functools.partial(
             _forward, lm, lm.forward, section, topology, gradient_scale, store and offloaded_checkpoint(store)
@@ -143,7 +149,7 @@ def apply_long_context(
             return
         del lm.ds_ring_checkpoint_store
         if not checkpointing_was_on:
-            lm.activation_checkpointing_disable()
+            activation_checkpointing_disable(lm)
         for module, function in functions.items():  # the layers' own checkpointing functions back
             if function is None:
                 module.__dict__.pop("_gradient_checkpointing_func", None)
@@ -170,8 +176,6 @@ def _forward(
     shift_labels = kwargs.get("shift_labels")
     if not section.tiled_loss or shift_labels is None or kwargs.get("labels") is not None:
         return original(*args, **kwargs)
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
     bound = inspect.signature(original).bind(*args, **kwargs)
     inputs = {**bound.arguments}
     inputs.update(inputs.pop("kwargs", {}))
@@ -184,13 +188,7 @@ def _forward(
     )
     count = (shift_labels != IGNORE_INDEX).sum()
     loss = sequence_parallel_mean(total, count, topology, gradient_scale=gradient_scale())
-    return CausalLMOutputWithPast(
-        loss=loss,
-        logits=None,
-        cache=getattr(outputs, "cache", None),
-        hidden_states=outputs.hidden_states,
-        attentions=outputs.attentions,
-    )
+    return causal_lm_output(loss, None, outputs)
 
 
 def _offload_checkpoints(lm: nn.Module, checkpoint: Callable[..., Any]) -> None:

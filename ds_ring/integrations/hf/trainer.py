@@ -38,6 +38,7 @@ from ds_ring.comm.collectives import all_gather
 from ds_ring.comm.spans import group_members
 from ds_ring.config import SECTION, RingAttentionConfig, load_config, read_ds_config
 from ds_ring.integrations.hf.batches import shard_batch
+from ds_ring.integrations.hf.compat import trainer_counts_tokens_in_hook
 from ds_ring.integrations.hf.loss import causal_lm_loss
 from ds_ring.integrations.hf.registration import (
     check_model_config,
@@ -73,11 +74,13 @@ class SequenceParallelTrainer(_trainer_base()):  # type: ignore[misc]
                  **kwargs: Any) -> None:  # fmt: skip
         self.ds_config, self.section = _section_of(args)
         _refuse_other_sequence_parallelism(args)
+        args = _on_every_rank(args)
         super().__init__(model, args, *rest, **kwargs)
         _refuse_other_losses(self)
         self.model_accepts_loss_kwargs = False  # ds_ring's loss, not the model's with num_items_in_batch
         self.loss_is_scaled_for_ga = False  # the group mean of one micro-batch: the Trainer divides it by the steps
         self.disable_in_eval = disable_in_eval
+        self._tokens_mode: str | None = None  # the user's setting while ds_ring counts (older transformers)
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         _check_fits(self.section, world_size, self.accelerator.unwrap_model(self.model))
         self.topology = Topology.from_config(self.section, world_size)
@@ -89,8 +92,21 @@ class SequenceParallelTrainer(_trainer_base()):  # type: ignore[misc]
     # --- the engine ---------------------------------------------------------------------------------
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        with _engine_over(self.topology, self.args):
+        with _engine_over(self.topology, self.args), self._tokens_counted_here():
             return super().train(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _tokens_counted_here(self) -> Iterator[None]:
+        """Where the Trainer counts input tokens inside its loop (no ``_track_num_input_tokens``: transformers
+        5.0 and 5.2 among those tested), turn its count off for the loop and count in :meth:`training_step` instead."""
+        if trainer_counts_tokens_in_hook():
+            yield
+            return
+        self._tokens_mode, self.args.include_num_input_tokens_seen = self.args.include_num_input_tokens_seen, "no"
+        try:
+            yield
+        finally:
+            self.args.include_num_input_tokens_seen, self._tokens_mode = self._tokens_mode, None
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         with _engine_over(self.topology, self.args):
@@ -110,12 +126,40 @@ class SequenceParallelTrainer(_trainer_base()):  # type: ignore[misc]
         return self._train_batch_size * args.gradient_accumulation_steps * self.topology.get_data_parallel_world_size()
 
     def _track_num_input_tokens(self, inputs: Mapping[str, Any]) -> None:
-        """Each sequence counted once: the group's batch on its sequence-parallel rank 0, none of it on the others
-        (every rank still takes the Trainer's path, and so its gather)."""
-        if self.topology.get_sequence_parallel_rank() != 0:
-            main = getattr(self.model, "main_input_name", "input_ids")
-            inputs = {main: inputs[main][:0]} if main in inputs else {}
-        super()._track_num_input_tokens(inputs)
+        """The Trainer's token count where it has this hook: :meth:`_count_input_tokens`."""
+        self._count_input_tokens(inputs)
+
+    def _count_input_tokens(self, inputs: Mapping[str, Any]) -> None:
+        """Add the tokens of this step's batches over the data-parallel replicas to ``state.num_input_tokens_seen``:
+        each sequence counted once (the ranks of a group hold the same batch), summed over the data-parallel group with
+        ds_ring's collectives (accelerate's gather spans every rank, and so counts each batch once per sequence-parallel
+        rank). ``include_num_input_tokens_seen`` as the Trainer reads it: ``"all"`` or ``"non_padding"`` (the attention
+        mask's ones, else the tokens that are not the processing class's pad)."""
+        mode = self._tokens_mode if self._tokens_mode is not None else self.args.include_num_input_tokens_seen
+        main = getattr(self.model, "main_input_name", "input_ids")
+        if mode == "no" or main not in inputs:
+            return
+        pad = getattr(self.processing_class, "pad_token_id", None)
+        if mode == "non_padding" and "attention_mask" in inputs:
+            count = inputs["attention_mask"].sum()
+        elif mode == "non_padding" and pad is not None:
+            count = (inputs[main] != pad).sum()
+        else:
+            count = torch.tensor(inputs[main].numel())
+        control = self.topology.control_group(self.topology.data_parallel_group)  # CPU counts: gloo, or its twin
+        counts = all_gather(count.reshape(1).to(torch.int64).cpu(), group_members(control), group=control,
+                            op="num_input_tokens_seen", timeout_s=self.topology.timeout_s)  # fmt: skip
+        self.state.num_input_tokens_seen += int(torch.cat(counts).sum())
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self._tokens_mode is not None:  # older transformers: the Trainer's own count is off, ours counts
+            self._count_input_tokens(inputs)
+        return super().training_step(model, inputs, *args, **kwargs)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        if self._tokens_mode not in (None, "no"):
+            logs = {**logs, "num_input_tokens_seen": self.state.num_input_tokens_seen}
+        super().log(logs, *args, **kwargs)
 
     # --- the data ----------------------------------------------------------------------------------------
 
@@ -123,10 +167,10 @@ class SequenceParallelTrainer(_trainer_base()):  # type: ignore[misc]
         return training or not self.disable_in_eval
 
     def _get_dataloader(self, dataset: Any, description: str, batch_size: int, *args: Any, **kwargs: Any) -> Any:
-        dataloader = super()._get_dataloader(dataset, description, batch_size, *args, **kwargs)
-        if self._sequence_parallel(description == "Training"):
-            _over_data_parallel_replicas(dataloader, self.topology)
-        return dataloader
+        if not self._sequence_parallel(description == "Training"):
+            return super()._get_dataloader(dataset, description, batch_size, *args, **kwargs)
+        with _loaders_over_replicas(self.accelerator, self.topology):
+            return super()._get_dataloader(dataset, description, batch_size, *args, **kwargs)
 
     def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
         inputs = super()._prepare_inputs(inputs)
@@ -185,6 +229,21 @@ def _section_of(args: Any) -> tuple[dict[str, Any], RingAttentionConfig]:
             f"section; add one (strategy, degrees, branches), or use transformers' Trainer"
         )
     return ds_config, section
+
+
+def _on_every_rank(args: Any) -> Any:
+    """``args``, or a copy with ``use_cpu=True`` where accelerate counts one process in a job of several ranks.
+
+    ``use_cpu`` left unset on a machine without an accelerator (a GPU job's arguments run on a CPU): DeepSpeed starts
+    ``torch.distributed`` over every rank, but accelerate finds no device backend and counts one process, so every rank
+    would be the Trainer's process 0 (logging, saving ``trainer_state.json`` and the model, printing). The job runs on
+    the CPU either way; with ``use_cpu=True`` accelerate counts the ranks, as it does on a GPU."""
+    import dataclasses
+
+    counted = args.world_size  # sets up the devices (DeepSpeed starts torch.distributed from the launcher's env)
+    if args.use_cpu or not dist.is_initialized() or counted == dist.get_world_size():
+        return args
+    return dataclasses.replace(args, use_cpu=True)
 
 
 def _check_fits(section: RingAttentionConfig, world_size: int, model: nn.Module) -> None:
@@ -261,19 +320,38 @@ def _engine_over(topology: Topology, args: Any) -> Iterator[None]:
         deepspeed.initialize = original
 
 
-def _over_data_parallel_replicas(dataloader: Any, topology: Topology) -> None:
-    """Make an accelerate-prepared loader split its batches over the ``D`` data-parallel replicas, not every rank:
-    the ranks of a sequence-parallel group then get the same batches (as the Trainer itself does for
-    rank-aware samplers)."""
+@contextlib.contextmanager
+def _loaders_over_replicas(accelerator: Any, topology: Topology) -> Iterator[None]:
+    """Inside: every ``DataLoader`` the Trainer prepares through ``accelerator`` is split over the ``D`` data-parallel
+    replicas, not over accelerate's processes, so the ranks of a sequence-parallel group load the same batches.
+
+    The loader goes through accelerate's public ``prepare_data_loader`` with ``num_processes=D`` and
+    ``process_index`` the replica (batch ``i`` of replica ``d`` is batch ``i·D + d`` of the sampler, as accelerate
+    splits a job's batches over its processes), with the accelerator's own settings (device placement, seedable
+    sampler, ``even_batches``, ``split_batches``, RNG synchronisation). What accelerate counts as its processes does
+    not enter (every rank on a GPU job or with ``use_cpu=True``; one process with ``use_cpu`` unset on a CPU, which
+    :func:`_on_every_rank` turns into ``use_cpu=True``). Each rank loads (``dispatch_batches`` would send rank 0's
+    batches over every rank, split per rank).
+    """
+    from accelerate.data_loader import prepare_data_loader
+
     replicas, replica = topology.get_data_parallel_world_size(), topology.get_data_parallel_rank()
-    for shard in (getattr(dataloader, "batch_sampler", None), getattr(dataloader, "dataset", None)):
-        if shard is not None and hasattr(shard, "num_processes") and hasattr(shard, "process_index"):
-            shard.num_processes, shard.process_index = replicas, replica
-            return
-    raise ValueError(
-        f"SequenceParallelTrainer cannot split the batches of a {type(dataloader).__name__} over the data-parallel "
-        f"replicas; use a map-style or iterable dataset the Trainer prepares with accelerate"
-    )
+
+    def prepare(data_loader: Any, device_placement: bool | None = None, slice_fn_for_dispatch: Any = None) -> Any:
+        return prepare_data_loader(
+            data_loader, accelerator.device, num_processes=replicas, process_index=replica,
+            split_batches=accelerator.split_batches,
+            put_on_device=accelerator.device_placement if device_placement is None else device_placement,
+            rng_types=list(accelerator.rng_types), dispatch_batches=False, even_batches=accelerator.even_batches,
+            use_seedable_sampler=accelerator.use_seedable_sampler, data_seed=accelerator.dataloader_config.data_seed,
+            non_blocking=accelerator.non_blocking, use_stateful_dataloader=accelerator.use_stateful_dataloader,
+        )  # fmt: skip
+
+    accelerator.prepare_data_loader = prepare  # accelerator.prepare calls it for every DataLoader
+    try:
+        yield
+    finally:
+        del accelerator.prepare_data_loader  # the class's method again
 
 
 class _DataParallelGather:
