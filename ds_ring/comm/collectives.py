@@ -70,7 +70,7 @@ def all_gather(
         return parts
     call.begin()
     work = None
-    if not force_p2p and len(set(numels)) == 1 and call.span == group_members(group) and call.runs(tensor.dtype):
+    if not force_p2p and len(set(numels)) == 1 and call.span == group_members(group) and call.runs(tensor):
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         work = call.post(lambda: gather(out, tensor, group=group, async_op=True))
     if work is None:
@@ -124,7 +124,7 @@ def reduce_scatter(
     out = mine.new_empty(mine.numel())
     call.begin()
     work = None
-    if not force_p2p and len(set(sizes)) == 1 and call.span == group_members(group) and call.runs(mine.dtype):
+    if not force_p2p and len(set(sizes)) == 1 and call.span == group_members(group) and call.runs(mine):
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         work = call.post(lambda: scatter(out, torch.cat(contributions), group=group, async_op=True))
     if work is None:
@@ -177,7 +177,7 @@ def all_to_all(
         return out
     call.begin()
     work = None
-    if not force_p2p and call.runs(tensor.dtype):
+    if not force_p2p and call.runs(tensor):
         work = call.post(lambda: dist.all_to_all_single(out, tensor, group=group, async_op=True))
     if work is None:
         rows = tensor.shape[0] // p
@@ -235,9 +235,10 @@ class _Call:
                        extra={"span": self.span}))  # fmt: skip
         self.started = time.perf_counter()
 
-    def runs(self, dtype: torch.dtype) -> bool:
-        """Whether the backend runs this exchange as a collective for ``dtype`` (alike on every rank)."""
-        return runs_collective(dist.get_backend(self.group), self.kind, dtype)
+    def runs(self, tensor: torch.Tensor) -> bool:
+        """Whether the backend runs this exchange as a collective for ``tensor``'s dtype and device type (alike
+        on every rank: ranks of one group hold their data on one device type)."""
+        return runs_collective(dist.get_backend(self.group), self.kind, tensor.dtype, tensor.device.type)
 
     def post(self, launch: Callable[[], dist.Work]) -> dist.Work:
         """``launch()``'s work; a backend error while posting becomes a :class:`CommError`."""
