@@ -60,11 +60,12 @@ def _checked_timeout(seconds: float) -> float:
     return seconds
 
 
-def process_group_timeout_s(backend: str, timeout_s: float) -> float:
-    """The process-group timeout for ``backend`` (e.g. ``"cpu:gloo,cuda:nccl"``) under ds_ring's ``timeout_s``:
-    twice it where NCCL's watchdog must stay the backstop behind ds_ring's own bounded waits, else itself."""
-    timeout_s = _checked_timeout(timeout_s)
-    return 2 * timeout_s if "nccl" in str(backend).lower() else timeout_s
+def process_group_timeout_s(timeout_s: float) -> float:
+    """The timeout of every process group ds_ring starts or makes (the world in ``ds_ring.initialize``, each
+    :class:`ds_ring.Topology` group, each gloo twin) under ds_ring's ``timeout_s``: twice it, so the backend's
+    own bound (NCCL's watchdog, gloo's group timeout) stays the backstop behind ds_ring's bounded waits,
+    which name the rank, peer and step first."""
+    return 2 * _checked_timeout(timeout_s)
 
 
 _TIMEOUT_WORDS = ("timed out", "timing out")  # gloo's wait; NCCL's Work.wait(timeout) and watchdog
