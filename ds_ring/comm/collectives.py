@@ -30,7 +30,7 @@ from ds_ring.comm.backends import runs_collective
 from ds_ring.comm.errors import CommError
 from ds_ring.comm.groups import group_rank
 from ds_ring.comm.spans import group_members, span_position
-from ds_ring.comm.wait import Pending, failed, resolve_timeout, wait_all
+from ds_ring.comm.wait import Pending, failed, resolve_timeout, stream_ordered, wait_all
 from ds_ring.hooks import Event, emit, hooks_active
 
 __all__ = ["all_gather", "all_reduce", "reduce_scatter", "all_to_all"]
@@ -86,6 +86,7 @@ def all_gather(
         path="p2p" if work is None else "collective",
         sent_bytes=tensor.numel() * itemsize * (len(call.span) - 1),
         received_bytes=(sum(numels) - tensor.numel()) * itemsize,
+        device=tensor.device,
     )
     return parts
 
@@ -140,6 +141,7 @@ def reduce_scatter(
         path="p2p" if work is None else "collective",
         sent_bytes=(sum(sizes) - mine.numel()) * itemsize,
         received_bytes=mine.numel() * itemsize * (len(call.span) - 1),
+        device=mine.device,
     )
     if work is None:
         out.copy_(received[0])
@@ -188,7 +190,8 @@ def all_to_all(
     else:
         pending = [call.pending(work)]
     moved = tensor.numel() // p * (p - 1) * tensor.element_size()
-    _finish(call, pending, path="p2p" if work is None else "collective", sent_bytes=moved, received_bytes=moved)
+    _finish(call, pending, path="p2p" if work is None else "collective", sent_bytes=moved, received_bytes=moved,
+            device=tensor.device)  # fmt: skip
     return out
 
 
@@ -211,7 +214,7 @@ def all_reduce(
     except RuntimeError as exc:
         raise call.post_failed(f"all_reduce among ranks {call.span}", exc) from exc
     moved = out.numel() * out.element_size()
-    _finish(call, [call.pending(work)], path="collective", sent_bytes=moved, received_bytes=moved)
+    _finish(call, [call.pending(work)], path="collective", sent_bytes=moved, received_bytes=moved, device=out.device)
     return out
 
 
@@ -272,9 +275,14 @@ def _post_exchange(call: _Call, exchange: list[tuple[int, torch.Tensor, torch.Te
     return recvs + sends
 
 
-def _finish(call: _Call, pending: list[Pending], *, path: str, sent_bytes: int, received_bytes: int) -> None:
-    """Bounded wait for ``pending``, then one event describing the call."""
-    blocked = wait_all(pending, timeout_s=call.timeout_s, rank=call.rank, op=call.op, step=call.step)
+def _finish(
+    call: _Call, pending: list[Pending], *, path: str, sent_bytes: int, received_bytes: int, device: torch.device
+) -> None:
+    """Bounded wait for ``pending`` (stream-ordered for ``device`` data on NCCL), then one event describing
+    the call."""
+    in_stream = stream_ordered(call.group, device)
+    blocked = wait_all(pending, timeout_s=call.timeout_s, rank=call.rank, op=call.op, step=call.step,
+                       in_stream=in_stream)  # fmt: skip
     if hooks_active():
         emit(
             Event(
