@@ -17,14 +17,20 @@ SEQ, HEADS, DIM, WINDOW = 16384, 8, 64, 128
 
 def _layer_ops(window: int | None, seq: int = SEQ, device: str = "meta") -> int:
     q, k, v = (torch.randn(1, seq, HEADS, DIM, device=device, requires_grad=True) for _ in range(3))
-    window_kernel._hidden.cache_clear()  # count the band mask too (made once per geometry)
+    window_kernel._hidden.cache_clear()  # count the band masks too (made once per geometry)
+    window_kernel._additive.cache_clear()
     with OpCount() as ops:
         out = ds_ring.dilated_attention(q, k, v, causal=True, window=window)
         out.backward(torch.ones_like(out))
     return ops.total
 
 
-def test_windowed_layer_is_a_few_hundred_ops():
+@pytest.mark.parametrize("fused", [True, False], ids=["cpu_fused", "batched"])
+def test_windowed_layer_is_a_few_hundred_ops(fused, monkeypatch):
+    """Both band paths: the fused CPU flash kernel (CPU and meta tensors) and the masked batched matmuls (other
+    devices)."""
+    if not fused:
+        monkeypatch.setattr(window_kernel, "_fused", lambda *args: False)
     assert _layer_ops(WINDOW) <= 300  # was 33,881 (a loop over ~4,800 band pieces)
 
 
@@ -45,7 +51,9 @@ def test_ops_per_layer_do_not_depend_on_the_window(window):
 
 
 def test_blocks_go_in_groups_within_the_byte_budget(monkeypatch):
-    """A longer run than the budget holds takes more groups (each a few ops), never a score tensor beyond it."""
+    """A longer run than the budget holds takes more groups (each a few ops), never a score tensor beyond it
+    (the batched path's groups; the fused CPU kernel holds no score tensor)."""
+    monkeypatch.setattr(window_kernel, "_fused", lambda *args: False)
     geo = window_kernel._bands(SEQ, SEQ, 0, WINDOW)
     per_block = HEADS * geo.block * geo.band * 4
     monkeypatch.setattr(window_kernel, "BAND_BYTES", 8 * per_block)

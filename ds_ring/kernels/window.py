@@ -26,6 +26,7 @@ Layout: token layout ``[*lead, rows, heads, D]`` as in :mod:`ds_ring.kernels.dil
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -97,14 +98,14 @@ def _hidden(geo: _Bands, device: torch.device) -> torch.Tensor:
     return (~seen).expand(geo.count, geo.block, geo.band).unsqueeze(1)
 
 
-def _bands(m: int, n: int, d: int, window: int) -> _Bands | None:
+def _bands(m: int, n: int, d: int, window: int, block: int | None = None) -> _Bands | None:
     """The blocks of ``m`` query rows over ``n`` key rows, queries ``d`` positions ahead; ``None``: no row
-    meets a key."""
+    meets a key. ``block``: rows per block (``None``: ``max(16, window // 2)``), at most the rows."""
     first, last = max(0, -d), min(m, n - d + window - 1)
     if last <= first:
         return None
     rows = last - first
-    block = min(rows, max(16, window // 2))
+    block = min(rows, max(16, window // 2) if block is None else block)
     per_band = -(-(block + window - 1) // block)
     return _Bands(first, rows, block, -(-rows // block), per_band, first + d - window + 1, n, window)
 
@@ -180,6 +181,11 @@ def attend_band_into(
     """Merge windowed attention of ``q [*lead, m, h, D]`` over ``k [*lead, n, h, D]``, ``v [*lead, n, h, Dv]``
     into ``out [*lead, m, h, Dv]`` / ``lse [*lead, m, h]`` (accumulators, in place); query positions are ``d``
     ahead; ``softcap``: scores capped to ``softcap·tanh(s / softcap)``."""
+    if _fused(q, v, softcap):
+        geo = _bands(q.shape[-3], k.shape[-3], d, window, _fused_block(window))
+        if geo is not None:
+            _fused_forward(q, k, v, out, lse, geo, _scale(q, scale))
+        return
     geo = _bands(q.shape[-3], k.shape[-3], d, window)
     if geo is None:
         return
@@ -218,10 +224,12 @@ def attend_band_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`attend_band_into` given the *final* merged ``out``/``lse``: ``(dq, dk, dv)`` shaped
     like ``q``, ``k``, ``v``, in the accumulation dtype (zeros where no band reaches)."""
-    acc = accum_dtype(q.dtype)
-    geo = _bands(q.shape[-3], k.shape[-3], d, window)
+    acc, fused = accum_dtype(q.dtype), _fused(q, v, softcap)
+    geo = _bands(q.shape[-3], k.shape[-3], d, window, _fused_block(window) if fused else None)
     if geo is None:
         return tuple(torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
+    if fused:
+        return _fused_backward(dout, q, k, v, out, lse, geo, _scale(q, scale))
     qb, dob, ob = (_query_blocks(x, geo, acc) for x in (q, dout, out))
     lb = _query_blocks(_finite(lse.to(acc)).unsqueeze(-1), geo, acc).squeeze(-1)  # [L, count, h, block]
     kr, vr = _key_run(k, geo, acc), _key_run(v, geo, acc)
@@ -268,3 +276,106 @@ def _add_bands_(run: torch.Tensor, grads: torch.Tensor, geo: _Bands, t0: int) ->
     parts = grads.view(*grads.shape[:3], geo.per_band, geo.block, grads.shape[-1]).permute(0, 1, 3, 4, 2, 5)
     for i in range(geo.per_band):
         by_block[:, t0 + i : t0 + i + blocks] += parts[:, :, i]
+
+
+# --- CPU: the blocks through PyTorch's fused flash kernel -------------------------------------------------------
+#
+# On a CPU the bands go through ``_scaled_dot_product_flash_attention_for_cpu`` (and its backward) with an additive
+# band mask: batch = blocks, each block's keys a strided view of the padded key run (no copy), no score tensor
+# in memory (the kernel tiles the scores in its caches). Interior blocks share one ``[block, band]`` mask; the
+# few blocks at the run's edges (padding keys, rows past the run) get their own masks, in separate calls.
+
+
+def _fused(q: torch.Tensor, v: torch.Tensor, softcap: float | None) -> bool:
+    """Whether the band goes through the fused CPU flash kernel: a CPU (or meta) tensor, no ``softcap``, one
+    head dim for q/k and v."""
+    return q.device.type in ("cpu", "meta") and softcap is None and q.shape[-1] == v.shape[-1]
+
+
+def _fused_block(window: int) -> int:
+    """Query rows per block for the fused kernel: ``max(128, window // 2)``. Its backward costs a fixed time per
+    (block, head) task, so small blocks (``window // 2`` = 64 at window 128) are slower than larger ones that
+    compute more masked scores (band ``2·window`` rather than ``1.5·window`` keys a row at window 128)."""
+    return max(128, window // 2)
+
+
+def _segments(geo: _Bands) -> list[tuple[int, int]]:
+    """Blocks ``[t0, t1)`` in at most three runs: leading blocks whose bands reach keys before 0, the interior
+    (every band within ``[0, n)``, every row a row of the run: one shared mask), the trailing blocks."""
+    e0 = min(geo.count, max(0, -(geo.start // geo.block)))  # ceil(-start / block)
+    e1 = min(geo.count, (geo.n - geo.start - geo.band) // geo.block + 1, geo.rows // geo.block)
+    e1 = max(e1, e0)
+    return [(t0, t1) for t0, t1 in ((0, e0), (e0, e1), (e1, geo.count)) if t1 > t0]
+
+
+@functools.lru_cache(maxsize=64)
+def _additive(geo: _Bands, t0: int, t1: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Blocks ``t0:t1``'s band mask, additive (``0`` seen, ``-inf`` hidden): ``[t1 - t0, 1, block, band]``, or
+    ``[1, 1, block, band]`` where every block of the range has the interior mask."""
+    x = torch.arange(geo.block, device=device).view(-1, 1)
+    y = torch.arange(geo.band, device=device)
+    rel = y - x
+    seen = (rel >= 0) & (rel < geo.window)  # [block, band]
+    interior = geo.start + t0 * geo.block >= 0 and geo.start + (t1 - 1) * geo.block + geo.band <= geo.n
+    interior = interior and t1 * geo.block <= geo.rows
+    if not interior:
+        t = torch.arange(t0, t1, device=device).view(-1, 1) * geo.block
+        key = t + (y + geo.start)
+        seen = seen & ((key >= 0) & (key < geo.n)).unsqueeze(1)  # [blocks, block, band]
+        seen = seen & (t + x.view(1, -1) < geo.rows).unsqueeze(-1)
+    mask = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
+    return mask.view(-1, 1, geo.block, geo.band)
+
+
+def _band_view(run: torch.Tensor, geo: _Bands, t0: int, t1: int) -> torch.Tensor:
+    """Blocks ``t0:t1``'s bands of one lead's padded key run ``[key_blocks·block, h, E]`` (contiguous) as the
+    kernel's keys ``[t1 - t0, h, band, E]``: a strided view."""
+    rows, h, e = run.shape
+    return run.as_strided((t1 - t0, h, geo.band, e), (geo.block * h * e, e, h * e, 1),
+                          run.storage_offset() + t0 * geo.block * h * e)  # fmt: skip
+
+
+def _fused_forward(q, k, v, out, lse, geo: _Bands, scale: float) -> None:
+    acc, lead = accum_dtype(q.dtype), q.shape[:-3]
+    qb, kr, vr = _query_blocks(q, geo, acc), _key_run(k, geo, acc).contiguous(), _key_run(v, geo, acc).contiguous()
+    for i, at in enumerate(itertools.product(*map(range, lead))):  # out[at]: one lead's accumulators (views)
+        qi, ki, vi = qb[i], kr[i], vr[i]
+        pieces = [
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                qi[t0:t1], _band_view(ki, geo, t0, t1), _band_view(vi, geo, t0, t1), 0.0, False,
+                attn_mask=_additive(geo, t0, t1, q.device, acc), scale=scale,
+            )  # [blocks, h, block, E], [blocks, h, block]
+            for t0, t1 in _segments(geo)
+        ]  # fmt: skip
+        block_out, block_lse = (torch.cat(x) if len(pieces) > 1 else x[0] for x in zip(*pieces, strict=True))
+        block_out = block_out.transpose(1, 2).reshape(-1, *block_out.shape[1:2], block_out.shape[-1])[: geo.rows]
+        block_lse = block_lse.transpose(1, 2).reshape(-1, block_lse.shape[1])[: geo.rows]
+        merge_(out[at].narrow(0, geo.first, geo.rows), lse[at].narrow(0, geo.first, geo.rows), block_out, block_lse)
+
+
+def _fused_backward(dout, q, k, v, out, lse, geo: _Bands, scale: float):
+    acc = accum_dtype(q.dtype)
+    qb, dob, ob = (_query_blocks(x, geo, acc) for x in (q, dout, out))
+    lb = _query_blocks(_finite(lse.to(acc)).unsqueeze(-1), geo, acc).squeeze(-1)  # [L, count, h, block]
+    kr, vr = _key_run(k, geo, acc).contiguous(), _key_run(v, geo, acc).contiguous()
+    dqs, dks, dvs = [], [], []
+    for i in range(qb.shape[0]):
+        qi, ki, vi, doi, oi, li = qb[i], kr[i], vr[i], dob[i], ob[i], lb[i]
+        pieces = [
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                doi[t0:t1], qi[t0:t1], _band_view(ki, geo, t0, t1), _band_view(vi, geo, t0, t1), oi[t0:t1],
+                li[t0:t1], 0.0, False, attn_mask=_additive(geo, t0, t1, q.device, acc), scale=scale,
+            )
+            for t0, t1 in _segments(geo)
+        ]  # fmt: skip
+        for grads, x in zip((dqs, dks, dvs), zip(*pieces, strict=True), strict=True):
+            grads.append(torch.cat(x) if len(x) > 1 else x[0])
+    dqb, dkb, dvb = (torch.stack(x) if len(x) > 1 else x[0].unsqueeze(0) for x in (dqs, dks, dvs))
+    dkr, dvr = torch.zeros_like(kr), torch.zeros_like(vr)
+    _add_bands_(dkr, dkb, geo, 0)
+    _add_bands_(dvr, dvb, geo, 0)
+    dq = _placed(_token_layout(dqb, q.shape[:-3], geo.rows), q, geo.first)
+    lo, hi = max(geo.start, 0), min(geo.start + geo.key_blocks * geo.block, geo.n)
+    dk, dv = (_placed(run.narrow(1, lo - geo.start, hi - lo).view(*x.shape[:-3], hi - lo, *run.shape[-2:]), x, lo)
+              for run, x in ((dkr, k), (dvr, v)))  # fmt: skip
+    return dq, dk, dv
