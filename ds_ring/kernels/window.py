@@ -299,25 +299,33 @@ def _fused_block(window: int) -> int:
     return max(128, window // 2)
 
 
-def _segments(geo: _Bands) -> list[tuple[int, int]]:
-    """Blocks ``[t0, t1)`` in at most three runs: leading blocks whose bands reach keys before 0, the interior
-    (every band within ``[0, n)``, every row a row of the run: one shared mask), the trailing blocks."""
-    e0 = min(geo.count, max(0, -(geo.start // geo.block)))  # ceil(-start / block)
-    e1 = min(geo.count, (geo.n - geo.start - geo.band) // geo.block + 1, geo.rows // geo.block)
-    e1 = max(e1, e0)
-    return [(t0, t1) for t0, t1 in ((0, e0), (e0, e1), (e1, geo.count)) if t1 > t0]
+@functools.lru_cache(maxsize=64)
+def _segments(geo: _Bands) -> tuple[tuple[int, int, bool], ...]:
+    """Blocks ``[t0, t1)`` in at most three runs ``(t0, t1, interior)``: leading blocks, the *interior* (one
+    shared ``[block, band]`` mask), trailing blocks. A block is interior when every key its real rows see
+    under the band mask is one of ``[0, n)``: padding keys and rows past the run then need no mask of their
+    own (a padded row's output is cut off; its ``dout`` is 0, so it adds nothing to dK/dV)."""
+
+    def interior(t: int) -> bool:
+        last_row = min(geo.block, geo.rows - t * geo.block) - 1
+        return geo.start + t * geo.block >= 0 and geo.start + t * geo.block + last_row + geo.window - 1 < geo.n
+
+    inner = [t for t in range(geo.count) if interior(t)]  # a run of blocks (both conditions are monotone)
+    if not inner:
+        return ((0, geo.count, False),)
+    e0, e1 = inner[0], inner[-1] + 1
+    runs = ((0, e0, False), (e0, e1, True), (e1, geo.count, False))
+    return tuple(run for run in runs if run[1] > run[0])
 
 
 @functools.lru_cache(maxsize=64)
-def _additive(geo: _Bands, t0: int, t1: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Blocks ``t0:t1``'s band mask, additive (``0`` seen, ``-inf`` hidden): ``[t1 - t0, 1, block, band]``, or
-    ``[1, 1, block, band]`` where every block of the range has the interior mask."""
+def _additive(geo: _Bands, t0: int, t1: int, interior: bool, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Blocks ``t0:t1``'s band mask, additive (``0`` seen, ``-inf`` hidden): ``[1, 1, block, band]`` for the
+    interior, else ``[t1 - t0, 1, block, band]`` (keys outside ``[0, n)`` and rows past the run hidden too)."""
     x = torch.arange(geo.block, device=device).view(-1, 1)
     y = torch.arange(geo.band, device=device)
     rel = y - x
     seen = (rel >= 0) & (rel < geo.window)  # [block, band]
-    interior = geo.start + t0 * geo.block >= 0 and geo.start + (t1 - 1) * geo.block + geo.band <= geo.n
-    interior = interior and t1 * geo.block <= geo.rows
     if not interior:
         t = torch.arange(t0, t1, device=device).view(-1, 1) * geo.block
         key = t + (y + geo.start)
@@ -343,9 +351,9 @@ def _fused_forward(q, k, v, out, lse, geo: _Bands, scale: float) -> None:
         pieces = [
             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 qi[t0:t1], _band_view(ki, geo, t0, t1), _band_view(vi, geo, t0, t1), 0.0, False,
-                attn_mask=_additive(geo, t0, t1, q.device, acc), scale=scale,
+                attn_mask=_additive(geo, t0, t1, inner, q.device, acc), scale=scale,
             )  # [blocks, h, block, E], [blocks, h, block]
-            for t0, t1 in _segments(geo)
+            for t0, t1, inner in _segments(geo)
         ]  # fmt: skip
         block_out, block_lse = (torch.cat(x) if len(pieces) > 1 else x[0] for x in zip(*pieces, strict=True))
         block_out = block_out.transpose(1, 2).reshape(-1, *block_out.shape[1:2], block_out.shape[-1])[: geo.rows]
@@ -358,22 +366,18 @@ def _fused_backward(dout, q, k, v, out, lse, geo: _Bands, scale: float):
     qb, dob, ob = (_query_blocks(x, geo, acc) for x in (q, dout, out))
     lb = _query_blocks(_finite(lse.to(acc)).unsqueeze(-1), geo, acc).squeeze(-1)  # [L, count, h, block]
     kr, vr = _key_run(k, geo, acc).contiguous(), _key_run(v, geo, acc).contiguous()
-    dqs, dks, dvs = [], [], []
+    dqb, dkr, dvr = torch.empty_like(qb), torch.zeros_like(kr), torch.zeros_like(vr)
     for i in range(qb.shape[0]):
         qi, ki, vi, doi, oi, li = qb[i], kr[i], vr[i], dob[i], ob[i], lb[i]
-        pieces = [
-            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        for t0, t1, inner in _segments(geo):  # each segment's band grads summed into the key run at once (no copies)
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 doi[t0:t1], qi[t0:t1], _band_view(ki, geo, t0, t1), _band_view(vi, geo, t0, t1), oi[t0:t1],
-                li[t0:t1], 0.0, False, attn_mask=_additive(geo, t0, t1, q.device, acc), scale=scale,
-            )
-            for t0, t1 in _segments(geo)
-        ]  # fmt: skip
-        for grads, x in zip((dqs, dks, dvs), zip(*pieces, strict=True), strict=True):
-            grads.append(torch.cat(x) if len(x) > 1 else x[0])
-    dqb, dkb, dvb = (torch.stack(x) if len(x) > 1 else x[0].unsqueeze(0) for x in (dqs, dks, dvs))
-    dkr, dvr = torch.zeros_like(kr), torch.zeros_like(vr)
-    _add_bands_(dkr, dkb, geo, 0)
-    _add_bands_(dvr, dvb, geo, 0)
+                li[t0:t1], 0.0, False, attn_mask=_additive(geo, t0, t1, inner, q.device, acc), scale=scale,
+            )  # fmt: skip
+            dqb[i, t0:t1] = dq
+            _add_bands_(dkr[i : i + 1], dk.unsqueeze(0), geo, t0)
+            _add_bands_(dvr[i : i + 1], dv.unsqueeze(0), geo, t0)
+            del dq, dk, dv
     dq = _placed(_token_layout(dqb, q.shape[:-3], geo.rows), q, geo.first)
     lo, hi = max(geo.start, 0), min(geo.start + geo.key_blocks * geo.block, geo.n)
     dk, dv = (_placed(run.narrow(1, lo - geo.start, hi - lo).view(*x.shape[:-3], hi - lo, *run.shape[-2:]), x, lo)
