@@ -13,6 +13,7 @@ from os import PathLike
 from typing import Any
 
 import deepspeed
+import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from torch import nn
@@ -20,6 +21,7 @@ from torch.distributed import ProcessGroup
 
 from ds_ring.attention import MultiheadRingDilatedAttention, RingDilatedAttention
 from ds_ring.comm.agree import agree
+from ds_ring.comm.backends import device_backend
 from ds_ring.comm.wait import DEFAULT_TIMEOUT_S, process_group_timeout_s
 from ds_ring.config import SECTION, MonitoringConfig, RingAttentionConfig, load_config, read_ds_config
 from ds_ring.launch_env import discover_launch_env
@@ -27,7 +29,15 @@ from ds_ring.monitor import RingMonitor, at_clean_exit, flush_writer
 from ds_ring.topology import Topology, control_world
 from ds_ring.zero import gradient_scale, mark_parameters
 
-__all__ = ["initialize", "install", "init_distributed", "process_group_backend", "agree_on_section", "attach_monitor"]
+__all__ = [
+    "initialize",
+    "install",
+    "init_distributed",
+    "local_cuda_device",
+    "process_group_backend",
+    "agree_on_section",
+    "attach_monitor",
+]
 
 MONITOR_BACKENDS = ("csv_monitor", "tensorboard", "wandb", "comet")
 _attached: RingMonitor | None = None  # the monitor of the last ds_ring.initialize in this process
@@ -57,6 +67,14 @@ def process_group_backend() -> str:
     return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
 
 
+def local_cuda_device(backend: str) -> torch.device | None:
+    """This rank's GPU, ``cuda:<LOCAL_RANK>`` (0 when unset), when ``backend`` moves CUDA tensors with NCCL and
+    CUDA is available; else ``None``."""
+    if device_backend(backend, "cuda") != "nccl" or not torch.cuda.is_available():
+        return None
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+
+
 def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Start ``torch.distributed`` once, from whatever launcher started this process.
 
@@ -65,19 +83,26 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     :func:`process_group_backend` and hands it to DeepSpeed (``deepspeed.init_distributed`` adopts it).
     Under ``torchrun`` the rendezvous keys are private to the restart attempt, so ``--max-restarts``
     restarts rendezvous afresh. The process group's timeout is :func:`~ds_ring.comm.wait.process_group_timeout_s`
-    (on NCCL twice ``timeout_s``, so its watchdog stays the backstop behind ds_ring's bounded waits).
+    (twice ``timeout_s``, so NCCL's watchdog stays the backstop behind ds_ring's bounded waits). On NCCL the
+    group is bound to this rank's GPU (``LOCAL_RANK``, :func:`local_cuda_device`) with ``device_id``: NCCL
+    connects at start-up, and every group made from it later (:class:`ds_ring.Topology`'s) connects when made.
     """
     if dist.is_initialized():
         return
     discover_launch_env()
     backend = process_group_backend()
-    timeout = timedelta(seconds=process_group_timeout_s(backend, timeout_s))  # NCCL's watchdog: the backstop
+    timeout = timedelta(seconds=process_group_timeout_s(timeout_s))  # NCCL's watchdog: the backstop
     store = _restart_safe_store(timedelta(seconds=timeout_s))
+    device = local_cuda_device(backend)
+    bound: dict[str, Any] = {}
+    if device is not None:
+        torch.cuda.set_device(device)
+        bound["device_id"] = device
     if store is not None:
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **bound)
     else:
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout, **bound)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
 
 

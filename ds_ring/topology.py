@@ -20,18 +20,23 @@ from __future__ import annotations
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ds_ring.comm.agree import agree
+from ds_ring.comm.backends import device_backend
+from ds_ring.comm.collectives import all_reduce
 from ds_ring.comm.groups import takes_cpu
 from ds_ring.comm.hosts import gather_hosts
-from ds_ring.comm.wait import resolve_timeout
+from ds_ring.comm.wait import process_group_timeout_s, resolve_timeout
 from ds_ring.placement import check_placement
 
-__all__ = ["RankLayout", "rank_layout", "Topology", "ROLES", "sequence_group", "control_world", "needs_control_twins"]
+__all__ = ["RankLayout", "rank_layout", "Topology", "ROLES", "sequence_group", "control_world", "needs_control_twins",
+           "nccl_device"]
 
 ROLES = (
     "sequence_parallel",
@@ -195,42 +200,72 @@ def needs_control_twins(group: ProcessGroup | None = None) -> bool:
     return not takes_cpu(group)
 
 
-def control_world(group: ProcessGroup | None = None) -> ProcessGroup | None:
+def control_world(group: ProcessGroup | None = None, timeout_s: float | None = None) -> ProcessGroup | None:
     """``group`` (``None``: the world) when its backend takes CPU tensors, else a gloo group of the same
-    ranks, made once per group. Collective on its first call: every rank calls it at the same point."""
+    ranks, made once per group with the timeout :func:`~ds_ring.comm.wait.process_group_timeout_s` gives
+    ``timeout_s`` (``None``: 300 s). Collective on its first call: every rank calls it at the same point."""
     if not dist.is_initialized() or not needs_control_twins(group):
         return group
     world = dist.group.WORLD if group is None else group
     twin = _world_twins.get(world)
     if twin is None:
-        twin = _world_twins[world] = dist.new_group(dist.get_process_group_ranks(world), backend="gloo")
+        timeout = _group_timeout(resolve_timeout(timeout_s))
+        twin = _world_twins[world] = dist.new_group(dist.get_process_group_ranks(world), backend="gloo",
+                                                    timeout=timeout)  # fmt: skip
     return twin
 
 
+def _group_timeout(timeout_s: float) -> timedelta:
+    """What every group made here gets (``new_group`` without ``timeout`` takes the backend's default, 600 s
+    for NCCL and 1,800 s for gloo, whatever ds_ring's bound): twice ``timeout_s``."""
+    return timedelta(seconds=process_group_timeout_s(timeout_s))
+
+
+def nccl_device(world: ProcessGroup | None = None) -> torch.device | None:
+    """The CUDA device this rank's NCCL groups are bound to: the current one when ``world``'s backend moves
+    CUDA tensors with NCCL (``"nccl"``, ``"cpu:gloo,cuda:nccl"``) and CUDA is available, else ``None``."""
+    if device_backend(dist.get_backend(world), "cuda") != "nccl" or not torch.cuda.is_available():
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def _create_groups(
-    layout: RankLayout, rank: int, world: ProcessGroup, control: ProcessGroup | None, twins: bool
+    layout: RankLayout, rank: int, world: ProcessGroup, control: ProcessGroup | None, twins: bool, timeout_s: float
 ) -> tuple[dict[str, ProcessGroup], dict[int, ProcessGroup | None]]:
     """This rank's group of every role, and the control group of each (by ``id``); every rank runs the same
-    ``new_group`` calls in the same order.
+    ``new_group`` calls in the same order, each with twice ``timeout_s`` as its timeout.
 
     A rank set that several roles share (e.g. sequence parallel = ulysses when ``ring == 1``) gets
     one process group; the set of all ranks is ``world`` itself (its control group: ``control``). With
     ``twins`` every other set also gets a gloo group, for control traffic.
+
+    On NCCL (:func:`nccl_device`) each group is made with ``device_id``, so NCCL connects its communicator
+    at creation, and then warmed up by one 1-element all-reduce, in creation order (the same on every
+    rank, so no two ranks wait on each other's groups in opposite orders): its communicator never comes
+    from a first batched point-to-point that might leave a member out (a packed batch, odd segments).
     """
+    timeout, device = _group_timeout(timeout_s), nccl_device(world)
+    bound = {} if device is None or getattr(dist.group.WORLD, "bound_device_id", None) else {"device_id": device}
     made: dict[tuple[int, ...], tuple[ProcessGroup, ProcessGroup | None]] = {}
     mine: dict[str, ProcessGroup] = {}
     controls: dict[int, ProcessGroup | None] = {id(world): control}
+    warm: list[ProcessGroup] = []
     for role in ROLES:
         for ranks in layout.groups(role):
             if ranks not in made:
                 if len(ranks) == layout.world_size:
                     made[ranks] = (world, control)
                 else:
-                    group = dist.new_group(list(ranks))
-                    made[ranks] = (group, dist.new_group(list(ranks), backend="gloo") if twins else group)
+                    group = dist.new_group(list(ranks), timeout=timeout, **bound)
+                    twin = dist.new_group(list(ranks), backend="gloo", timeout=timeout) if twins else group
+                    made[ranks] = (group, twin)
+                    if device is not None and rank in ranks and len(ranks) > 1:
+                        warm.append(group)
             if rank in ranks:
                 mine[role] = made[ranks][0]
                 controls[id(made[ranks][0])] = made[ranks][1]
+    for group in warm:
+        all_reduce(torch.zeros(1, device=device), group=group, op="Topology warm-up", timeout_s=timeout_s)
     return mine, controls
 
 
@@ -246,7 +281,8 @@ class Topology:
     all-gather, :func:`ds_ring.comm.agree`, bounded by ``timeout_s``): degrees that differ raise a
     ``ValueError`` on every rank naming each rank's values. Then the degrees are checked, before any
     group is created. ``timeout_s`` (``None``: 300 s, :data:`ds_ring.comm.DEFAULT_TIMEOUT_S`) then
-    bounds every wait of attention over this topology that names no timeout of its own. The ranks then
+    bounds every wait of attention over this topology that names no timeout of its own; every group made
+    here has twice it as its process-group timeout (the backend's watchdog stays the backstop). The ranks then
     exchange their hosts (:mod:`ds_ring.comm.hosts`, named in communication errors from then on) and
     check that no Ulysses group spans several hosts (:func:`ds_ring.placement.check_placement`):
     ``ulysses_across_hosts`` ``"warn"`` (a :class:`~ds_ring.placement.PlacementWarning` naming the ranks and
@@ -308,14 +344,14 @@ class Topology:
             )
         # Agree before checking: degrees that differ between ranks (some of them maybe invalid) then
         # fail on every rank with each rank's values, instead of some ranks raising while others wait.
-        control = control_world(group)
+        control = control_world(group, timeout_s)
         agree(dict(data_parallel=data_parallel, ulysses=ulysses, ring=ring), group=control, op="Topology",
               timeout_s=timeout_s, fix=_SAME_DEGREES, cache=False)  # fmt: skip
         layout = rank_layout(world_size, data_parallel=data_parallel, ulysses=ulysses, ring=ring)
         check_placement(layout, gather_hosts(control, timeout_s), ulysses_across_hosts)
         rank = dist.get_rank(group)
         world = dist.group.WORLD if group is None else group
-        groups, controls = _create_groups(layout, rank, world, control, needs_control_twins(group))
+        groups, controls = _create_groups(layout, rank, world, control, needs_control_twins(group), timeout_s)
         object.__setattr__(self, "layout", layout)
         object.__setattr__(self, "rank", rank)
         object.__setattr__(self, "world_group", group)

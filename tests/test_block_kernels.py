@@ -38,8 +38,14 @@ CHOICES = [
     ("cuda", F16, 64, T4, "cuda_efficient"),
     ("cuda", F32, 64, T4, "cuda_efficient"),
     ("cuda", BF16, 64, NO_FLASH, "cuda_efficient"),
-    ("cuda", BF16, 64, ROCM, "torch"),
-    ("cuda", F32, 64, ROCM, "torch"),
+    ("cuda", BF16, 64, T4, "torch"),  # the memory-efficient kernel has no bf16 kernel below sm80
+    ("cuda", BF16, 64, GpuFacts((7, 0)), "torch"),
+    ("cuda", BF16, 64, ROCM, "cuda_flash"),  # PyTorch's fused kernels on ROCm (AOTriton)
+    ("cuda", F16, 256, ROCM, "cuda_flash"),
+    ("cuda", F16, 512, ROCM, "cuda_efficient"),
+    ("cuda", F32, 64, ROCM, "cuda_efficient"),
+    ("cuda", F64, 64, ROCM, "torch"),
+    ("cuda", BF16, 64, GpuFacts((9, 4), flash_built=False, rocm=True), "torch"),
     ("mps", F32, 64, None, "torch"),
 ]
 

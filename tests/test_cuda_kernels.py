@@ -39,7 +39,7 @@ def _runnable() -> list[tuple[object, torch.dtype]]:
     for dtype in (F16, BF16, F32):
         if block.kernel_for("cuda", dtype, 64, facts) is fused.CUDA_FLASH:
             pairs.append((fused.CUDA_FLASH, dtype))
-        if not facts.rocm and facts.capability >= (5, 0):
+        if block.kernel_for("cuda", dtype, 512, facts) is fused.CUDA_EFFICIENT:  # beyond FlashAttention-2
             pairs.append((fused.CUDA_EFFICIENT, dtype))
     return pairs + [(chunked.CHUNKED, dtype) for dtype in (F16, BF16, F32, F64)]
 

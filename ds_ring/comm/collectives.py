@@ -30,7 +30,7 @@ from ds_ring.comm.backends import runs_collective
 from ds_ring.comm.errors import CommError
 from ds_ring.comm.groups import group_rank
 from ds_ring.comm.spans import group_members, span_position
-from ds_ring.comm.wait import Pending, failed, resolve_timeout, wait_all
+from ds_ring.comm.wait import Pending, failed, resolve_timeout, stream_ordered, wait_all
 from ds_ring.hooks import Event, emit, hooks_active
 
 __all__ = ["all_gather", "all_reduce", "reduce_scatter", "all_to_all"]
@@ -70,7 +70,7 @@ def all_gather(
         return parts
     call.begin()
     work = None
-    if not force_p2p and len(set(numels)) == 1 and call.span == group_members(group) and call.runs(tensor.dtype):
+    if not force_p2p and len(set(numels)) == 1 and call.span == group_members(group) and call.runs(tensor):
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         work = call.post(lambda: gather(out, tensor, group=group, async_op=True))
     if work is None:
@@ -86,6 +86,7 @@ def all_gather(
         path="p2p" if work is None else "collective",
         sent_bytes=tensor.numel() * itemsize * (len(call.span) - 1),
         received_bytes=(sum(numels) - tensor.numel()) * itemsize,
+        device=tensor.device,
     )
     return parts
 
@@ -124,7 +125,7 @@ def reduce_scatter(
     out = mine.new_empty(mine.numel())
     call.begin()
     work = None
-    if not force_p2p and len(set(sizes)) == 1 and call.span == group_members(group) and call.runs(mine.dtype):
+    if not force_p2p and len(set(sizes)) == 1 and call.span == group_members(group) and call.runs(mine):
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         work = call.post(lambda: scatter(out, torch.cat(contributions), group=group, async_op=True))
     if work is None:
@@ -140,6 +141,7 @@ def reduce_scatter(
         path="p2p" if work is None else "collective",
         sent_bytes=(sum(sizes) - mine.numel()) * itemsize,
         received_bytes=mine.numel() * itemsize * (len(call.span) - 1),
+        device=mine.device,
     )
     if work is None:
         out.copy_(received[0])
@@ -177,7 +179,7 @@ def all_to_all(
         return out
     call.begin()
     work = None
-    if not force_p2p and call.runs(tensor.dtype):
+    if not force_p2p and call.runs(tensor):
         work = call.post(lambda: dist.all_to_all_single(out, tensor, group=group, async_op=True))
     if work is None:
         rows = tensor.shape[0] // p
@@ -188,7 +190,8 @@ def all_to_all(
     else:
         pending = [call.pending(work)]
     moved = tensor.numel() // p * (p - 1) * tensor.element_size()
-    _finish(call, pending, path="p2p" if work is None else "collective", sent_bytes=moved, received_bytes=moved)
+    _finish(call, pending, path="p2p" if work is None else "collective", sent_bytes=moved, received_bytes=moved,
+            device=tensor.device)  # fmt: skip
     return out
 
 
@@ -211,7 +214,7 @@ def all_reduce(
     except RuntimeError as exc:
         raise call.post_failed(f"all_reduce among ranks {call.span}", exc) from exc
     moved = out.numel() * out.element_size()
-    _finish(call, [call.pending(work)], path="collective", sent_bytes=moved, received_bytes=moved)
+    _finish(call, [call.pending(work)], path="collective", sent_bytes=moved, received_bytes=moved, device=out.device)
     return out
 
 
@@ -235,9 +238,10 @@ class _Call:
                        extra={"span": self.span}))  # fmt: skip
         self.started = time.perf_counter()
 
-    def runs(self, dtype: torch.dtype) -> bool:
-        """Whether the backend runs this exchange as a collective for ``dtype`` (alike on every rank)."""
-        return runs_collective(dist.get_backend(self.group), self.kind, dtype)
+    def runs(self, tensor: torch.Tensor) -> bool:
+        """Whether the backend runs this exchange as a collective for ``tensor``'s dtype and device type (alike
+        on every rank: ranks of one group hold their data on one device type)."""
+        return runs_collective(dist.get_backend(self.group), self.kind, tensor.dtype, tensor.device.type)
 
     def post(self, launch: Callable[[], dist.Work]) -> dist.Work:
         """``launch()``'s work; a backend error while posting becomes a :class:`CommError`."""
@@ -271,9 +275,14 @@ def _post_exchange(call: _Call, exchange: list[tuple[int, torch.Tensor, torch.Te
     return recvs + sends
 
 
-def _finish(call: _Call, pending: list[Pending], *, path: str, sent_bytes: int, received_bytes: int) -> None:
-    """Bounded wait for ``pending``, then one event describing the call."""
-    blocked = wait_all(pending, timeout_s=call.timeout_s, rank=call.rank, op=call.op, step=call.step)
+def _finish(
+    call: _Call, pending: list[Pending], *, path: str, sent_bytes: int, received_bytes: int, device: torch.device
+) -> None:
+    """Bounded wait for ``pending`` (stream-ordered for ``device`` data on NCCL), then one event describing
+    the call."""
+    in_stream = stream_ordered(call.group, device)
+    blocked = wait_all(pending, timeout_s=call.timeout_s, rank=call.rank, op=call.op, step=call.step,
+                       in_stream=in_stream)  # fmt: skip
     if hooks_active():
         emit(
             Event(

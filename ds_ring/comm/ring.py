@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ds_ring.comm.errors import CommError
 from ds_ring.comm.groups import group_rank
 from ds_ring.comm.spans import group_members
-from ds_ring.comm.wait import Pending, failed, resolve_timeout, wait_all
+from ds_ring.comm.wait import Pending, failed, resolve_timeout, stream_ordered, wait_all
 from ds_ring.hooks import Event, emit, hooks_active
 
 __all__ = ["RingComm"]
@@ -130,6 +130,7 @@ class RingComm:
             raise ValueError(f"ds_ring: ring peers {strangers} are not in the process group {members}")
         self._queued: list[_Transfer] = []
         self._pending: list[Pending] | None = None
+        self._in_stream = False  # CUDA data on NCCL: waits are stream-ordered (ds_ring.comm.wait)
         self._step = -1
         self._posted_at = 0.0
         self._commits = 0
@@ -211,6 +212,7 @@ class RingComm:
         if not ops:
             self._pending = []
             return
+        self._in_stream = stream_ordered(self.group, ops[0].tensor.device)
         try:
             works = dist.batch_isend_irecv(ops)
         except RuntimeError as exc:  # e.g. the pair was closed by an earlier timeout or a dead peer
@@ -229,7 +231,8 @@ class RingComm:
             raise RuntimeError(f"ds_ring: RingComm({self.op}).wait() before commit()")
         pending, transfers = self._pending, self._queued
         self._pending, self._queued = None, []
-        blocked = wait_all(pending, timeout_s=self.timeout_s, rank=self.rank, op=self.op, step=self._step)
+        blocked = wait_all(pending, timeout_s=self.timeout_s, rank=self.rank, op=self.op, step=self._step,
+                           in_stream=self._in_stream)  # fmt: skip
         if hooks_active() and not self._local:
             self._emit(transfers, time.perf_counter() - self._posted_at, blocked)
 

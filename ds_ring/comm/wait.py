@@ -10,11 +10,13 @@ raised, so a watchdog logs it where it happens even if a caller swallows it.
 **NCCL** (``ProcessGroupNCCL``, as PyTorch documents it; not yet run here, the project has no GPU):
 
 - ``Work.wait()`` *without* a timeout only makes the current CUDA stream wait for the work: the host goes on.
-  ``Work.wait(timeout)``, which is all ds_ring calls, *blocks the host thread* until the work completes or
-  ``timeout`` passes. On timeout it aborts the group's NCCL communicator and raises
-  ``torch.distributed.DistBackendError`` (a ``RuntimeError``) whose message ends "... ran for N milliseconds
-  before timing out." — counted here as a timeout like gloo's "timed out"; any other error is a
-  :class:`CommError`. Either way the communicator is gone: the group cannot be used again.
+  That is what ds_ring calls for CUDA data on NCCL (:func:`stream_ordered`): a ring step, an all-to-all or
+  the loss all-reduce is no host-device sync, so the host queues the next layer while the GPU works. The
+  deadline is then kept by a watchdog thread (:mod:`ds_ring.comm.stream_watch`): a work still incomplete
+  ``timeout_s`` after its wait becomes a :class:`CommTimeoutError` naming rank, peer, step and op, announced
+  at once and raised by the next wait. ``Work.wait(timeout)`` (which would *block the host thread* until
+  the work completes) is kept for gloo and CPU data; on NCCL its "... ran for N milliseconds before timing
+  out." counts as a timeout like gloo's "timed out"; any other error is a :class:`CommError`.
 - Independently, the group's **watchdog** thread checks every work against the *process group's* timeout
   (``init_process_group(timeout=...)``, 10 min by default for NCCL), counted from when the work was enqueued.
   With ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` on (the default, as torchrun also sets it) a work past that timeout
@@ -36,12 +38,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
+from ds_ring.comm.backends import device_backend
 from ds_ring.comm.errors import CommError, CommTimeoutError
+from ds_ring.comm.stream_watch import WATCH
 from ds_ring.hooks import Event, emit, hooks_active
 
-__all__ = ["Pending", "wait_all", "failed", "DEFAULT_TIMEOUT_S", "resolve_timeout", "process_group_timeout_s"]
+__all__ = [
+    "Pending",
+    "wait_all",
+    "failed",
+    "stream_ordered",
+    "DEFAULT_TIMEOUT_S",
+    "resolve_timeout",
+    "process_group_timeout_s",
+]
 
 DEFAULT_TIMEOUT_S = 300.0
 """Bound in seconds on a wait whose caller names none (a call on a plain group; a
@@ -60,11 +73,12 @@ def _checked_timeout(seconds: float) -> float:
     return seconds
 
 
-def process_group_timeout_s(backend: str, timeout_s: float) -> float:
-    """The process-group timeout for ``backend`` (e.g. ``"cpu:gloo,cuda:nccl"``) under ds_ring's ``timeout_s``:
-    twice it where NCCL's watchdog must stay the backstop behind ds_ring's own bounded waits, else itself."""
-    timeout_s = _checked_timeout(timeout_s)
-    return 2 * timeout_s if "nccl" in str(backend).lower() else timeout_s
+def process_group_timeout_s(timeout_s: float) -> float:
+    """The timeout of every process group ds_ring starts or makes (the world in ``ds_ring.initialize``, each
+    :class:`ds_ring.Topology` group, each gloo twin) under ds_ring's ``timeout_s``: twice it, so the backend's
+    own bound (NCCL's watchdog, gloo's group timeout) stays the backstop behind ds_ring's bounded waits,
+    which name the rank, peer and step first."""
+    return 2 * _checked_timeout(timeout_s)
 
 
 _TIMEOUT_WORDS = ("timed out", "timing out")  # gloo's wait; NCCL's Work.wait(timeout) and watchdog
@@ -85,13 +99,34 @@ class Pending:
     what: str
 
 
-def wait_all(pending: Sequence[Pending], *, timeout_s: float, rank: int, op: str, step: int) -> float:
+def stream_ordered(group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Whether waits on work over ``device`` data in ``group`` are stream-ordered: CUDA data moved by NCCL
+    (``"nccl"`` or the ``cuda:nccl`` part of a per-device backend)."""
+    return device.type == "cuda" and device_backend(dist.get_backend(group), "cuda") == "nccl"
+
+
+def wait_all(
+    pending: Sequence[Pending], *, timeout_s: float, rank: int, op: str, step: int, in_stream: bool = False
+) -> float:
     """Wait for every operation in ``pending`` under one shared deadline ``timeout_s`` seconds away.
 
-    Returns the seconds spent blocked here. Raises :class:`CommTimeoutError` naming the first
-    operation still incomplete at the deadline, or :class:`CommError` when the backend reports a
-    failure before it.
+    ``in_stream`` (NCCL on CUDA data, :func:`stream_ordered`): ``Work.wait()`` without a timeout, which makes
+    the current CUDA stream wait and returns at once; the deadline is kept by the watchdog thread
+    (:mod:`ds_ring.comm.stream_watch`), whose error for an earlier wait is raised here. Returns 0.0: the
+    host did not block. Otherwise (gloo, CPU data) a bounded host wait: returns the seconds spent blocked
+    here. Raises :class:`CommTimeoutError` naming the first operation still incomplete at the deadline, or
+    :class:`CommError` when the backend reports a failure before it.
     """
+    if in_stream:
+        WATCH.announce = failed
+        WATCH.raise_expired()
+        for item in pending:
+            try:
+                item.work.wait()
+            except RuntimeError as exc:
+                raise failed(CommError(rank, item.peer, step, op, f"waiting for {item.what}", str(exc))) from exc
+        WATCH.watch(pending, timeout_s=timeout_s, rank=rank, op=op, step=step)
+        return 0.0
     started = time.monotonic()
     deadline = started + timeout_s
     for item in pending:

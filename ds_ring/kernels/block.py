@@ -17,9 +17,15 @@ GPU's facts:
 | any | any, with ``softcap`` | ``torch`` (no fused kernel caps scores) |
 | CPU | any | ``cpu_flash`` |
 | CUDA sm80-121, FlashAttention-2 built | fp16, bf16, max(D, Dv) <= 256 (192 on sm86-89, sm120-121) | ``cuda_flash`` |
-| CUDA sm50+ | fp32; fp16/bf16 that FlashAttention-2 cannot run | ``cuda_efficient`` |
-| CUDA | fp64 | ``torch`` |
-| ROCm, other devices | any | ``torch`` |
+| CUDA sm50+ | fp32, fp16 that FlashAttention-2 cannot run; bf16 too on sm80+ | ``cuda_efficient`` |
+| CUDA below sm80 | bf16 (the memory-efficient kernel has no bf16 kernel there) | ``torch`` |
+| ROCm, fused attention built (AOTriton) | fp16, bf16, max(D, Dv) <= 256 | ``cuda_flash`` |
+| ROCm, fused attention built (AOTriton) | fp32; fp16/bf16 wider than 256 | ``cuda_efficient`` |
+| CUDA, ROCm | fp64 | ``torch`` |
+| ROCm without fused attention, other devices | any | ``torch`` |
+
+On ROCm PyTorch's two fused ops run through AOTriton (``torch.backends.cuda.is_flash_attention_available()``
+says whether this build has them); not yet run here (no GPU).
 
 A value head dim of its own (``v_head_dim != head_dim``, multi-head latent attention) keeps the same kernels:
 ``cpu_flash`` and ``cuda_flash`` see the smaller side zero-padded to the larger (exact; what Hugging Face does
@@ -106,13 +112,20 @@ def kernel_for(
         return CHUNKED
     if device_type == "cpu":
         return CPU_FLASH
-    if device_type != "cuda" or gpu is None or gpu.rocm or dtype == torch.float64:
+    if device_type != "cuda" or gpu is None or dtype == torch.float64:
         return CHUNKED
     widest = head_dim if v_head_dim is None else max(head_dim, v_head_dim)
     padded = -(-widest // HEAD_DIM_MULTIPLE) * HEAD_DIM_MULTIPLE
+    half = dtype in (torch.float16, torch.bfloat16)
+    if gpu.rocm:
+        if not gpu.flash_built:
+            return CHUNKED
+        return CUDA_FLASH if half and padded <= 256 else CUDA_EFFICIENT
     flash = gpu.flash_built and (8, 0) <= gpu.capability <= (12, 1) and padded <= _flash_head_dim_limit(gpu.capability)
-    if dtype in (torch.float16, torch.bfloat16) and flash:
+    if half and flash:
         return CUDA_FLASH
+    if dtype == torch.bfloat16 and gpu.capability < (8, 0):
+        return CHUNKED
     if dtype in (torch.float32, torch.float16, torch.bfloat16) and gpu.capability >= (5, 0):
         return CUDA_EFFICIENT
     return CHUNKED

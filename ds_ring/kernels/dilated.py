@@ -305,25 +305,29 @@ def regions_backward(
     window: int | None = None,
     softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Every region's gradients, when one region is a single kernel call over the whole tensors (not with a
-    ``window``, which makes several).
+    """Every region's gradients, when one region is a single kernel call over the whole tensors (with a
+    ``window``: one band call, :func:`~ds_ring.kernels.window.attend_band_backward`).
 
     That call runs first and its dQ/dK/dV become the gradients (no zero accumulators, no added
     copy); the other regions accumulate into them. Shapes as in :func:`branch_backward_`. Returns
     ``(dq, dk, dv)``, or ``None`` (nothing computed) when no region is such a call.
     """
-    whole = _whole_call(regions, q, k) if window is None else None
+    whole = _whole_call(regions, q, k)
     if whole is None:
         return None
     region, run = whole
     views = (_segments(x, 0, run.length, run.count) for x in (dout, q, k, v, out, lse))
-    pieces = attend_backward(*views, causal=causal, scale=scale, softcap=softcap)
+    if window is None:
+        pieces = attend_backward(*views, causal=causal, scale=scale, softcap=softcap)
+    else:
+        pieces = attend_band_backward(*views, d=0, window=window, scale=scale, softcap=softcap)
     # The kernel's pieces are contiguous in token layout here, so these are views (a copy otherwise).
     dq, dk, dv = (piece.reshape(x.shape) for piece, x in zip(pieces, (q, k, v), strict=True))
     rest = [other for other in regions if other is not region]
     regions_backward_(
-        dout, q, k, v, out, lse, rest, dq, dk, dv, causal=causal, scale=scale, head_offset=head_offset, softcap=softcap
-    )
+        dout, q, k, v, out, lse, rest, dq, dk, dv, causal=causal, scale=scale, head_offset=head_offset,
+        window=window, softcap=softcap,
+    )  # fmt: skip
     return dq, dk, dv
 
 

@@ -10,7 +10,9 @@ None of them forms a score matrix. No attention bias, no dropout (so the random-
 takes are never read). The CUDA kernels get a head dim zero-padded to a multiple of 8 (zero columns change
 no score and give zero output columns, cut off again; the scale is always passed explicitly); the
 memory-efficient kernel's LSE comes back padded to a multiple of 32 rows: it is cut in the forward and
-rebuilt for the backward with ``+inf`` rows, whose probabilities are 0.
+rebuilt for the backward with ``+inf`` rows, whose probabilities are 0. Its backward gets ``out`` and
+``dout`` laid out ``[b, s, h, d]`` in memory (its forward's own layout): computing ``Delta`` itself (fp16,
+bf16) it reads ``out`` with that row stride whatever strides it is given.
 
 A value head dim ``Dv`` other than ``q``/``k``'s ``D`` (multi-head latent attention): ``cpu_flash`` and
 ``cuda_flash`` take one head dim, so the smaller side is zero-padded to ``max(D, Dv)`` (zero columns of
@@ -46,6 +48,13 @@ def _padded(x: Tensor, dim: int | None = None, dtype: torch.dtype | None = None)
     x = x if dtype is None else x.to(dtype)
     pad = (_round_up(x.shape[-1], HEAD_DIM_MULTIPLE) if dim is None else dim) - x.shape[-1]
     return F.pad(x, (0, pad)) if pad else x.contiguous()
+
+
+def _token_major(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x [b, h, s, d]`` in ``dtype``, head dim padded as :func:`_padded` does, laid out ``[b, s, h, d]`` in
+    memory (strides ``(s·h·d, d, h·d, 1)``): the row stride the memory-efficient backward assumes for ``out``
+    when it computes ``Delta = rowsum(dout ∘ out)`` itself (fp16/bf16), whatever stride it is given."""
+    return _padded(x.transpose(1, 2), dtype=dtype).transpose(1, 2)
 
 
 def _cut(grads, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -121,8 +130,10 @@ def _cuda_efficient_backward(dout, q, k, v, out, lse, causal, scale):
     )  # fmt: skip
     padded_lse[..., :rows] = lse
     none = _no_random_state(q.device)
+    # out (and dout) in the kernel's own [b, s, h, d] memory layout: the kernel reads out with a row stride of
+    # h·d (a [b, h, s, d]-contiguous out gives wrong dQ/dK for heads > 1 and reads past its end).
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        _padded(dout, dtype=q.dtype), _padded(q), _padded(k), _padded(v), None, _padded(out, dtype=q.dtype),
+        _token_major(dout, q.dtype), _padded(q), _padded(k), _padded(v), None, _token_major(out, q.dtype),
         padded_lse, none, none, 0.0, [True, True, True, False], causal, scale=scale,
     )  # fmt: skip
     return _cut((dq, dk, dv), q, k, v)

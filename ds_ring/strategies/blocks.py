@@ -47,6 +47,7 @@ __all__ = [
     "block_grad",
     "head_chunks",
     "CHUNK_BYTES",
+    "chunk_bytes",
 ]
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -105,10 +106,19 @@ class Options:
     softcap: float | None = None
 
 
-CHUNK_BYTES = 2 * 2**20
-"""A dense span's blocks travel one K/V head at a time once one head's share of its largest block
-reaches this many bytes. Below it the extra steps cost more than the memory is worth: dense ring,
-p = 4, 8 heads, fp32, one fwd+bwd measured +15% time at 1 MiB per head, +2% (noise) at 2 MiB."""
+CHUNK_BYTES = {"cpu": 2 * 2**20, "cuda": 256 * 2**20}
+"""Per device type: a dense span's blocks travel one K/V head at a time once one head's share of its
+largest block reaches this many bytes (a device type not listed: the ``"cuda"`` budget). Below it the
+extra steps cost more than the memory is worth. CPU: dense ring, p = 4, 8 heads, fp32, one fwd+bwd
+measured +15% time at 1 MiB per head, +2% (noise) at 2 MiB. GPU: each extra ring is ``p - 1`` more
+launches and transfers too small to fill NVLink, while a block of 32K tokens × head dim 128 in bf16 is
+16 MiB per K/V head — 256 MiB keeps such spans whole (the chunking is for blocks that would crowd the
+GPU's memory: 8 K/V heads of 256 MiB are 2 GiB per buffer). Not yet tuned on a GPU."""
+
+
+def chunk_bytes(device: torch.device) -> int:
+    """The per-head block size from which :func:`head_chunks` splits a dense span by K/V head on ``device``."""
+    return CHUNK_BYTES.get(device.type, CHUNK_BYTES["cuda"])
 
 
 def head_chunks(span: SpanPlan, shard: Shard) -> list[tuple[SpanPlan, slice, slice]]:
@@ -124,7 +134,7 @@ def head_chunks(span: SpanPlan, shard: Shard) -> list[tuple[SpanPlan, slice, sli
     if len(span.groups) != 1 or span.groups[0].rate != 1 or kv_heads == 1:
         return whole
     largest = max(span.block_numel(m, shard.batch, *shard.dims) for m in range(len(span.members)))
-    if largest * k.element_size() // kv_heads < CHUNK_BYTES:
+    if largest * k.element_size() // kv_heads < chunk_bytes(k.device):
         return whole
     per_kv = heads // kv_heads
     (group,) = head_groups(per_kv, 1, 1, 0, q.device)

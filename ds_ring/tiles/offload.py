@@ -4,7 +4,8 @@ Gradient checkpointing keeps one ``[b, s/p, hidden]`` input per layer until the 
 layer. :func:`offloaded_checkpoint` checkpoints a layer (reentrant: the input is a saved tensor) under
 ``torch.autograd.graph.saved_tensors_hooks`` that hand that input to a store:
 
-* :class:`HostStore` copies it to pinned host memory on an accelerator (on a CPU it stays where it is);
+* :class:`HostStore` copies it to pinned host memory on an accelerator, on a side stream overlapped with
+  compute, and prefetches it back one layer ahead in the backward (on a CPU it stays where it is);
 * :class:`DiskStore` writes it to a file in a directory (unlinked at once: nothing outlives the process)
   from a writer thread with a bounded queue, and maps it back for the recompute, so it leaves resident
   memory on a CPU too.
@@ -19,6 +20,7 @@ import mmap
 import os
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
-__all__ = ["HostStore", "DiskStore", "offloaded_checkpoint", "make_store"]
+__all__ = ["HostStore", "CudaCopies", "DiskStore", "offloaded_checkpoint", "make_store"]
 
 
 class _Counted:
@@ -43,25 +45,108 @@ class _Counted:
             self.stored += max(n, 0)
 
 
+class CudaCopies:
+    """Every GPU call :class:`HostStore` makes (tests swap in a recording fake): pinned buffers, a side stream
+    per device, events, copies."""
+
+    def pinned_like(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+
+    def empty_on(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return torch.empty(host.shape, dtype=host.dtype, device=device)
+
+    def new_stream(self, device: torch.device) -> Any:
+        return torch.cuda.Stream(device)
+
+    def current_stream(self, device: torch.device) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def on(self, stream: Any) -> Any:
+        return torch.cuda.stream(stream)
+
+    def new_event(self) -> Any:
+        return torch.cuda.Event()
+
+    def keep(self, tensor: torch.Tensor, stream: Any) -> None:
+        """``tensor``'s memory is not reused before ``stream``'s work queued so far is done."""
+        tensor.record_stream(stream)
+
+
+class _HostEntry:
+    """One tensor in pinned memory: its device-to-host copy's event, and the host-to-device copy (prefetched
+    or not) with its event."""
+
+    def __init__(self, host: torch.Tensor, device: torch.device, copied: Any) -> None:
+        self.host, self.device, self.copied = host, device, copied
+        self.back: torch.Tensor | None = None
+        self.arrived: Any = None
+
+
 class HostStore:
     """Pinned host memory for accelerator tensors; CPU tensors are kept as they are (autograd owns every entry:
-    it goes with the graph, so there is nothing to count or close)."""
+    it goes with the graph).
+
+    Overlapped with compute: the device-to-host copy runs on a side stream (per device) that first waits for
+    the compute stream (the tensor is complete), ``record_stream`` keeps the allocator off the tensor until
+    the copy is done, and an event marks its end; the compute stream never waits for it. In the backward,
+    unpacking one layer's input starts the host-to-device copy of the input packed before it (the next layer
+    the backward reaches) on the side stream; the compute stream waits on that copy's event only when the
+    layer is unpacked."""
+
+    def __init__(self, cuda: CudaCopies | None = None) -> None:
+        self.cuda = cuda or CudaCopies()
+        self._streams: dict[torch.device, Any] = {}
+        self._order: list[weakref.ref[_HostEntry]] = []  # packed entries, oldest first
 
     def close(self) -> None:
         """Nothing to release."""
 
+    def _stream(self, device: torch.device) -> Any:
+        if device not in self._streams:
+            self._streams[device] = self.cuda.new_stream(device)
+        return self._streams[device]
+
     def pack(self, tensor: torch.Tensor) -> Any:
         if tensor.device.type == "cpu":
             return tensor
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        host.copy_(tensor, non_blocking=True)
-        return host, tensor.device
+        side, compute = self._stream(tensor.device), self.cuda.current_stream(tensor.device)
+        host = self.cuda.pinned_like(tensor)
+        side.wait_stream(compute)
+        with self.cuda.on(side):
+            host.copy_(tensor, non_blocking=True)
+            copied = self.cuda.new_event()
+            copied.record(side)
+        self.cuda.keep(tensor, side)
+        entry = _HostEntry(host, tensor.device, copied)
+        self._order = [ref for ref in self._order if ref() is not None] + [weakref.ref(entry)]
+        return entry
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
-        host, device = packed
-        return host.to(device, non_blocking=True)
+        self._fetch(packed)
+        earlier = [ref() for ref in self._order if ref() is not None]
+        index = next((i for i, entry in enumerate(earlier) if entry is packed), 0)
+        if index > 0:
+            self._fetch(earlier[index - 1])  # prefetch: the layer the backward reaches next
+        compute = self.cuda.current_stream(packed.device)
+        compute.wait_event(packed.arrived)
+        back, packed.back = packed.back, None
+        self.cuda.keep(back, compute)
+        self._order = [ref for ref in self._order if ref() is not None and ref() is not packed]
+        return back
+
+    def _fetch(self, entry: _HostEntry) -> None:
+        """Start ``entry``'s host-to-device copy on the side stream, after its device-to-host copy (once)."""
+        if entry.back is not None:
+            return
+        side = self._stream(entry.device)
+        side.wait_event(entry.copied)
+        with self.cuda.on(side):
+            entry.back = self.cuda.empty_on(entry.host, entry.device)
+            entry.back.copy_(entry.host, non_blocking=True)
+            entry.arrived = self.cuda.new_event()
+            entry.arrived.record(side)
 
 
 class _OnDisk:

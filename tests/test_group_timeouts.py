@@ -1,0 +1,44 @@
+"""Every process group a Topology makes (and every gloo twin) has twice ``timeout_s`` as its timeout, not the
+backend's default (1,800 s gloo, 600 s NCCL): ds_ring's bounded waits name the fault before the backend's
+own bound ends the job (issue 33, defect 4)."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+import ds_ring.topology as topology_module
+from ds_ring.topology import ROLES, Topology
+from tests.dist import CaseLog, assert_no_failures, run_distributed
+
+WORLD_TIMEOUT_S = 120.0  # run_distributed's: the world group's timeout
+
+
+def _timeout_s(group: ProcessGroup) -> float:
+    return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+
+def _cases(rank: int, world_size: int) -> list[str]:
+    log = CaseLog()
+    for degrees, timeout_s in (((2, 1, 2), 20.0), ((1, 2, 2), 25.0), ((1, 4, 1), 1200.0 / 24)):
+        with log.case(f"groups of Topology{degrees} timeout_s={timeout_s}"):
+            topology = Topology(*degrees, timeout_s=timeout_s)
+            for role in ROLES:
+                group = getattr(topology, f"{role}_group")
+                assert _timeout_s(group) >= 2 * timeout_s, (role, _timeout_s(group))
+                if group is not dist.group.WORLD:
+                    assert _timeout_s(group) == 2 * timeout_s, (role, _timeout_s(group))
+    with log.case("gloo twins for control traffic (a backend that takes no CPU tensors)"):
+        with mock.patch.object(topology_module, "needs_control_twins", return_value=True):
+            topology = Topology(2, 1, 2, timeout_s=30.0)
+        for role in ROLES:
+            twin = topology.control_group(getattr(topology, f"{role}_group"))
+            assert _timeout_s(twin) == 60.0, (role, _timeout_s(twin))
+    return log.failures
+
+
+def test_every_topology_group_has_twice_timeout_s() -> None:
+    assert_no_failures(run_distributed(_cases, 4, timeout=WORLD_TIMEOUT_S))
