@@ -1,0 +1,68 @@
+"""Convert a ZeRO checkpoint to DeepSpeed's universal format once, atomically, for a resume at another shape.
+
+``<save_dir>/<tag>`` becomes ``<save_dir>/<tag>_universal`` (one folder per parameter: fp32 weights and
+optimizer moments, whole), written by rank 0 with ``python -m deepspeed.checkpoint.ds_to_universal`` into a
+temporary folder renamed when complete; a later resume at yet another shape reuses it. The other ranks wait,
+bounded by :data:`CONVERSION_TIMEOUT_S`, and learn rank 0's outcome, so a failed conversion fails on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ds_ring.comm.agree import gather_texts
+
+__all__ = ["CONVERSION_TIMEOUT_S", "UNIVERSAL_SUFFIX", "convert_to_universal"]
+
+UNIVERSAL_SUFFIX = "_universal"
+CONVERSION_TIMEOUT_S = 3600.0
+"""Bound in seconds on rank 0's conversion (and on the other ranks' wait for it): a hang guard, far above the
+seconds to minutes a conversion takes (docs/elastic.md)."""
+_DONE = "ds_ring_universal_done"
+
+
+def convert_to_universal(save_dir: Path, tag: str, *, group: dist.ProcessGroup | None = None) -> tuple[str, float]:
+    """Collective: the tag of ``tag``'s universal form under ``save_dir`` (converted now unless it exists) and the
+    seconds rank 0 spent converting (0.0 when reused).
+
+    Raises:
+        RuntimeError: on every rank when the conversion failed, with the converter's last output.
+    """
+    universal = f"{tag}{UNIVERSAL_SUFFIX}"
+    outcome = ""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        outcome = _convert(save_dir / tag, save_dir / universal)
+    if dist.is_initialized():
+        outcome = gather_texts([outcome], group=group, op="convert_to_universal", timeout_s=CONVERSION_TIMEOUT_S)[0][0]
+    if not outcome.startswith("ok "):
+        raise RuntimeError(f"ds_ring: converting checkpoint {save_dir / tag} to the universal format failed: {outcome}")
+    return universal, float(outcome.split()[1])
+
+
+def _convert(source: Path, target: Path) -> str:
+    """``"ok <seconds>"`` once ``target`` holds the universal form of ``source``, else what went wrong."""
+    if (target / _DONE).exists():
+        return "ok 0.0"
+    temporary = target.with_name(f".{target.name}.tmp")
+    shutil.rmtree(temporary, ignore_errors=True)
+    started = time.perf_counter()
+    command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(source),
+               "--output_folder", str(temporary), "--num_extract_workers", "1", "--num_merge_workers", "1",
+               "--inject_missing_state"]  # fmt: skip
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=CONVERSION_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"ds_to_universal still running after {CONVERSION_TIMEOUT_S:g} s"
+    if done.returncode != 0:
+        return f"ds_to_universal exited with code {done.returncode}: {(done.stdout + done.stderr)[-2000:]}"
+    (temporary / _DONE).write_text(source.name)
+    shutil.rmtree(target, ignore_errors=True)  # a half-renamed leftover of an earlier attempt
+    os.replace(temporary, target)
+    return f"ok {time.perf_counter() - started:.3f}"
