@@ -38,12 +38,30 @@ def convert_to_universal(save_dir: Path, tag: str, *, group: dist.ProcessGroup |
     universal = f"{tag}{UNIVERSAL_SUFFIX}"
     outcome = ""
     if not dist.is_initialized() or dist.get_rank() == 0:
-        outcome = _convert(save_dir / tag, save_dir / universal)
+        try:
+            outcome = _convert(save_dir / tag, save_dir / universal)
+        except OSError as err:  # reported on every rank below, not only here while the others wait
+            outcome = f"{type(err).__name__}: {err}"
     if dist.is_initialized():
         outcome = gather_texts([outcome], group=group, op="convert_to_universal", timeout_s=CONVERSION_TIMEOUT_S)[0][0]
     if not outcome.startswith("ok "):
         raise RuntimeError(f"ds_ring: converting checkpoint {save_dir / tag} to the universal format failed: {outcome}")
     return universal, float(outcome.split()[1])
+
+
+_MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+"""Where a universal checkpoint's model states (step, client state) are looked for: by an engine at ZeRO 1-2, and
+at ZeRO 3. ds_to_universal writes the name of the source's stage only."""
+
+
+def _name_model_states_for_every_stage(folder: Path) -> None:
+    """Give the model states file both names of :data:`_MODEL_STATES` (a hard link), so any stage loads it."""
+    present = [name for name in _MODEL_STATES if (folder / name).exists()]
+    if not present:
+        raise FileNotFoundError(f"ds_to_universal wrote no model states ({' or '.join(_MODEL_STATES)}) in {folder}")
+    for name in _MODEL_STATES:
+        if not (folder / name).exists():
+            os.link(folder / present[0], folder / name)
 
 
 def _convert(source: Path, target: Path) -> str:
@@ -62,6 +80,8 @@ def _convert(source: Path, target: Path) -> str:
         return f"ds_to_universal still running after {CONVERSION_TIMEOUT_S:g} s"
     if done.returncode != 0:
         return f"ds_to_universal exited with code {done.returncode}: {(done.stdout + done.stderr)[-2000:]}"
+    (source.parent / "latest_universal").unlink(missing_ok=True)  # ds_to_universal's, naming the temporary folder
+    _name_model_states_for_every_stage(temporary)
     (temporary / _DONE).write_text(source.name)
     shutil.rmtree(target, ignore_errors=True)  # a half-renamed leftover of an earlier attempt
     os.replace(temporary, target)

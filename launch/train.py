@@ -305,7 +305,9 @@ def main(argv: list[str] | None = None) -> dict:
         progress.set_postfix(loss=f"{losses[-1]:.3f}")
         saved = args.save_every and (step + 1) % args.save_every == 0
         if saved:
-            save(engine, save_dir, step + 1)
+            seconds = save(engine, save_dir, step + 1)
+            if rank == 0:
+                print(f"saved step {step + 1} in {seconds:.2f} s", flush=True)
         metrics = monitor.end_step(loss=losses[-1])
         if args.metrics_log and rank == 0:
             with open(args.metrics_log, "a") as handle:

@@ -3,7 +3,9 @@
 The main job (launch/train.py under torchrun, CPU, fp32, dense causal attention over 256 tokens) runs
 6 steps on 4 ranks (sequence parallel 4, ZeRO 2), saving at step 3: the reference, and the step-3
 checkpoint every case resumes from (a copy each). Each case resumes at another shape to step 6 and
-its final parameters must equal the reference's (fp32 tolerance: another sequence split reorders sums):
+its final parameters must equal the reference's (fp32 tolerance: another sequence split reorders sums;
+the attention key biases get a looser one: their gradient is zero in exact arithmetic, softmax being
+invariant to a constant per query, so Adam normalises rounding noise into updates of up to lr per step):
 
 - 4 → 2 ranks (sequence parallel 4 → 2), ZeRO 2: converted to a universal checkpoint;
 - 2 → 4 ranks: a 2-rank run's step-3 checkpoint resumed on 4;
@@ -28,7 +30,9 @@ from tests.trainer_runs import Exit, torchrun_reaped, write_config
 
 pytestmark = pytest.mark.slow
 STEPS, SAVED = 6, 3
-TOLERANCE = dict(rtol=1e-4, atol=1e-5)
+TOLERANCE = dict(rtol=1e-3, atol=1e-4)
+LR = 3e-3  # launch/train.py's default
+KEY_BIAS_TOLERANCE = dict(rtol=0.0, atol=STEPS * LR)
 
 
 def _train(run: Path, *, ranks: int, sequence_parallel: int, zero: int, micro: int = 4, steps: int = STEPS,
@@ -54,7 +58,8 @@ def _assert_equal_to(reference: dict[str, torch.Tensor], run: Path, done: Exit, 
     final = torch.load(run / "final.pt")
     assert final.keys() == reference.keys()
     for name, value in final.items():
-        torch.testing.assert_close(value, reference[name], **TOLERANCE, msg=lambda m, n=name: f"{n}: {m}")
+        tolerance = KEY_BIAS_TOLERANCE if name.endswith("k_proj.bias") else TOLERANCE
+        torch.testing.assert_close(value, reference[name], **tolerance, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.fixture(scope="module")
