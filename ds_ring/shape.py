@@ -6,10 +6,12 @@ sequence group holds whole parameters (no tensor or pipeline parallelism), so th
 partitioning of the fp32 weights and optimizer state, over every rank:
 
 - same ZeRO stage and rank count, or stage 0 (optimizer state replicated): DeepSpeed loads it as it is;
-- ZeRO 1-3 at another rank count or another stage 1-3: through DeepSpeed's universal checkpoint
-  (:mod:`ds_ring.universal`), which re-partitions per parameter;
+- ZeRO 1-2 to ZeRO 1-2 at another rank count or stage, ZeRO 3 to ZeRO 3 at another rank count: through
+  DeepSpeed's universal checkpoint (:mod:`ds_ring.universal`), which re-partitions per parameter;
 - stage 0 to ZeRO 1-3 or back: refused (the two keep the optimizer state in different files, and DeepSpeed
-  converts only ZeRO checkpoints).
+  converts only ZeRO checkpoints);
+- ZeRO 1-2 to ZeRO 3 or back: refused (DeepSpeed 0.19.8's ZeRO-3 universal loader reads an optimizer-state
+  layout only a ZeRO-3 conversion writes: ``KeyError: 'optimizer_state_dict'``).
 """
 
 from __future__ import annotations
@@ -63,11 +65,11 @@ def how_to_load(saved: TrainingShape, current: TrainingShape) -> Load:
     """
     if saved.zero_stage == current.zero_stage and (saved.zero_stage == 0 or saved.world_size == current.world_size):
         return "native"
-    if saved.zero_stage >= 1 and current.zero_stage >= 1:
+    family = {0: "0", 1: "1-2", 2: "1-2", 3: "3"}
+    if saved.zero_stage >= 1 and family[saved.zero_stage] == family[current.zero_stage]:
         return "universal"
     raise ValueError(
         f"ds_ring: the checkpoint was written at ({saved}) and cannot be resumed at ({current}): ZeRO stage 0 keeps "
-        f"the optimizer state whole beside the model, ZeRO 1-3 partitioned, and DeepSpeed converts only between "
-        f"ZeRO 1-3; set zero_optimization.stage to {saved.zero_stage} (any rank count) "
-        f"{'' if saved.zero_stage == 0 else 'or to another stage 1-3 '}to resume it"
+        f"the optimizer state whole beside the model, and DeepSpeed 0.19.8 re-partitions only between ZeRO 1-2 "
+        f"or within ZeRO 3; set zero_optimization.stage to {family[saved.zero_stage]} (any rank count) to resume it"
     )
