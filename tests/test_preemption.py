@@ -66,6 +66,10 @@ def _wait(condition, what: str) -> None:
         time.sleep(0.05)
 
 
+def _summaries_written(run: Path, ranks: int = 2) -> bool:
+    return all(run.joinpath(f"summary.rank{r}.json").exists() for r in range(ranks))
+
+
 def _summaries(run: Path, ranks: int = 2) -> list[dict]:
     return [json.loads(run.joinpath(f"summary.rank{r}.json").read_text()) for r in range(ranks)]
 
@@ -108,7 +112,8 @@ def _signal(commands: Callable[[int], list[tuple[list[str], dict[str, str]]]], r
             _wait(lambda: _steps_logged(run) >= SIGNAL_AFTER or procs[0].poll() is not None, f"step {SIGNAL_AFTER}")
             signalled_at = time.monotonic()
             (os.killpg if group else os.kill)(procs[target].pid, sig)
-            _wait(lambda: all(p.poll() is not None for p in procs), "exit")
+            # the deepspeed runner dies of the signal at once: wait for the workers' summaries, not the launcher
+            _wait(lambda: all(p.poll() is not None for p in procs) and _summaries_written(run), "exit")
             ended_at = time.monotonic()
             codes = [p.returncode for p in procs]
     finally:
