@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from ds_ring.comm.agree import gather_texts
@@ -64,6 +65,33 @@ def _name_model_states_for_every_stage(folder: Path) -> None:
             os.link(folder / present[0], folder / name)
 
 
+_OPTIMIZER_STATE = Path("zero") / "optimizer_state.pt"
+_ZERO3_KEY = "optimizer_state_dict"
+
+
+def _optimizer_state_for_every_stage(folder: Path) -> None:
+    """Make a ZeRO 1-2 conversion's ``zero/optimizer_state.pt`` loadable at ZeRO 3 too.
+
+    DeepSpeed 0.19.8's ZeRO-3 universal loader (``load_hp_checkpoint_state_from_checkpoint_dir_stage3``) takes the
+    optimizer step and hyperparameters from ``optimizer_state.pt[optimizer_state_dict]`` (``state[0][step]``,
+    ``param_groups``), which only a ZeRO-3 conversion writes (``KeyError: 'optimizer_state_dict'``). The per-parameter
+    files it reads (``zero/<name>/fp32.pt``, ``exp_avg.pt``, ``exp_avg_sq.pt``: whole tensors) are the same for every
+    source stage, so the missing entry is added here: the step every parameter's ``step.pt`` holds and the ZeRO 1-2
+    ``param_groups``. A ZeRO 1-2 engine ignores the entry.
+    """
+    path = folder / _OPTIMIZER_STATE
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if _ZERO3_KEY in state:
+        return
+    steps = {repr(torch.load(step, map_location="cpu", weights_only=False))
+             for step in sorted(path.parent.glob("*/step.pt"))}  # fmt: skip
+    if len(steps) > 1:
+        raise OSError(f"the parameters of {folder} hold different optimizer steps: {sorted(steps)}")
+    step = torch.load(next(path.parent.glob("*/step.pt")), map_location="cpu", weights_only=False) if steps else 0
+    state[_ZERO3_KEY] = {"state": {0: {"step": step}}, "param_groups": state["param_groups"]}
+    torch.save(state, path)
+
+
 def _convert(source: Path, target: Path) -> str:
     """``"ok <seconds>"`` once ``target`` holds the universal form of ``source``, else what went wrong."""
     if (target / _DONE).exists():
@@ -82,6 +110,7 @@ def _convert(source: Path, target: Path) -> str:
         return f"ds_to_universal exited with code {done.returncode}: {(done.stdout + done.stderr)[-2000:]}"
     (source.parent / "latest_universal").unlink(missing_ok=True)  # ds_to_universal's, naming the temporary folder
     _name_model_states_for_every_stage(temporary)
+    _optimizer_state_for_every_stage(temporary)
     (temporary / _DONE).write_text(source.name)
     shutil.rmtree(target, ignore_errors=True)  # a half-renamed leftover of an earlier attempt
     os.replace(temporary, target)

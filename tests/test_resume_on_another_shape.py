@@ -9,8 +9,8 @@ invariant to a constant per query, so Adam normalises rounding noise into update
 
 - 4 → 2 ranks (sequence parallel 4 → 2), ZeRO 2: converted to a universal checkpoint;
 - 2 → 4 ranks: a 2-rank run's step-3 checkpoint resumed on 4;
-- ZeRO 2 → 3 is refused before the first step (DeepSpeed 0.19.8 cannot load a ZeRO-2 universal checkpoint at
-  ZeRO 3), naming both shapes;
+- ZeRO 2 → 3 on 2 ranks: a 2-rank ZeRO-2 run's step-3 checkpoint resumed at ZeRO 3 (universal, completed with
+  the optimizer-state entry DeepSpeed's ZeRO-3 loader reads);
 - data parallel 1 → 2 on 4 ranks (sequence parallel 2), the global batch kept (micro-batch 4 → 2):
   DeepSpeed loads it as it is (ZeRO partitions over all 4 ranks either way).
 
@@ -93,13 +93,13 @@ def test_two_ranks_to_four(reference, tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_zero2_to_zero3_is_refused_before_the_first_step(reference, tmp_path: Path) -> None:
-    source, _ = reference
-    run = _from_step3(source, tmp_path)
-    done = _train(run, ranks=2, sequence_parallel=2, zero=3)
-    assert done.code not in (0, None), done.output[-4000:]
-    refusal = "ZeRO 2, global batch 4) and cannot be resumed at (2 ranks = 1 data-parallel × 2 sequence-parallel, "
-    assert refusal + "ZeRO 3" in done.output, done.output[-4000:]
+def test_zero2_to_zero3(reference, tmp_path: Path) -> None:
+    _, expected = reference
+    first = _train(tmp_path, ranks=2, sequence_parallel=2, zero=2, steps=SAVED, save_every=SAVED)
+    assert first.code == 0, first.output[-4000:]
+    done = _train(tmp_path, ranks=2, sequence_parallel=2, zero=3)
+    _assert_equal_to(expected, tmp_path, done, "universal")
+    assert "at (2 ranks = 1 data-parallel × 2 sequence-parallel, ZeRO 3, global batch 4): converted" in done.output
 
 
 @pytest.mark.timeout(600)
