@@ -12,6 +12,7 @@ The main job (launch/train.py, 2 CPU ranks, ZeRO 2, 512 tokens) runs for up to 1
 Each rank must finish its main (its summary names the step it stopped at: ``run_main`` then exits 0)
 within the grace period, ``latest`` must name that step, and the same command relaunched must resume
 from it and end with the uninterrupted run's parameters (bit-equal: the same shape).
+About 2 minutes on 2 shared cores (the slowest case 45 s with the uninterrupted run's 20 s): marked slow.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 
 from tests.trainer_runs import BIN, TRAIN, free_port, launched, reap, torchrun_reaped, write_config
 
+pytestmark = pytest.mark.slow
 STEPS, SIGNAL_AFTER, GRACE_S = 12, 3, 25
 HANG_GUARD_S = 300
 
