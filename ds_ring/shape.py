@@ -6,13 +6,11 @@ sequence group holds whole parameters (no tensor or pipeline parallelism), so th
 partitioning of the fp32 weights and optimizer state, over every rank:
 
 - same ZeRO stage and rank count, or stage 0 (optimizer state replicated): DeepSpeed loads it as it is;
-- ZeRO 1-2 to ZeRO 1-3 at another rank count or stage, ZeRO 3 to ZeRO 3 at another rank count: through
-  DeepSpeed's universal checkpoint (:mod:`ds_ring.universal`), which re-partitions per parameter (a ZeRO 1-2
-  conversion is completed with the optimizer-state entry DeepSpeed 0.19.8's ZeRO-3 loader reads);
+- between ZeRO stages 1-3 at another rank count or stage: through DeepSpeed's universal checkpoint
+  (:mod:`ds_ring.universal`), which re-partitions per parameter (the conversion is completed with the
+  optimizer-state entries the loader of the other stage family reads);
 - stage 0 to ZeRO 1-3 or back: refused (the two keep the optimizer state in different files, and DeepSpeed
-  converts only ZeRO checkpoints);
-- ZeRO 3 to ZeRO 1-2: refused (a ZeRO-3 conversion lacks the per-parameter optimizer step and the DeepSpeed
-  version the ZeRO 1-2 universal loader reads).
+  converts only ZeRO checkpoints).
 """
 
 from __future__ import annotations
@@ -66,14 +64,10 @@ def how_to_load(saved: TrainingShape, current: TrainingShape) -> Load:
     """
     if saved.zero_stage == current.zero_stage and (saved.zero_stage == 0 or saved.world_size == current.world_size):
         return "native"
-    if saved.zero_stage >= 1 and current.zero_stage >= 1 and not (saved.zero_stage == 3 > current.zero_stage):
+    if saved.zero_stage >= 1 and current.zero_stage >= 1:
         return "universal"
-    if 0 in (saved.zero_stage, current.zero_stage):
-        why = "ZeRO stage 0 keeps the optimizer state whole beside the model, in files DeepSpeed does not convert"
-    else:
-        why = "DeepSpeed 0.19.8's ZeRO 1-2 universal loader cannot read a ZeRO-3 conversion (no per-parameter step)"
-    fix = {0: "0", 1: "1, 2 or 3", 2: "1, 2 or 3", 3: "3"}[saved.zero_stage]
     raise ValueError(
-        f"ds_ring: the checkpoint was written at ({saved}) and cannot be resumed at ({current}): {why}; set "
-        f"zero_optimization.stage to {fix} (any rank count) to resume it"
+        f"ds_ring: the checkpoint was written at ({saved}) and cannot be resumed at ({current}): ZeRO stage 0 keeps "
+        f"the optimizer state whole beside the model, in files DeepSpeed does not convert; set "
+        f"zero_optimization.stage to {'0' if saved.zero_stage == 0 else '1, 2 or 3'} (any rank count) to resume it"
     )

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import deepspeed
 import torch
 import torch.distributed as dist
 
@@ -70,26 +71,64 @@ _ZERO3_KEY = "optimizer_state_dict"
 
 
 def _optimizer_state_for_every_stage(folder: Path) -> None:
-    """Make a ZeRO 1-2 conversion's ``zero/optimizer_state.pt`` loadable at ZeRO 3 too.
+    """Make a conversion's optimizer state loadable at every ZeRO stage 1-3, whatever the source's stage.
 
-    DeepSpeed 0.19.8's ZeRO-3 universal loader (``load_hp_checkpoint_state_from_checkpoint_dir_stage3``) takes the
-    optimizer step and hyperparameters from ``optimizer_state.pt[optimizer_state_dict]`` (``state[0][step]``,
-    ``param_groups``), which only a ZeRO-3 conversion writes (``KeyError: 'optimizer_state_dict'``). The per-parameter
-    files it reads (``zero/<name>/fp32.pt``, ``exp_avg.pt``, ``exp_avg_sq.pt``: whole tensors) are the same for every
-    source stage, so the missing entry is added here: the step every parameter's ``step.pt`` holds and the ZeRO 1-2
-    ``param_groups``. A ZeRO 1-2 engine ignores the entry.
+    The per-parameter files (``zero/<name>/fp32.pt``, ``exp_avg.pt``, ``exp_avg_sq.pt``: whole tensors) are the same
+    for every source stage; DeepSpeed 0.19.8's two universal loaders differ in where they take the optimizer step
+    and the global state from:
+
+    - ZeRO 3 (``load_hp_checkpoint_state_from_checkpoint_dir_stage3``): ``optimizer_state.pt[optimizer_state_dict]``
+      (``state[0][step]``, ``param_groups``), which only a ZeRO-3 conversion writes (``KeyError:
+      'optimizer_state_dict'``): added to a ZeRO 1-2 conversion, with the step every parameter's ``step.pt`` holds;
+    - ZeRO 1-2 (``load_hp_checkpoint_state_from_checkpoint_dir``): ``optimizer_state.pt[ds_version]``, every
+      parameter's ``step.pt`` and its tensors as ``{"param": tensor of the parameter's shape}``, which only a ZeRO 1-2
+      conversion writes (a ZeRO-3 conversion writes flat bare tensors): added to a ZeRO-3 conversion, with its step
+      and the shapes its model states record.
+
+    Each loader ignores what is added for the other.
     """
     path = folder / _OPTIMIZER_STATE
     state = torch.load(path, map_location="cpu", weights_only=False)
-    if _ZERO3_KEY in state:
-        return
-    steps = {repr(torch.load(step, map_location="cpu", weights_only=False))
-             for step in sorted(path.parent.glob("*/step.pt"))}  # fmt: skip
-    if len(steps) > 1:
-        raise OSError(f"the parameters of {folder} hold different optimizer steps: {sorted(steps)}")
-    step = torch.load(next(path.parent.glob("*/step.pt")), map_location="cpu", weights_only=False) if steps else 0
-    state[_ZERO3_KEY] = {"state": {0: {"step": step}}, "param_groups": state["param_groups"]}
+    parameters = sorted(entry for entry in path.parent.iterdir() if (entry / "fp32.pt").exists())
+    if _ZERO3_KEY in state:  # a ZeRO-3 conversion
+        step = state[_ZERO3_KEY]["state"][0].get("step") if state[_ZERO3_KEY]["state"] else None
+        shapes = _parameter_shapes(folder)
+        for parameter in parameters:
+            if step is not None and not (parameter / "step.pt").exists():
+                torch.save(step, parameter / "step.pt")
+            for key in _MOMENTS:
+                _as_shaped_record(parameter / f"{key}.pt", shapes.get(parameter.name))
+        state.setdefault("ds_version", deepspeed.__version__)
+    else:
+        steps = {repr(torch.load(parameter / "step.pt", map_location="cpu", weights_only=False))
+                 for parameter in parameters if (parameter / "step.pt").exists()}  # fmt: skip
+        if len(steps) > 1:
+            raise OSError(f"the parameters of {folder} hold different optimizer steps: {sorted(steps)}")
+        step = next((torch.load(parameter / "step.pt", map_location="cpu", weights_only=False)
+                     for parameter in parameters if (parameter / "step.pt").exists()), 0)  # fmt: skip
+        state[_ZERO3_KEY] = {"state": {0: {"step": step}}, "param_groups": state["param_groups"]}
     torch.save(state, path)
+
+
+_MOMENTS = ("fp32", "exp_avg", "exp_avg_sq")
+
+
+def _parameter_shapes(folder: Path) -> dict[str, torch.Size]:
+    """Parameter name → shape, from the model states a conversion copies (``param_shapes``: one dict per group)."""
+    states = torch.load(folder / _MODEL_STATES[1], map_location="cpu", weights_only=False)
+    return {name: shape for group in states.get("param_shapes", []) for name, shape in group.items()}
+
+
+def _as_shaped_record(path: Path, shape: torch.Size | None) -> None:
+    """Rewrite a bare tensor file as ``{"param": tensor}`` of ``shape``, the record the ZeRO 1-2 loader reads."""
+    if not path.exists():
+        return
+    value = torch.load(path, map_location="cpu", weights_only=False)
+    if isinstance(value, dict):
+        return
+    if shape is None or value.numel() != torch.Size(shape).numel():
+        raise OSError(f"{path} holds {value.numel()} values; the model states record the shape {shape}")
+    torch.save({"param": value.reshape(shape)}, path)
 
 
 def _convert(source: Path, target: Path) -> str:

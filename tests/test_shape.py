@@ -22,6 +22,8 @@ def _shape(ranks: int, zero: int, sequence: int | None = None) -> TrainingShape:
         (_shape(2, 2), _shape(2, 3), "universal"),
         (_shape(2, 1), _shape(4, 3), "universal"),
         (_shape(2, 3), _shape(4, 3), "universal"),
+        (_shape(2, 3), _shape(2, 2), "universal"),
+        (_shape(4, 3), _shape(2, 1), "universal"),
     ],
 )
 def test_how_to_load(saved: TrainingShape, current: TrainingShape, expected: str) -> None:
@@ -33,7 +35,7 @@ def test_how_to_load(saved: TrainingShape, current: TrainingShape, expected: str
     [
         (_shape(2, 0), _shape(2, 2), "ZeRO stage 0", "stage to 0"),
         (_shape(2, 2), _shape(2, 0), "ZeRO stage 0", "stage to 1, 2 or 3"),
-        (_shape(2, 3), _shape(2, 2), "cannot read a ZeRO-3 conversion", "stage to 3"),
+        (_shape(2, 3), _shape(2, 0), "ZeRO stage 0", "stage to 1, 2 or 3"),
     ],
 )
 def test_refusals_name_both_shapes_and_the_fix(
