@@ -13,11 +13,12 @@ invariant to a constant per query, so Adam normalises rounding noise into update
   the optimizer-state entry DeepSpeed's ZeRO-3 loader reads);
 - ZeRO 3 → 2 and 2 → 4 ranks: a 2-rank ZeRO-3 run's step-3 checkpoint resumed at ZeRO 2 on 4 ranks (completed with
   the step, version and parameter shapes DeepSpeed's ZeRO 1-2 loader reads);
+- ZeRO 3, 2 → 4 ranks;
 - data parallel 1 → 2 on 4 ranks (sequence parallel 2), the global batch kept (micro-batch 4 → 2):
   DeepSpeed loads it as it is (ZeRO partitions over all 4 ranks either way).
 
 And a shape that cannot be resumed (ZeRO 0 → 2) is refused before the first step, naming both shapes.
-About 5 minutes on 2 shared cores (11 launches of 2-4 ranks; the slowest case 70 s): marked slow.
+About 5 minutes on 2 shared cores (13 launches of 2-4 ranks; the slowest case 70 s): marked slow.
 """
 
 from __future__ import annotations
@@ -112,6 +113,15 @@ def test_zero3_to_zero2(reference, tmp_path: Path) -> None:
     done = _train(tmp_path, ranks=4, sequence_parallel=4, zero=2)
     _assert_equal_to(expected, tmp_path, done, "universal")
     assert "at (4 ranks = 1 data-parallel × 4 sequence-parallel, ZeRO 2, global batch 4): converted" in done.output
+
+
+@pytest.mark.timeout(600)
+def test_zero3_two_ranks_to_four(reference, tmp_path: Path) -> None:
+    _, expected = reference
+    first = _train(tmp_path, ranks=2, sequence_parallel=2, zero=3, steps=SAVED, save_every=SAVED)
+    assert first.code == 0, first.output[-4000:]
+    done = _train(tmp_path, ranks=4, sequence_parallel=4, zero=3)
+    _assert_equal_to(expected, tmp_path, done, "universal")
 
 
 @pytest.mark.timeout(600)
