@@ -12,7 +12,7 @@ The main job (launch/train.py, 2 CPU ranks, ZeRO 2, 512 tokens) runs for up to 1
 Each rank must finish its main (its summary names the step it stopped at: ``run_main`` then exits 0)
 within the grace period, ``latest`` must name that step, and the same command relaunched must resume
 from it and end with the uninterrupted run's parameters (bit-equal: the same shape).
-About 2 minutes on 2 shared cores (the slowest case 45 s with the uninterrupted run's 20 s): marked slow.
+About 2-2.5 minutes on 2 shared cores (each case 25-50 s, the uninterrupted run 20 s): marked slow.
 """
 
 from __future__ import annotations

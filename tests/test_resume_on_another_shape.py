@@ -18,7 +18,7 @@ invariant to a constant per query, so Adam normalises rounding noise into update
   DeepSpeed loads it as it is (ZeRO partitions over all 4 ranks either way).
 
 And a shape that cannot be resumed (ZeRO 0 → 2) is refused before the first step, naming both shapes.
-About 5 minutes on 2 shared cores (13 launches of 2-4 ranks; the slowest case 70 s): marked slow.
+About 6 minutes on 2 shared cores (13 launches of 2-4 ranks; each case 30-70 s): marked slow.
 """
 
 from __future__ import annotations
