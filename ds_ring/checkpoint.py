@@ -14,6 +14,13 @@ then fails to load it. Here:
 - :func:`load_checkpoint` resumes from the tag ``latest`` names only when its marker is there and
   every listed file has its recorded size.
 
+The marker also records the shape the checkpoint was written at (:class:`ds_ring.shape.TrainingShape`):
+ranks, data-parallel × sequence-parallel, ZeRO stage, global batch. :func:`load_checkpoint` resumes at
+any other shape it can (:func:`ds_ring.shape.how_to_load`): as it is, or through DeepSpeed's universal
+checkpoint, converted once when first needed (:mod:`ds_ring.universal`); a shape it cannot resume at is
+refused before anything loads, naming both shapes. A new global batch is logged: from then on the samples
+of a step differ from the ones the old shape would have drawn.
+
 Both are collectives: the ranks agree on the tag (``ds_ring.comm.agree``), so ranks that see
 different checkpoint directories fail together with each rank's view. Needs DeepSpeed's default
 (synchronous) checkpoint engine.
@@ -22,16 +29,23 @@ different checkpoint directories fail together with each rank's view. Needs Deep
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from ds_ring.comm.agree import agree
+from ds_ring.shape import TrainingShape, how_to_load
 from ds_ring.topology import control_world
+from ds_ring.universal import convert_to_universal
 
-__all__ = ["COMPLETE", "LATEST", "save_checkpoint", "load_checkpoint", "checkpoint_files"]
+__all__ = ["COMPLETE", "LATEST", "Resumed", "save_checkpoint", "load_checkpoint", "checkpoint_files"]
+
+logger = logging.getLogger("ds_ring.checkpoint")
 
 LATEST = "latest"
 COMPLETE = "ds_ring_complete.json"
@@ -79,18 +93,38 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike, tag: str, client_s
         files = checkpoint_files(directory)
         for path in files:
             _fsync(directory / path)
-        _write_atomically(directory / COMPLETE, json.dumps({"tag": tag, "files": files}, indent=1))
+        marker = {"tag": tag, "shape": TrainingShape.of(engine).to_dict(), "files": files}
+        _write_atomically(directory / COMPLETE, json.dumps(marker, indent=1))
         _write_atomically(save_dir / LATEST, tag)
     return directory
 
 
-def load_checkpoint(engine: Any, save_dir: str | os.PathLike) -> tuple[str, dict] | None:
-    """Collective: load the checkpoint ``<save_dir>/latest`` names; ``(tag, client_state)``, or
+@dataclass(frozen=True)
+class Resumed:
+    """What :func:`load_checkpoint` resumed from.
+
+    tag: the checkpoint's tag. client_state: what was saved with it. saved, current: the shape it was written at
+    (``None`` for a checkpoint older than shape records) and the shape it was loaded at. loaded_as: ``"native"`` or
+    ``"universal"``. convert_s, load_s: seconds converting (rank 0; 0.0 when not needed or reused) and loading.
+    """
+
+    tag: str
+    client_state: dict
+    saved: TrainingShape | None
+    current: TrainingShape
+    loaded_as: str
+    convert_s: float
+    load_s: float
+
+
+def load_checkpoint(engine: Any, save_dir: str | os.PathLike) -> Resumed | None:
+    """Collective: load the checkpoint ``<save_dir>/latest`` names, at this engine's shape; a :class:`Resumed`, or
     ``None`` when there is none (a fresh start).
 
     Raises:
-        ValueError: on every rank when ranks see different checkpoints, or when the tag is not
-            complete (no marker, or a file missing or of another size), naming the tag and the fix.
+        ValueError: on every rank when ranks see different checkpoints, when the tag is not complete (no marker,
+            or a file missing or of another size), or when it was written at a shape this one cannot resume
+            from, naming the tag, both shapes and the fix — before anything is loaded.
     """
     save_dir = Path(save_dir)
     tag = _read_latest(save_dir)
@@ -104,10 +138,54 @@ def load_checkpoint(engine: Any, save_dir: str | os.PathLike) -> tuple[str, dict
             f"not published by ds_ring.save_checkpoint. Point {LATEST} at a complete checkpoint (one holding "
             f"{COMPLETE}) or remove it to start afresh"
         )
-    path, client_state = engine.load_checkpoint(str(save_dir), tag=tag)
+    saved, current = _saved_shape(save_dir / tag), TrainingShape.of(engine)
+    loaded_as = "native" if saved is None else how_to_load(saved, current)
+    source, convert_s = tag, 0.0
+    if loaded_as == "universal":
+        source, convert_s = convert_to_universal(save_dir, tag, group=_agreement(engine)["group"])
+    started = time.perf_counter()
+    path, client_state = _load(engine, save_dir, source, universal=loaded_as == "universal")
     if path is None:
-        raise ValueError(f"ds_ring: DeepSpeed could not load checkpoint {tag!r} from {save_dir}")
-    return tag, client_state or {}
+        raise ValueError(f"ds_ring: DeepSpeed could not load checkpoint {source!r} from {save_dir}")
+    resumed = Resumed(tag, client_state or {}, saved, current, loaded_as, convert_s, time.perf_counter() - started)
+    if dist.get_rank() == 0 and saved is not None and saved != current:
+        _log_reshape(resumed)
+    return resumed
+
+
+def _load(engine: Any, save_dir: Path, tag: str, *, universal: bool) -> tuple[str | None, dict | None]:
+    """``engine.load_checkpoint`` of ``tag``; with ``universal``, DeepSpeed's ``checkpoint.load_universal`` set for
+    this load only (the engine reads it when loading, not when built)."""
+    config = engine._config
+    before = config.load_universal_checkpoint
+    config.load_universal_checkpoint = universal
+    try:
+        return engine.load_checkpoint(str(save_dir), tag=tag)
+    finally:
+        config.load_universal_checkpoint = before
+
+
+def _saved_shape(directory: Path) -> TrainingShape | None:
+    recorded = json.loads((directory / COMPLETE).read_text()).get("shape")
+    return TrainingShape.from_dict(recorded) if recorded else None
+
+
+def _log_reshape(resumed: Resumed) -> None:
+    how = (
+        f"converted to a universal checkpoint in {resumed.convert_s:.1f} s, loaded in {resumed.load_s:.1f} s"
+        if resumed.loaded_as == "universal"
+        else f"loaded as it is in {resumed.load_s:.1f} s"
+    )
+    logger.warning(
+        "ds_ring: resuming checkpoint %s written at (%s) at (%s): %s", resumed.tag, resumed.saved, resumed.current, how
+    )
+    if resumed.saved is not None and resumed.saved.global_batch != resumed.current.global_batch:
+        logger.warning(
+            "ds_ring: the global batch changes from %d to %d samples per step: the data order does not continue "
+            "as the checkpoint's run would have drawn it (keep train_micro_batch_size_per_gpu × data-parallel "
+            "ranks × gradient_accumulation_steps = %d to continue it exactly)",
+            resumed.saved.global_batch, resumed.current.global_batch, resumed.saved.global_batch,
+        )  # fmt: skip
 
 
 def checkpoint_files(directory: Path) -> dict[str, int]:

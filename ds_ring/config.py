@@ -26,6 +26,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import signal
 import tempfile
 from collections.abc import Mapping
 from os import PathLike
@@ -40,7 +41,10 @@ from ds_ring.comm.wait import DEFAULT_TIMEOUT_S
 from ds_ring.strategies import AttentionCall, Degrees, Shape, exchanges, get_strategy, strategy_names
 from ds_ring.topology import RankLayout
 
-__all__ = ["RingAttentionConfig", "MonitoringConfig", "LongContextConfig", "load_config", "read_ds_config", "SECTION"]
+__all__ = [
+    "RingAttentionConfig", "MonitoringConfig", "LongContextConfig", "PreemptionConfig", "load_config", "read_ds_config",
+    "SECTION",
+]  # fmt: skip
 
 SECTION = "ring_attention"
 
@@ -86,6 +90,50 @@ class MonitoringConfig(DeepSpeedConfigModel):
     def _suggest_for_unknown_keys(cls, data: Any) -> Any:
         _refuse_unknown_keys(data, cls.model_fields, f"{SECTION}.monitoring")
         return data
+
+
+class PreemptionConfig(DeepSpeedConfigModel):
+    """What a preemption signal does (the ``"preemption"`` object inside ``"ring_attention"``;
+    :mod:`ds_ring.preemption`)::
+
+        "preemption": {"enabled": true, "signals": ["SIGTERM", "SIGUSR1"], "grace_s": 25}
+    """
+
+    enabled: bool = True
+    """Catch ``signals``: the ranks stop together at the end of the current step, save it and exit 0. Only once the
+    training loop polls ``engine.preemption.stop_requested()``; before that (or with ``false``) a signal does what it
+    did without ds_ring."""
+
+    signals: list[str] = Field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    """Signal names that announce a preemption: SIGTERM (SLURM, Kubernetes, the launchers), SIGUSR1 (SLURM's
+    ``--signal=USR1@90``)."""
+
+    grace_s: float = Field(25.0, gt=0)
+    """Seconds from the first signal to the end of the process: past them it exits with code 124 wherever it is,
+    without touching the last complete checkpoint. Keep it below the time the sender waits before SIGKILL (torchrun
+    and the ``deepspeed`` launcher: 30 s; Kubernetes: ``terminationGracePeriodSeconds``, 30 s by default; SLURM: the
+    ``@`` of ``--signal``)."""
+
+    repeat_window_s: float = Field(2.0, ge=0)
+    """A signal within this many seconds of the first is the same preemption delivered twice (a launcher forwarding
+    what its process group also received) and is ignored; a later one ends the process at once (code 128 + signal)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _suggest_for_unknown_keys(cls, data: Any) -> Any:
+        _refuse_unknown_keys(data, cls.model_fields, f"{SECTION}.preemption")
+        return data
+
+    @field_validator("signals")
+    @classmethod
+    def _known_signals(cls, names: list[str]) -> list[str]:
+        unknown = [name for name in names if not isinstance(getattr(signal, name, None), signal.Signals)]
+        if unknown or not names or "SIGKILL" in names or "SIGSTOP" in names:
+            raise ValueError(
+                f"{SECTION}.preemption.signals {names} must be a non-empty list of catchable signal names such as "
+                f"'SIGTERM', 'SIGUSR1' (not SIGKILL or SIGSTOP); unknown: {unknown}"
+            )
+        return names
 
 
 class LongContextConfig(DeepSpeedConfigModel):
@@ -209,6 +257,9 @@ class RingAttentionConfig(DeepSpeedConfigModel):
 
     long_context: LongContextConfig = Field(default_factory=LongContextConfig)
     """Tiled loss, tiled MLP and offloaded checkpoints for a Hugging Face model (:class:`LongContextConfig`)."""
+
+    preemption: PreemptionConfig = Field(default_factory=PreemptionConfig)
+    """Stop, save and exit 0 on SIGTERM / SIGUSR1 (:class:`PreemptionConfig`)."""
 
     @model_validator(mode="before")
     @classmethod

@@ -23,9 +23,10 @@ from ds_ring.attention import MultiheadRingDilatedAttention, RingDilatedAttentio
 from ds_ring.comm.agree import agree
 from ds_ring.comm.backends import device_backend
 from ds_ring.comm.wait import DEFAULT_TIMEOUT_S, process_group_timeout_s
-from ds_ring.config import SECTION, MonitoringConfig, RingAttentionConfig, load_config, read_ds_config
+from ds_ring.config import SECTION, MonitoringConfig, PreemptionConfig, RingAttentionConfig, load_config, read_ds_config
 from ds_ring.launch_env import discover_launch_env
 from ds_ring.monitor import RingMonitor, at_clean_exit, flush_writer
+from ds_ring.preemption import Preemption
 from ds_ring.topology import Topology, control_world
 from ds_ring.zero import gradient_scale, mark_parameters
 
@@ -37,11 +38,13 @@ __all__ = [
     "process_group_backend",
     "agree_on_section",
     "attach_monitor",
+    "attach_preemption",
 ]
 
 MONITOR_BACKENDS = ("csv_monitor", "tensorboard", "wandb", "comet")
 _attached: RingMonitor | None = None  # the monitor of the last ds_ring.initialize in this process
 _forget_flush: Callable[[], None] | None = None  # undoes the exit flush of that engine's monitor
+_preemption: Preemption | None = None  # the signal handlers of the last ds_ring.initialize in this process
 
 
 def _restart_safe_store(timeout: timedelta) -> dist.Store | None:
@@ -227,6 +230,20 @@ def attach_monitor(
     return _attached
 
 
+def attach_preemption(
+    engine: Any, config: PreemptionConfig, *, timeout_s: float | None = None, group: ProcessGroup | None = None
+) -> Preemption:
+    """Install the section's preemption handlers as ``engine.preemption`` (:class:`ds_ring.preemption.Preemption`;
+    the training loop polls ``engine.preemption.stop_requested(step)`` after every step); its all-reduce runs over
+    ``group`` (the topology's control group), bounded by ``timeout_s``. Those of an earlier engine are removed."""
+    global _preemption
+    if _preemption is not None:
+        _preemption.close()
+    _preemption = Preemption(config, group=group, timeout_s=timeout_s).install()
+    engine.preemption = _preemption
+    return _preemption
+
+
 def initialize(
     *,
     model: nn.Module,
@@ -249,9 +266,11 @@ def initialize(
 
     Returns:
         What ``deepspeed.initialize`` returns: ``(engine, optimizer, dataloader, lr_scheduler)``;
-        ``engine.mpu`` is the :class:`ds_ring.Topology` and ``engine.ring_monitor`` the
+        ``engine.mpu`` is the :class:`ds_ring.Topology`, ``engine.ring_monitor`` the
         :class:`ds_ring.monitor.RingMonitor` of the section's ``monitoring`` (the training loop
-        calls its ``begin_step`` / ``skip_step`` / ``end_step``).
+        calls its ``begin_step`` / ``skip_step`` / ``end_step``) and ``engine.preemption`` the
+        :class:`ds_ring.preemption.Preemption` of its ``preemption`` entry (the loop polls its
+        ``stop_requested`` after every step, then saves and returns: docs/elastic.md).
 
     The ranks agree on the validated section and ``seq_len`` (:func:`agree_on_section`) before the
     checks that need the world size or the model, so a section that differs between ranks fails
@@ -276,8 +295,9 @@ def initialize(
         _check_heads(model, section, world_size, seq_len)
     else:
         section = RingAttentionConfig(
-            enabled=False, sequence_parallel_size=1, timeout_s=section.timeout_s, monitoring=section.monitoring
-        )
+            enabled=False, sequence_parallel_size=1, timeout_s=section.timeout_s, monitoring=section.monitoring,
+            preemption=section.preemption,
+        )  # fmt: skip
     topology = Topology.from_config(section, world_size)
     install(model, section, topology)
     config_for_deepspeed = deepspeed_config_for(ds_config, topology)
@@ -290,7 +310,7 @@ def initialize(
         **deepspeed_kwargs,
     )
     mark_engine_parameters(model, config_for_deepspeed, topology)
-    attach_monitor(
-        initialized[0], model, section.monitoring, timeout_s=section.timeout_s, group=topology.control_group(None)
-    )
+    control = topology.control_group(None)
+    attach_monitor(initialized[0], model, section.monitoring, timeout_s=section.timeout_s, group=control)
+    attach_preemption(initialized[0], section.preemption, timeout_s=section.timeout_s, group=control)
     return initialized

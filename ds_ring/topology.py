@@ -456,6 +456,13 @@ class Topology:
     def get_model_parallel_rank(self) -> int:
         return 0
 
+    def get_tensor_model_parallel_world_size(self) -> int:
+        """No tensor parallelism: 1 (DeepSpeed's universal checkpoint loading asks)."""
+        return 1
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return 0
+
     def get_sequence_parallel_group(self) -> ProcessGroup:
         return self.sequence_parallel_group
 

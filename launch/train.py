@@ -12,8 +12,13 @@ Launch with any of (2 CPU ranks shown; see launch/README.md)::
     mpirun -np 2 python launch/train.py --deepspeed_config ds_configs/cpu_default.json
 
 It checkpoints every ``--save-every`` steps into ``--save-dir`` and, when started again with the
-same directory (a plain re-run, or ``torchrun --max-restarts``), resumes from the latest checkpoint
-(data position included). The ``ring_attention.monitoring`` section of the ds_config switches on
+same directory (a plain re-run, ``torchrun --max-restarts``, a requeued SLURM job), resumes from the
+latest checkpoint (data position included) on any shape: another rank count, sequence-parallel degree
+or ZeRO stage 1-3 (docs/elastic.md). The samples of step N are a function of N and the data-parallel
+index only, so with the same global batch the data order continues exactly. On SIGTERM or SIGUSR1
+(``ring_attention.preemption``) every rank stops after the current step, which is saved, and exits 0.
+
+The ``ring_attention.monitoring`` section of the ds_config switches on
 per-step metrics (written through DeepSpeed's monitor; a monitor ``output_path`` left empty means
 ``<save-dir>/monitor``), the watchdog and the numerics guard. Any error ends the process with
 code 1 after logging it, never a hang.
@@ -43,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import deepspeed
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -210,6 +216,20 @@ def report_run(losses: list[float], tokens_per_step: int, elapsed: float) -> lis
     return [r.tolist() for r in reports]
 
 
+def final_parameters(engine: Any) -> dict[str, torch.Tensor]:
+    """Collective: the whole parameters, by name (gathered under ZeRO 3)."""
+    named = list(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters([p for _, p in named], enabled=engine.zero_optimization_stage() == 3):
+        return {name: p.detach().clone() for name, p in named}
+
+
+def save(engine: Any, save_dir: Path, step: int) -> float:
+    """Checkpoint ``step`` (tag ``step<N>``) into ``save_dir``; returns the seconds it took."""
+    started = time.perf_counter()
+    ds_ring.save_checkpoint(engine, save_dir, f"step{step}", {"step": step})
+    return time.perf_counter() - started
+
+
 def shut_down(engine: Any) -> None:
     """Close the engine's ring monitor, wait for every rank, then destroy the engine and the process group."""
     engine.ring_monitor.close()
@@ -227,7 +247,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-dir", default="runs/train", help="checkpoints; an existing one is resumed")
     p.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps (0: never)")
     p.add_argument("--metrics-log", default=None, help="write per-step metrics as JSON lines here (rank 0)")
-    p.add_argument("--final-params", default=None, help="rank 0 saves the final parameters here (torch.save)")
+    p.add_argument("--final-params", default=None, help="rank 0 saves the final parameters here (torch.save) "
+                   "when the run completes")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -245,8 +266,6 @@ def main(argv: list[str] | None = None) -> dict:
     )  # fmt: skip
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     engine, *_ = ds_ring.initialize(model=model, optimizer=optimizer, config=ds_config, seq_len=args.seq)
-    if args.final_params and engine.zero_optimization_stage() == 3:
-        raise ValueError("--final-params needs whole parameters on rank 0: use ZeRO stage 0-2")
     monitor = engine.ring_monitor
     topology = engine.mpu
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -257,16 +276,17 @@ def main(argv: list[str] | None = None) -> dict:
     start_step = 0
     resumed = ds_ring.load_checkpoint(engine, save_dir)
     if resumed is not None:
-        tag, client_state = resumed
-        start_step = client_state["step"]
+        start_step = resumed.client_state["step"]
         if rank == 0:
-            print(f"resumed from checkpoint {tag} at step {start_step}", flush=True)
+            print(f"resumed from checkpoint {resumed.tag} at step {start_step} ({resumed.loaded_as}: converted in "
+                  f"{resumed.convert_s:.2f} s, loaded in {resumed.load_s:.2f} s)", flush=True)  # fmt: skip
     current_step = [0]  # read by the fault hook
     first_attempt = start_step == 0 and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
     if fault is not None and first_attempt:
         fault.install(rank, current_step, engine)
 
     losses: list[float] = []
+    preempted = None
     tokens_per_step = micro * replicas * args.seq
     progress = tqdm(range(start_step, args.steps), disable=rank != 0, desc="train", unit="step")
     started = time.perf_counter()
@@ -283,19 +303,29 @@ def main(argv: list[str] | None = None) -> dict:
             engine.step()
         losses.append(loss.item())
         progress.set_postfix(loss=f"{losses[-1]:.3f}")
-        if args.save_every and (step + 1) % args.save_every == 0:
-            ds_ring.save_checkpoint(engine, save_dir, f"step{step + 1}", {"step": step + 1})
+        saved = args.save_every and (step + 1) % args.save_every == 0
+        if saved:
+            seconds = save(engine, save_dir, step + 1)
+            if rank == 0:
+                print(f"saved step {step + 1} in {seconds:.2f} s", flush=True)
         metrics = monitor.end_step(loss=losses[-1])
         if args.metrics_log and rank == 0:
             with open(args.metrics_log, "a") as handle:
                 handle.write(json.dumps({"step": step + 1, "loss": losses[-1], **metrics}) + "\n")
+        if engine.preemption.stop_requested(step + 1):
+            seconds = 0.0 if saved else save(engine, save_dir, step + 1)
+            preempted = step + 1
+            if rank == 0:
+                print(f"preempted: saved step {preempted} in {seconds:.2f} s; exiting 0", flush=True)
+            break
     elapsed = time.perf_counter() - started
 
     report_run(losses, tokens_per_step, elapsed)
-    summary = {"start_step": start_step, "steps": args.steps, "losses": losses, "world": world}
-    if rank == 0 and args.final_params:
-        params = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
-        torch.save(params, args.final_params)
+    summary = {"start_step": start_step, "steps": args.steps, "losses": losses, "world": world, "preempted": preempted}
+    if args.final_params and preempted is None:
+        params = final_parameters(engine)
+        if rank == 0:
+            torch.save(params, args.final_params)
     if os.environ.get("DS_RING_TRAIN_SUMMARY"):
         Path(os.environ["DS_RING_TRAIN_SUMMARY"]).with_suffix(f".rank{rank}.json").write_text(json.dumps(summary))
     shut_down(engine)

@@ -18,11 +18,17 @@ inputs gradient checkpointing keeps on disk) and trains from the loss the model 
 
     torchrun --standalone --nproc-per-node 2 launch/train_hf.py --deepspeed_config ds_configs/hf_long_context.json \
         --long-context --seq 131072 --steps 3 --dim 128 --vocab 8192
+
+With ``--save-dir`` it checkpoints every ``--save-every`` steps there and resumes from the latest checkpoint on
+any shape (docs/elastic.md): the samples of step N are the same whatever the rank count (the sampler splits
+the step's global batch over the data-parallel replicas). On SIGTERM or SIGUSR1 every rank stops after the
+current step, which is saved (with ``--save-dir``), and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -55,6 +61,7 @@ from launch.train import (  # noqa: E402
     VOCAB,
     add_training_arguments,
     report_run,
+    save,
     shut_down,
 )
 
@@ -108,6 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--long-context", action="store_true", help="tiled loss and tiled MLP (ring_attention.long_context)")
     p.add_argument("--tile-tokens", type=int, default=4096, help="tokens per tile with --long-context")
     p.add_argument("--offload-dir", help="with --long-context: keep checkpointed layer inputs in files here")
+    p.add_argument("--save-dir", default=None, help="checkpoints; an existing one is resumed (any shape)")
+    p.add_argument("--save-every", type=int, default=0, help="with --save-dir: checkpoint every N steps (0: never)")
     args = p.parse_args(argv)
     if args.vocab < VOCAB:
         p.error(f"--vocab {args.vocab} is smaller than the task's {VOCAB} tokens; use at least {VOCAB}")
@@ -143,10 +152,17 @@ def main(argv: list[str] | None = None) -> dict:
     sampler = DistributedSampler(dataset, replicas, topology.get_data_parallel_rank(), shuffle=False)
     loader = SequenceParallelDataLoader(DataLoader(dataset, batch_size=micro, sampler=sampler), topology)
 
+    start_step = 0
+    resumed = ds_ring.load_checkpoint(engine, args.save_dir) if args.save_dir else None
+    if resumed is not None:
+        start_step = resumed.client_state["step"]
+        if rank == 0:
+            print(f"resumed from checkpoint {resumed.tag} at step {start_step} ({resumed.loaded_as})", flush=True)
     monitor, losses = engine.ring_monitor, []
-    progress = tqdm(loader, disable=rank != 0, desc="train", unit="step")
+    batches = itertools.islice(loader, start_step, None)  # the data of the steps already taken is skipped
+    progress = tqdm(batches, disable=rank != 0, desc="train", unit="step", initial=start_step, total=args.steps)
     started = time.perf_counter()
-    for step, batch in enumerate(progress):
+    for step, batch in enumerate(progress, start=start_step):
         monitor.begin_step(step + 1)
         outputs = engine(**batch)  # with the tiled loss: the loss, and no logits
         loss = (
@@ -159,7 +175,16 @@ def main(argv: list[str] | None = None) -> dict:
             engine.step()
         losses.append(loss.item())
         progress.set_postfix(loss=f"{losses[-1]:.3f}")
+        saved = bool(args.save_dir and args.save_every and (step + 1) % args.save_every == 0)
+        if saved:
+            save(engine, Path(args.save_dir), step + 1)
         monitor.end_step(loss=losses[-1])
+        if engine.preemption.stop_requested(step + 1):
+            seconds = 0.0 if saved or not args.save_dir else save(engine, Path(args.save_dir), step + 1)
+            if rank == 0:
+                kept = f"saved step {step + 1} in {seconds:.2f} s" if args.save_dir else "no --save-dir, nothing saved"
+                print(f"preempted after step {step + 1}: {kept}; exiting 0", flush=True)
+            break
     elapsed = time.perf_counter() - started
 
     reports = report_run(losses, micro * replicas * args.seq, elapsed)

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,11 +32,15 @@ def free_port() -> int:
 
 
 def write_config(path: Path, *, sequence_parallel: int = 2, dense: bool = False, timeout_s: float = 120,
-                 zero_stage: int | None = None, **monitoring: object) -> Path:  # fmt: skip
-    """``ds_configs/cpu_default.json`` with the given ring size, wait bound, ZeRO stage and monitoring settings."""
+                 zero_stage: int | None = None, micro_batch: int | None = None,
+                 **monitoring: object) -> Path:  # fmt: skip
+    """``ds_configs/cpu_default.json`` with the given ring size, wait bound, ZeRO stage, micro-batch and monitoring
+    settings."""
     config = json.loads((ROOT / "ds_configs" / "cpu_default.json").read_text())
     if zero_stage is not None:
         config["zero_optimization"] = {"stage": zero_stage}
+    if micro_batch is not None:
+        config["train_micro_batch_size_per_gpu"] = micro_batch
     section = config["ring_attention"]
     section.update(sequence_parallel_size=sequence_parallel, timeout_s=timeout_s)
     section["monitoring"] = {**section.get("monitoring", {}), **monitoring}
@@ -97,6 +102,18 @@ def _run_all(commands: list[tuple[list[str], dict[str, str]]], logs: list[Path],
     return [Exit(*ended.get(i, (None, time.time())), logs[i].read_text()) for i in range(len(procs))]
 
 
+@contextlib.contextmanager
+def launched(command: list[str], port: int, log: Path, **env: str) -> Iterator[subprocess.Popen]:
+    """A launcher command running in its own session (output to ``log``) while the block runs; stopped after it."""
+    with open(log, "w") as handle:
+        proc = subprocess.Popen(command, cwd=ROOT, env=environment(port, **env), stdout=handle,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        try:
+            yield proc
+        finally:
+            _stop(proc)
+
+
 def run_ranks(args: list[str], world: int, port: int, tmp: Path, timeout: float, **env: str) -> list[Exit]:
     """One trainer process per rank, started like a launcher would (``RANK``/``WORLD_SIZE`` env)."""
     commands = [
@@ -112,9 +129,11 @@ def run_command(command: list[str], port: int, log: Path, timeout: float, **env:
     return _run_all([(command, environment(port, **env))], [log], timeout)[0]
 
 
-def run_torchrun(args: list[str], port: int, log: Path, timeout: float, max_restarts: int = 0, **env: str) -> Exit:
-    """``torchrun --nproc-per-node 2`` of the trainer on loopback."""
-    command = [str(BIN / "torchrun"), "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+def run_torchrun(
+    args: list[str], port: int, log: Path, timeout: float, max_restarts: int = 0, nproc: int = 2, **env: str
+) -> Exit:
+    """``torchrun --nproc-per-node <nproc>`` of the trainer on loopback."""
+    command = [str(BIN / "torchrun"), "--nnodes", "1", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
                "--master-port", str(port), "--max-restarts", str(max_restarts), TRAIN, *args]  # fmt: skip
     return run_command(command, port, log, timeout, **env)
 
@@ -149,10 +168,12 @@ def train_with_checkpoints(
     return torchrun_reaped(args, run, log, timeout, max_restarts, **env)
 
 
-def torchrun_reaped(args: list[str], run: Path, log: Path, timeout: float, max_restarts: int = 0, **env: str) -> Exit:
+def torchrun_reaped(
+    args: list[str], run: Path, log: Path, timeout: float, max_restarts: int = 0, nproc: int = 2, **env: str
+) -> Exit:
     """:func:`run_torchrun` on a free port, then assert that no process whose command line names ``run`` is left."""
     try:
-        return run_torchrun(args, free_port(), log, timeout=timeout, max_restarts=max_restarts, **env)
+        return run_torchrun(args, free_port(), log, timeout=timeout, max_restarts=max_restarts, nproc=nproc, **env)
     finally:
         left = reap(str(run))
         assert left == [], f"processes left running: {left}"

@@ -40,14 +40,16 @@ from ds_ring.config import SECTION, RingAttentionConfig, load_config, read_ds_co
 from ds_ring.integrations.hf.batches import shard_batch
 from ds_ring.integrations.hf.compat import trainer_counts_tokens_in_hook
 from ds_ring.integrations.hf.loss import causal_lm_loss
+from ds_ring.integrations.hf.preemption import StopOnPreemption
 from ds_ring.integrations.hf.registration import (
     check_model_config,
     register_with_transformers,
     unregister_from_transformers,
 )
 from ds_ring.integrations.hf.router import add_router_aux_loss
+from ds_ring.preemption import Preemption
 from ds_ring.sharding import gather_sequence
-from ds_ring.topology import Topology
+from ds_ring.topology import Topology, control_world
 
 __all__ = ["SequenceParallelTrainer"]
 
@@ -88,6 +90,10 @@ class SequenceParallelTrainer(_trainer_base()):  # type: ignore[misc]
             self.accelerator.unwrap_model(self.model), config=self.ds_config, topology=self.topology,
             disable_in_eval=disable_in_eval,
         )  # fmt: skip
+        self.preemption = Preemption(
+            self.section.preemption, group=control_world(), timeout_s=self.section.timeout_s
+        ).install()
+        self.add_callback(StopOnPreemption(self.preemption))
 
     # --- the engine ---------------------------------------------------------------------------------
 
@@ -117,8 +123,10 @@ class SequenceParallelTrainer(_trainer_base()):  # type: ignore[misc]
             return super().predict(*args, **kwargs)
 
     def close(self) -> None:
-        """Put back transformers' attention (the registration lives as long as the trainer is used)."""
+        """Put back transformers' attention (the registration lives as long as the trainer is used) and the
+        signal handlers."""
         unregister_from_transformers()
+        self.preemption.close()
 
     # --- arithmetic of the data-parallel replicas -----------------------------------------------------
 
