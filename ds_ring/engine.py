@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ds_ring.attention import MultiheadRingDilatedAttention, RingDilatedAttention
+from ds_ring.build_locks import refuse_stale_build_locks
 from ds_ring.comm.agree import agree
 from ds_ring.comm.backends import device_backend
 from ds_ring.comm.wait import DEFAULT_TIMEOUT_S, process_group_timeout_s
@@ -89,9 +90,11 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     (twice ``timeout_s``, so NCCL's watchdog stays the backstop behind ds_ring's bounded waits). On NCCL the
     group is bound to this rank's GPU (``LOCAL_RANK``, :func:`local_cuda_device`) with ``device_id``: NCCL
     connects at start-up, and every group made from it later (:class:`ds_ring.Topology`'s) connects when made.
+    A lock left by a killed build of DeepSpeed's ops raises here, naming it (:mod:`ds_ring.build_locks`).
     """
     if dist.is_initialized():
         return
+    refuse_stale_build_locks()
     discover_launch_env()
     backend = process_group_backend()
     timeout = timedelta(seconds=process_group_timeout_s(timeout_s))  # NCCL's watchdog: the backstop

@@ -12,3 +12,11 @@ if _ROOT not in sys.path:
 # (~90 s the first time) are cached in the repository (git-ignored) so later runs load them.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(_ROOT) / ".torch_extensions"))
+
+
+def pytest_sessionstart(session) -> None:
+    """A lock left by a killed build of DeepSpeed's ops fails the run at once, naming it (it would hang every test
+    that starts DeepSpeed)."""
+    from ds_ring.build_locks import refuse_stale_build_locks
+
+    refuse_stale_build_locks()

@@ -1,0 +1,17 @@
+"""Build DeepSpeed's JIT-compiled CPU op once, before any timed test or job, into the cache they use.
+
+DeepSpeed compiles ``deepspeed_shm_comm`` (~90 s) the first time a process group starts; done inside a job or a
+test with a deadline, a kill mid-build leaves a lock behind (:mod:`ds_ring.build_locks`). ``launch/bootstrap.sh``
+and ``launch/oldest.sh`` run this with the tests' ``TORCH_EXTENSIONS_DIR``; a stale lock is named first.
+"""
+
+import os
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+from ds_ring.build_locks import extensions_dir, refuse_stale_build_locks  # noqa: E402
+
+refuse_stale_build_locks()
+from deepspeed.comm.torch import build_shm_op  # noqa: E402
+
+print(f"build_ops: DeepSpeed's shm op {'ready' if build_shm_op() is not None else 'not used here'} in {extensions_dir()}")
