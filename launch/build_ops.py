@@ -14,4 +14,5 @@ from ds_ring.build_locks import extensions_dir, refuse_stale_build_locks  # noqa
 refuse_stale_build_locks()
 from deepspeed.comm.torch import build_shm_op  # noqa: E402
 
-print(f"build_ops: DeepSpeed's shm op {'ready' if build_shm_op() is not None else 'not used here'} in {extensions_dir()}")
+state = "ready" if build_shm_op() is not None else "not used here"
+print(f"build_ops: DeepSpeed's shm op {state} in {extensions_dir()}")
