@@ -70,7 +70,7 @@ def test_ring_receives_into_reused_buffers(world):
 
 
 def _chunked_rank(rank: int, world: int, cases: list[dict]) -> list[str]:
-    blocks.CHUNK_BYTES = {"cpu": 0}  # chunk every dense span, however small (this rank process only)
+    blocks.CHUNK_BYTES = {**blocks.CHUNK_BYTES, "cpu": 0}  # chunk every dense span (this rank only)
     return ring_rank(rank, world, cases)
 
 
