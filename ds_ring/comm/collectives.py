@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ds_ring.comm.backends import runs_collective
 from ds_ring.comm.errors import CommError
+from ds_ring.comm.gpu_timing import StreamTiming, mark
 from ds_ring.comm.groups import group_rank
 from ds_ring.comm.spans import group_members, span_position
 from ds_ring.comm.wait import Pending, failed, resolve_timeout, stream_ordered, wait_all
@@ -281,9 +282,15 @@ def _finish(
     """Bounded wait for ``pending`` (stream-ordered for ``device`` data on NCCL), then one event describing
     the call."""
     in_stream = stream_ordered(call.group, device)
+    # Stream-ordered (NCCL): the host does not block, so GPU times come from events, read at the monitor's
+    # take. A collective is waited on right after it is posted: posted and waiting are one event.
+    waiting = mark(device) if in_stream and hooks_active() else None
     blocked = wait_all(pending, timeout_s=call.timeout_s, rank=call.rank, op=call.op, step=call.step,
                        in_stream=in_stream)  # fmt: skip
     if hooks_active():
+        extra = {"span": call.span, "path": path, "sent_bytes": sent_bytes, "wait_s": blocked}
+        if waiting is not None:
+            extra["stream_timing"] = StreamTiming(waiting, waiting, mark(device))
         emit(
             Event(
                 kind=call.kind,
@@ -292,6 +299,6 @@ def _finish(
                 step=call.step,
                 nbytes=received_bytes,
                 seconds=time.perf_counter() - call.started,
-                extra={"span": call.span, "path": path, "sent_bytes": sent_bytes, "wait_s": blocked},
+                extra=extra,
             )
         )

@@ -25,11 +25,13 @@ import time
 import weakref
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ds_ring.comm.errors import CommError
+from ds_ring.comm.gpu_timing import StreamTiming, mark
 from ds_ring.comm.groups import group_rank
 from ds_ring.comm.spans import group_members
 from ds_ring.comm.wait import Pending, failed, resolve_timeout, stream_ordered, wait_all
@@ -131,6 +133,8 @@ class RingComm:
         self._queued: list[_Transfer] = []
         self._pending: list[Pending] | None = None
         self._in_stream = False  # CUDA data on NCCL: waits are stream-ordered (ds_ring.comm.wait)
+        self._device = torch.device("cpu")
+        self._posted: Any = None  # the CUDA event of a stream-ordered post, when hooks are listening
         self._step = -1
         self._posted_at = 0.0
         self._commits = 0
@@ -213,6 +217,8 @@ class RingComm:
             self._pending = []
             return
         self._in_stream = stream_ordered(self.group, ops[0].tensor.device)
+        self._device = ops[0].tensor.device
+        self._posted = mark(self._device) if self._in_stream and hooks_active() else None
         try:
             works = dist.batch_isend_irecv(ops)
         except RuntimeError as exc:  # e.g. the pair was closed by an earlier timeout or a dead peer
@@ -231,10 +237,14 @@ class RingComm:
             raise RuntimeError(f"ds_ring: RingComm({self.op}).wait() before commit()")
         pending, transfers = self._pending, self._queued
         self._pending, self._queued = None, []
+        posted, self._posted = self._posted, None
+        waiting = mark(self._device) if posted is not None and pending else None
         blocked = wait_all(pending, timeout_s=self.timeout_s, rank=self.rank, op=self.op, step=self._step,
                            in_stream=self._in_stream)  # fmt: skip
+        # Stream-ordered (NCCL): the host did not block; GPU times from events, read at the monitor's take.
+        timing = StreamTiming(posted, waiting, mark(self._device)) if waiting is not None else None
         if hooks_active() and not self._local:
-            self._emit(transfers, time.perf_counter() - self._posted_at, blocked)
+            self._emit(transfers, time.perf_counter() - self._posted_at, blocked, timing)
 
     def _describe(self, ops: list[tuple[int, str]], works: list[dist.Work]) -> list[Pending]:
         """``(peer, what)`` of each posted op, matched to its work; receives first (a missing block is the
@@ -251,7 +261,9 @@ class RingComm:
         """The peer to name when the backend does not say which op of a batch failed (-1: either)."""
         return self.send_to if self.send_to == self.recv_from else -1
 
-    def _emit(self, transfers: list[_Transfer], seconds: float, blocked: float) -> None:
+    def _emit(
+        self, transfers: list[_Transfer], seconds: float, blocked: float, timing: StreamTiming | None = None
+    ) -> None:
         live = self._live.count()
         event = partial(Event, rank=self.rank, op=self.op, step=self._step, seconds=seconds)
         sent_total = received_total = 0
@@ -266,4 +278,6 @@ class RingComm:
                 emit(event(kind="recv", peer=self.recv_from, nbytes=received, extra=extra))
             sent_total, received_total = sent_total + sent, received_total + received
         extra = {"recv_from": self.recv_from, "received_bytes": received_total, "wait_s": blocked}
+        if timing is not None:
+            extra["stream_timing"] = timing
         emit(event(kind="ring_step", peer=self.send_to, nbytes=sent_total, extra=extra))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 from ds_ring.hooks import Event
 
@@ -22,6 +23,9 @@ class RankTotals:
     attention_wait_s: the part of it spent blocked waiting for communication.
     comm_s: time ds_ring's transfers were in flight (posting to completion), summed.
     comm_wait_s: the part of ``comm_s`` this rank spent blocked waiting (not hidden by compute).
+    On CUDA data over NCCL (stream-ordered waits) ``comm_s`` / ``comm_wait_s`` are GPU times from CUDA events
+    (post to arrival, and the compute stream's stall at the wait: :mod:`ds_ring.comm.gpu_timing`); on gloo /
+    CPU data host times.
     sent_bytes, received_bytes: bytes moved by ds_ring's transfers.
     attention_calls: attention calls (forward and backward count one each).
     """
@@ -58,6 +62,7 @@ class StepTimeline:
         self._lock = threading.Lock()
         self._totals = RankTotals()
         self._depth = 0  # attention calls in progress
+        self._deferred: list[tuple[Any, bool]] = []  # (StreamTiming, inside attention) not yet complete
 
     def __call__(self, event: Event) -> None:
         if event.op.startswith(MONITOR_OP_PREFIX):
@@ -72,11 +77,11 @@ class StepTimeline:
                 totals.attention_s += event.seconds
                 totals.attention_calls += 1
             elif event.phase == "end" and (event.kind == "ring_step" or event.kind in COLLECTIVES):
-                wait_s = float(event.extra.get("wait_s", 0.0))
-                totals.comm_s += event.seconds
-                totals.comm_wait_s += wait_s
-                if self._depth:
-                    totals.attention_wait_s += wait_s
+                timing = event.extra.get("stream_timing")
+                if timing is not None:  # stream-ordered (NCCL): GPU times, read at a take once complete
+                    self._deferred.append((timing, self._depth > 0))
+                else:  # gloo / CPU data: host time in flight and blocked
+                    self._add_comm(totals, event.seconds, float(event.extra.get("wait_s", 0.0)), self._depth > 0)
                 if event.kind == "ring_step":
                     totals.sent_bytes += event.nbytes
                     totals.received_bytes += int(event.extra.get("received_bytes", 0))
@@ -84,8 +89,29 @@ class StepTimeline:
                     totals.sent_bytes += int(event.extra.get("sent_bytes", 0))
                     totals.received_bytes += event.nbytes
 
+    @staticmethod
+    def _add_comm(totals: RankTotals, seconds: float, wait_s: float, in_attention: bool) -> None:
+        totals.comm_s += seconds
+        totals.comm_wait_s += wait_s
+        if in_attention:
+            totals.attention_wait_s += wait_s
+
     def take(self) -> RankTotals:
-        """The totals since the last call, and start new ones."""
+        """The totals since the last call, and start new ones.
+
+        Stream-ordered transfers (``extra["stream_timing"]``) count with their GPU times
+        (``Event.elapsed_time``) in the first take after their events completed (``Event.query()``: the host
+        is never synchronized); the others wait for a later take.
+        """
         with self._lock:
             totals, self._totals = self._totals, RankTotals()
+            deferred, self._deferred = self._deferred, []
+        later = []
+        for timing, in_attention in deferred:
+            if timing.done():
+                self._add_comm(totals, *timing.seconds(), in_attention)
+            else:
+                later.append((timing, in_attention))
+        with self._lock:
+            self._deferred = later + self._deferred
         return totals

@@ -143,6 +143,9 @@ class RingExchange(Exchange):
         blocks = _KVTurn(span, shard, comm)
         forward = _ring_comm(span, comm, "ring_dkv")
         home = forward if hops == n - 1 else _ring_comm(span, comm, "ring_dkv", shift=-hops)
+        # dK/dV travel in the accumulation dtype (fp32 for bf16/fp16), knowingly: 2x bf16's bytes on the backward
+        # ring, because each block's gradient is a sum over up to p - 1 hops and a bf16 partial sum would lose
+        # low bits at every hop (docs/gpu.md, item 10).
         received = BlockBuffers(span, batch, dims, accum_dtype(shard.q.dtype), shard.q.device)
         travelling = None
         blocks.post(0)

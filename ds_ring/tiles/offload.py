@@ -7,7 +7,8 @@ layer. :func:`offloaded_checkpoint` checkpoints a layer (reentrant: the input is
 * :class:`HostStore` copies it to pinned host memory on an accelerator, on a side stream overlapped with
   compute, and prefetches it back one layer ahead in the backward (on a CPU it stays where it is);
 * :class:`DiskStore` writes it to a file in a directory (unlinked at once: nothing outlives the process)
-  from a writer thread with a bounded queue, and maps it back for the recompute, so it leaves resident
+  from a writer thread with a bounded queue (on an accelerator the copy to pinned host memory runs on a side
+  stream and the writer waits on its event only), and maps it back for the recompute, so it leaves resident
   memory on a CPU too.
 
 An entry lives until its layer's backward reads it, or until the graph holding it is freed (a forward
@@ -159,7 +160,8 @@ class _OnDisk:
         self.shape, self.dtype, self.device = tensor.shape, tensor.dtype, tensor.device
         self.nbytes = tensor.numel() * tensor.element_size()
         store._add(1)
-        self.written: Future = store._writer.submit(_write, fd, tensor.detach())
+        tensor, copied = store._to_host(tensor.detach())
+        self.written: Future = store._writer.submit(_write, fd, tensor, copied)
         self.written.add_done_callback(lambda _: store._slots.release())
 
     def read(self) -> torch.Tensor:
@@ -183,7 +185,11 @@ class _OnDisk:
         self.close()
 
 
-def _write(fd: int, tensor: torch.Tensor) -> None:
+def _write(fd: int, tensor: torch.Tensor, copied: Any = None) -> None:
+    """Write ``tensor`` (on the host) to ``fd``, once its device-to-host copy's event ``copied`` (if any) is done:
+    the writer thread waits on that event only, never on a stream or the device."""
+    if copied is not None:
+        copied.synchronize()
     data = tensor.contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
     with os.fdopen(fd, "wb", closefd=False) as file:
         file.write(memoryview(data))
@@ -193,15 +199,40 @@ class DiskStore(_Counted):
     """Tensors written to unlinked files in ``directory`` by one writer thread, at most ``pending`` writes queued
     (a forward waits rather than hold more tensors in memory than that)."""
 
-    def __init__(self, directory: str | os.PathLike, pending: int = 2) -> None:
+    def __init__(self, directory: str | os.PathLike, pending: int = 2, cuda: CudaCopies | None = None) -> None:
         super().__init__()
         self.directory = os.fspath(directory)
+        self.cuda = cuda or CudaCopies()
+        self._streams: dict[torch.device, Any] = {}
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds_ring_offload")
         self._slots = threading.BoundedSemaphore(pending)
 
     def close(self) -> None:
         """Stop the writer thread once its queued writes are done (the store is not used after)."""
         self._writer.shutdown(wait=True)
+
+    def _to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """``tensor`` on the host and the event its copy there ends with (``None``: it was there already).
+
+        On an accelerator: an event recorded on the compute stream (the tensor is complete), a side stream (one
+        per device) that waits for it and copies into pinned memory, ``record_stream`` to keep the allocator off
+        the tensor until the copy is done, and an event on the side stream that the writer thread waits on.
+        """
+        if tensor.device.type == "cpu":
+            return tensor, None
+        if tensor.device not in self._streams:
+            self._streams[tensor.device] = self.cuda.new_stream(tensor.device)
+        side = self._streams[tensor.device]
+        ready = self.cuda.new_event()
+        ready.record(self.cuda.current_stream(tensor.device))
+        side.wait_event(ready)
+        with self.cuda.on(side):
+            host = self.cuda.pinned_like(tensor)
+            host.copy_(tensor, non_blocking=True)
+            copied = self.cuda.new_event()
+            copied.record(side)
+        self.cuda.keep(tensor, side)
+        return host, copied
 
     def pack(self, tensor: torch.Tensor) -> _OnDisk:
         self._slots.acquire()  # released when the write is done: a forward waits rather than queue more
