@@ -35,6 +35,8 @@ _MIXER = re.compile(
 _POSITION_WISE = re.compile(r"mlp|moe|expert|feedforward|ffn|router|gate$|norm|embedding", re.IGNORECASE)
 _STRUCTURE = re.compile(r"(model|forcausallm|lmheadmodel|decoderlayer|decoder|layer|block|stack)$", re.IGNORECASE)
 _ATTENTION = re.compile(r"(attention|attn)$", re.IGNORECASE)
+_LINEAR_ATTENTION = re.compile(r"(lightning|linear|delta)\w*(attention|attn)", re.IGNORECASE)
+"""Attention-named modules that are recurrences (MiniMax's lightning, Kimi's delta attention)."""
 
 BATCH_KEYS = ("position_ids", "ds_ring_cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k")
 """The model call's keyword arguments the attention may need: passed on for attention modules that get none."""
@@ -71,12 +73,10 @@ def refuse_sequence_mixers(model: nn.Module, position_wise: Iterable[str] = ()) 
         if cls in allowed or module is model:
             continue
         short = _short_name(module, prefix)
-        named = (
-            _MIXER.search(short)
-            and not _POSITION_WISE.search(short)
-            and not _STRUCTURE.search(short)
-            and not _ATTENTION.search(short) or re.search(r"(lightning|linear|delta)\w*(attention|attn)", short, re.I)
+        mixer_named = bool(_MIXER.search(short)) and not any(
+            pattern.search(short) for pattern in (_POSITION_WISE, _STRUCTURE, _ATTENTION)
         )
+        named = mixer_named or bool(_LINEAR_ATTENTION.search(short))
         if type(module).__module__.startswith("transformers.pytorch_utils"):  # Conv1D is GPT-2's linear layer
             named = False
         position = "position" in path.rsplit(".", 1)[-1]
