@@ -1,4 +1,7 @@
-"""DeepSpeed's ``test_ulysses_sp_hf.py`` main case (``TestUlyssesSPHF``), ported: only the import changed.
+"""DeepSpeed's ``test_ulysses_sp_hf.py`` main case (``TestUlyssesSPHF``), ported: only the import changed
+(and, for DeepSpeed 0.16, the lower bound: ``move_to_device`` given the criterion it needs, and each
+``initialize`` its own copy of the config, which 0.16 pops
+``torch_adam`` out of — the second engine would JIT-build ``FusedAdam`` inside the test).
 
 ``from ds_ring.integrations.hf import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter`` in place of DeepSpeed's
 ``ulysses_sp``; 2 gloo ranks, a tiny random fp32 Llama (``tests/hf_cases.llama``) saved to a local directory
@@ -17,6 +20,7 @@ on every rank instead of being stitched into one sequence; packed documents in a
 apart (logits equal to each document run alone).
 """
 
+import copy
 import os
 import tempfile
 import time
@@ -38,10 +42,17 @@ def torch_assert_dicts_of_tensors_equal(actual, expected, **kwargs) -> None:
         torch.testing.assert_close(actual[k], expected[k], rtol=0.0, atol=0.0, **kwargs)
 
 
+def move_to_device(item, device):
+    """DeepSpeed's ``move_to_device`` as the original calls it: DeepSpeed 0.16 (the declared lower bound) also
+    needs the criterion that newer releases default to ``torch.is_tensor``."""
+    from deepspeed.runtime.utils import move_to_device as deepspeed_move_to_device
+
+    return deepspeed_move_to_device(item, device, torch.is_tensor)
+
+
 def _main_case(model_name_or_path: str, zero_stage: int) -> None:
     """DeepSpeed's ``TestUlyssesSPHF.test_ulysses_sp_hf``, its statements kept (tensors on the CPU)."""
     import deepspeed
-    from deepspeed.runtime.utils import move_to_device
     from deepspeed.utils import groups, safe_get_full_grad
     from transformers import AutoModelForCausalLM
 
@@ -80,7 +91,7 @@ def _main_case(model_name_or_path: str, zero_stage: int) -> None:
 
     model_a = AutoModelForCausalLM.from_pretrained(model_name_or_path)
     model_a, _, _, _ = deepspeed.initialize(
-        config=config_dict, model=model_a, model_parameters=model_a.parameters(), mpu=None
+        config=copy.deepcopy(config_dict), model=model_a, model_parameters=model_a.parameters(), mpu=None
     )
     batch_a = move_to_device(batch_a, model_a.device)
     loss_a = model_a(**batch_a).loss
@@ -99,7 +110,7 @@ def _main_case(model_name_or_path: str, zero_stage: int) -> None:
     try:
         model_b = AutoModelForCausalLM.from_pretrained(model_name_or_path, attn_implementation=core_attn_implementation)
         model_b, _, _, _ = deepspeed.initialize(
-            config=config_dict, model=model_b, model_parameters=model_b.parameters(), mpu=mpu
+            config=copy.deepcopy(config_dict), model=model_b, model_parameters=model_b.parameters(), mpu=mpu
         )
         sp_group = groups._get_sequence_parallel_group()
         sp_world_size = groups._get_sequence_parallel_world_size()
