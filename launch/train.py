@@ -48,7 +48,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import deepspeed
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -61,6 +60,7 @@ import ds_ring  # noqa: E402
 from ds_ring.config import read_ds_config  # noqa: E402
 from ds_ring.hooks import Event, HookHandle, peak_memory_bytes, register_hook  # noqa: E402
 from ds_ring.monitor import run_main  # noqa: E402
+from ds_ring.tiles.zero import gathered  # noqa: E402
 from launch.model import TinyGPT  # noqa: E402
 
 KEYS, KEY_REPEAT, QUERY_TOKENS = 16, 64, 64
@@ -219,7 +219,7 @@ def report_run(losses: list[float], tokens_per_step: int, elapsed: float) -> lis
 def final_parameters(engine: Any) -> dict[str, torch.Tensor]:
     """Collective: the whole parameters, by name (gathered under ZeRO 3)."""
     named = list(engine.module.named_parameters())
-    with deepspeed.zero.GatheredParameters([p for _, p in named], enabled=engine.zero_optimization_stage() == 3):
+    with gathered([p for _, p in named]):
         return {name: p.detach().clone() for name, p in named}
 
 

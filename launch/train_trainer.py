@@ -136,10 +136,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{trainer.state.global_step} steps, {tokens} tokens on {ranks} ranks in {elapsed:.1f} s "
               f"({tokens / max(elapsed, 1e-9):.0f} tokens/s)")  # fmt: skip
     if args.final_params:
-        import deepspeed
+        from ds_ring.tiles.zero import gathered
 
         params = list(trainer.model_wrapped.module.parameters())
-        with deepspeed.zero.GatheredParameters(params, enabled=hasattr(params[0], "ds_id")):
+        with gathered(params):
             state = [p.detach().clone() for p in params]
         if trainer.is_world_process_zero():
             torch.save(state, args.final_params)

@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ds_ring.tiles.zero import gathered
 from tests.dist import CaseLog, assert_no_failures, run_distributed
 from tests.hf_cases import BATCH, assert_same, full_batch, llama, sequence_parallel, shifted, whole_model
 
@@ -98,7 +99,7 @@ def _tutorial(model_dir: str, stage: int) -> list[torch.Tensor]:
         model.step()  # the tutorial's loop shows the backward only
     UlyssesSPAttentionHF.unregister_from_transformers("sdpa")
     params = list(model.module.parameters())
-    with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
+    with gathered(params):
         got = [copy.deepcopy(p.detach()) for p in params]
     model.destroy()
     return got

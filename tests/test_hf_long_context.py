@@ -29,6 +29,7 @@ from ds_ring.integrations.hf import (
     unregister_from_transformers,
 )
 from ds_ring.integrations.hf.compat import activation_checkpointing_disable, activation_checkpointing_enable
+from ds_ring.tiles.zero import gathered
 from tests.dist import CaseLog, run_distributed
 from tests.hf_cases import (
     BATCH,
@@ -193,7 +194,7 @@ def _train(
             setattr(deepspeed.comm, name, originals[name])
         unregister_from_transformers()
     params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
+    with gathered(params):
         got = [copy.deepcopy(p.detach()) for p in params]
     engine.destroy()
     return got

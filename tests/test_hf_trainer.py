@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ds_ring.tiles.zero import gathered
 from tests.dist import CaseLog, assert_no_failures, run_distributed
 from tests.hf_cases import VOCAB, full_batch, llama, shifted
 
@@ -85,10 +86,9 @@ def _trainer(config: dict, data, packed: bool, output: str, eval_data=None, accu
 
 
 def _parameters(engine) -> list[torch.Tensor]:
-    import deepspeed
 
     params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params, enabled=hasattr(params[0], "ds_id")):
+    with gathered(params):
         return [copy.deepcopy(p.detach()) for p in params]
 
 

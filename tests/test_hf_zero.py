@@ -22,6 +22,7 @@ from ds_ring.integrations.hf import (
     shard_batch,
     unregister_from_transformers,
 )
+from ds_ring.tiles.zero import gathered
 from tests.dist import CaseLog, run_distributed
 from tests.hf_cases import (
     BATCH,
@@ -75,7 +76,7 @@ def _train(stage: int, batch: dict, *, alst_order: bool = False, **zero) -> tupl
     params = list(engine.module.parameters())
     large = [p for p in params if getattr(p, "ds_numel", 0) >= 4096]
     partitioned = bool(large) and all(p.ds_tensor.numel() < p.ds_numel for p in large)
-    with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
+    with gathered(params):
         got = [copy.deepcopy(p.detach()) for p in params]
     engine.destroy()
     return got, partitioned
@@ -84,9 +85,9 @@ def _train(stage: int, batch: dict, *, alst_order: bool = False, **zero) -> tupl
 def _replicas_agree(params: list[torch.Tensor]) -> None:
     """Every rank holds bit-identical parameters."""
     flat = torch.cat([p.flatten() for p in params])
-    gathered = [torch.empty_like(flat) for _ in range(torch.distributed.get_world_size())]
-    torch.distributed.all_gather(gathered, flat)
-    assert all(torch.equal(g, gathered[0]) for g in gathered), "the replicas differ"
+    replicas = [torch.empty_like(flat) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(replicas, flat)
+    assert all(torch.equal(g, replicas[0]) for g in replicas), "the replicas differ"
 
 
 def _half_step(batch: dict, stage: int, precision: str) -> tuple[torch.dtype, float, float]:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import ds_ring
+from ds_ring.tiles.zero import gathered
 from launch.model import TinyGPT
 from tests.dist import CaseLog, run_distributed
 
@@ -101,7 +102,7 @@ def _rank(rank: int, world: int, sequence_parallel: int, stages: list[int]) -> l
                 engine.backward(loss)
                 engine.step()
             params = list(engine.module.parameters())
-            with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
+            with gathered(params):
                 got = [copy.deepcopy(p.detach()) for p in params]
             for (name, _), g, e in zip(engine.module.named_parameters(), got, expected, strict=True):
                 torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
