@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ds_ring.attention import MultiheadRingDilatedAttention, RingDilatedAttention
-from ds_ring.build_locks import refuse_stale_build_locks
+from ds_ring.build_locks import clear_stale_build_locks
 from ds_ring.comm.agree import agree
 from ds_ring.comm.backends import device_backend
 from ds_ring.comm.wait import DEFAULT_TIMEOUT_S, process_group_timeout_s
@@ -94,7 +94,7 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """
     if dist.is_initialized():
         return
-    refuse_stale_build_locks()
+    clear_stale_build_locks()
     discover_launch_env()
     backend = process_group_backend()
     timeout = timedelta(seconds=process_group_timeout_s(timeout_s))  # NCCL's watchdog: the backstop

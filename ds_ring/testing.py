@@ -8,9 +8,11 @@ the caller, so only the first call of a process pays for importing torch. Measur
 still a process of its own: address space, allocator, thread pools and RSS high-water mark.
 
 Rendezvous goes through a ``file://`` store in a fresh temporary directory (no ports to clash) and
-gloo is pinned to the loopback interface. A hard deadline covers the whole call, process start-up
-included: ranks still running then are killed (SIGKILL) and reported as hung; once a rank has
-failed, the others get ``grace_s`` to finish, since they are usually blocked on the failed one.
+gloo is pinned to the loopback interface. The hang guard waits on progress, not on the clock
+(:class:`Progress`): ranks that together use no CPU for ``timeout_s`` seconds are hung — a rank blocked
+on a peer that never comes uses none, a slow rank on a loaded machine keeps using some — and a cap of
+``CAP_FACTOR × timeout_s`` ends even a spinning hang. Hung ranks are killed (SIGKILL) and reported;
+once a rank has failed, the others get ``grace_s`` to finish, since they are usually blocked on it.
 """
 
 from __future__ import annotations
@@ -31,13 +33,79 @@ from multiprocessing.connection import wait as wait_ready
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-__all__ = ["PRELOAD", "RankOutcome", "rank_results", "spawn_ranks"]
+__all__ = ["CAP_FACTOR", "PRELOAD", "Progress", "RankOutcome", "cpu_seconds", "rank_results", "spawn_ranks"]
 
 PRELOAD = ("torch", "torch.distributed")
 """Modules the fork server imports once. The server starts on the first call of a process and keeps
 the ``preload`` of that call; ranks import anything else their function needs themselves."""
 _EXIT_S = 5.0
 """How long a rank that has sent its result may take to exit before it is killed."""
+CAP_FACTOR = 20.0
+"""A guard's hard cap, in units of its idle time: only a hang that keeps using CPU lasts that long."""
+_TICK_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_SAMPLE_S = 2.0
+_MOVED_S = 0.02
+"""Progress: a process used at least this many CPU seconds over one ``_SAMPLE_S`` window (1 % of a core, what a
+runnable process gets even at a load of 50 per core; a blocked one's polling threads use less)."""
+
+
+def cpu_seconds(pids: Sequence[int]) -> dict[int, float] | None:
+    """CPU seconds (user + system, every thread) used so far by each live process of ``pids`` with every process
+    below it (children already reaped count through their parent), from ``/proc``; ``None`` without ``/proc``."""
+    try:
+        entries = list(os.scandir("/proc"))
+    except OSError:
+        return None
+    parents: dict[int, int] = {}
+    used: dict[int, float] = {}
+    for entry in entries:
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        pid = int(entry.name)
+        parents[pid] = int(fields[1])
+        used[pid] = sum(int(f) for f in fields[11:15]) / _TICK_S  # utime, stime, cutime, cstime
+    totals = {}
+    for root in pids:
+        if root not in used:
+            continue
+        tree, frontier = set(), {root}
+        while frontier:
+            tree |= frontier
+            frontier = {pid for pid, parent in parents.items() if parent in frontier and pid not in tree}
+        totals[root] = sum(used[pid] for pid in tree)
+    return totals
+
+
+class Progress:
+    """A hang guard that waits on progress: :meth:`stalled` is true once none of the processes ``pids()`` names
+    (each with its descendants) used CPU for ``idle_s`` seconds, or ``CAP_FACTOR × idle_s`` seconds passed.
+
+    A loaded machine slows a job down but never stops its CPU clock; a process blocked on a peer, a lock or a
+    dead link stops it. Where CPU time cannot be read, ``idle_s`` is a plain deadline.
+    """
+
+    def __init__(self, pids: Callable[[], Sequence[int]], idle_s: float) -> None:
+        self.pids, self.idle_s = pids, idle_s
+        self.started = self._moved_at = self._sampled_at = time.monotonic()
+        self._cpu: dict[int, float] = {}
+
+    def stalled(self) -> bool:
+        now = time.monotonic()
+        if now - self._sampled_at >= _SAMPLE_S:
+            self._sampled_at, before = now, self._cpu
+            self._cpu = cpu_seconds(self.pids()) or {}
+            if any(cpu >= before.get(pid, cpu) + _MOVED_S for pid, cpu in self._cpu.items()):
+                self._moved_at = now
+        return now - self._moved_at >= self.idle_s or now - self.started >= CAP_FACTOR * self.idle_s
+
+    def idle_for(self) -> float:
+        """Seconds since the processes last made progress."""
+        return time.monotonic() - self._moved_at
 
 
 @dataclass(frozen=True)
@@ -79,11 +147,10 @@ def spawn_ranks(
 
     ``fn`` must be a module-level function; ``args``, ``kwargs`` and its results must be picklable.
     Each rank sets ``torch.set_num_threads(threads_per_rank)`` (and one inter-op thread) and, with
-    ``process_group``, joins a gloo group of ``world_size`` ranks whose timeout is ``timeout_s``.
-    ``timeout_s`` (seconds from the first fork) is the deadline for every result. Never raises
-    for a failing or hanging rank: its :class:`RankOutcome` says what happened.
+    ``process_group``, joins a gloo group of ``world_size`` ranks whose timeout is the hard cap,
+    ``CAP_FACTOR × timeout_s``. Ranks that use no CPU for ``timeout_s`` seconds (:class:`Progress`)
+    are hung. Never raises for a failing or hanging rank: its :class:`RankOutcome` says what happened.
     """
-    deadline = time.monotonic() + timeout_s
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(list(preload))
     procs: list[BaseProcess] = []
@@ -91,7 +158,7 @@ def spawn_ranks(
     sent: dict[int, tuple] = {}
     with tempfile.TemporaryDirectory(prefix="ds_ring_ranks_", ignore_cleanup_errors=True) as tmp:
         init_method = "file://" + os.path.join(tmp, "rendezvous") if process_group else ""
-        setup = (world_size, init_method, timeout_s, threads_per_rank)
+        setup = (world_size, init_method, CAP_FACTOR * timeout_s, threads_per_rank)
         try:
             for rank in range(world_size):
                 reader, writer = ctx.Pipe(duplex=False)
@@ -105,7 +172,8 @@ def spawn_ranks(
                 writer.close()
                 procs.append(proc)
                 readers.append(reader)
-            _collect(procs, readers, deadline, grace_s, sent)
+            running = [proc.pid for rank, proc in enumerate(procs) if rank not in sent]
+            _collect(procs, readers, Progress(lambda: running, timeout_s), grace_s, sent)
         finally:
             _stop(procs, finished=set(sent))
             for reader in readers:
@@ -113,7 +181,7 @@ def spawn_ranks(
     if any(not ok for ok, *_ in sent.values()):
         why = f"killed: no result within {grace_s} s after the first failure"
     else:
-        why = f"no result after {float(timeout_s)} s"
+        why = f"no result and no progress for {float(timeout_s)} s"
     outcomes = []
     for rank in range(world_size):
         if rank not in sent:
@@ -129,7 +197,7 @@ def rank_results(outcomes: Sequence[RankOutcome]) -> list[Any]:
     """The values of ``outcomes`` in rank order, or an exception naming every rank that did not return.
 
     Raises ``RuntimeError`` with ``"rank r failed:\\n<traceback>"`` for every failing rank (and the
-    ranks killed after it), or ``TimeoutError("rank r hung: no result after X s")`` when ranks hung
+    ranks killed after it), or ``TimeoutError("rank r hung: no result and no progress for X s")`` when ranks hung
     without any failure.
     """
     failed = [o for o in outcomes if not o.ok and not o.hung]
@@ -184,17 +252,17 @@ def _rank_main(
 
 
 def _collect(
-    procs: list[BaseProcess], readers: list[Connection], deadline: float, grace_s: float, sent: dict[int, tuple]
+    procs: list[BaseProcess], readers: list[Connection], progress: Progress, grace_s: float, sent: dict[int, tuple]
 ) -> None:
-    """Fill ``sent`` until every rank reported, the deadline passed, or the post-failure grace ran out."""
-    limit = deadline
+    """Fill ``sent`` until every rank reported, the ranks stalled, or the post-failure grace ran out."""
+    limit = float("inf")
     while len(sent) < len(procs):
         now = time.monotonic()
-        if now >= limit:
+        if now >= limit or progress.stalled():
             return
         waiting = {reader: rank for rank, reader in enumerate(readers) if rank not in sent}
         exits = {procs[rank].sentinel: rank for rank in waiting.values()}
-        for ready in wait_ready([*waiting, *exits], timeout=limit - now):
+        for ready in wait_ready([*waiting, *exits], timeout=min(limit - now, 0.5)):
             rank = waiting[ready] if ready in waiting else exits[ready]
             if rank in sent:
                 continue

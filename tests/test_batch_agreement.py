@@ -46,7 +46,7 @@ def _rank(rank: int, world: int) -> list[str]:
             started = time.monotonic()
             with pytest.raises(ValueError) as raised:
                 next(iter(loader))
-            assert time.monotonic() - started < 5
+            assert time.monotonic() - started < 20  # raised, not waited out: under timeout_s
             message = str(raised.value)
             sp_ranks = [r for r in range(world) if r // 2 == rank // 2]
             assert "disagree on shard_batch" in message and "batch contents (blake2b)" in message, message

@@ -91,8 +91,8 @@ def test_a_hanging_rank_is_killed_and_named(tmp_path: Path) -> None:
     with pytest.raises(TimeoutError) as info:
         run_distributed(_hang_on_rank_one, 2, timeout=timeout, pid_dir=str(tmp_path))
     elapsed = time.monotonic() - started
-    assert str(info.value) == "rank 1 hung: no result after 4.0 s"
-    assert timeout <= elapsed < timeout + 5
+    assert str(info.value) == "rank 1 hung: no result and no progress for 4.0 s"
+    assert timeout <= elapsed < 5 * timeout  # idle for the timeout, found within one CPU sample of it
     assert multiprocessing.active_children() == []
     pids = [int(p.read_text()) for p in sorted(tmp_path.iterdir())]
     assert len(pids) == 2

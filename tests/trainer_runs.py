@@ -1,8 +1,10 @@
-"""Start the main job (launch/train.py) for recovery tests: per-rank processes or a launcher, hard deadlines.
+"""Start the main job (launch/train.py) for recovery tests: per-rank processes or a launcher, hang guards.
 
 Every process starts in its own session (process group), output goes to files (no pipe to fill),
-and whatever is still running at the deadline or when the test ends is SIGKILLed by group, so a
-test can neither hang nor leave a process behind; :func:`leftovers` tells whether one survived.
+and whatever is still running when the processes stop making progress (no CPU used by them or anything
+they started for ``timeout`` seconds: :class:`ds_ring.testing.Progress`) or when the test ends is
+SIGKILLed by group, so a test can neither hang nor leave a process behind, nor fail for being slow on a
+loaded machine; :func:`reap` tells whether one survived.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from ds_ring.testing import Progress
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -60,7 +64,7 @@ def environment(port: int, **extra: str) -> dict[str, str]:
 class Exit:
     """How one process ended: its exit code, when (``time.time()``), and its output."""
 
-    code: int | None  # None: killed at the deadline
+    code: int | None  # None: killed by the hang guard
     at: float
     output: str
 
@@ -88,12 +92,12 @@ def _run_all(commands: list[tuple[list[str], dict[str, str]]], logs: list[Path],
             handles.append(handle)
             procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT,
                                           start_new_session=True))  # fmt: skip
-        deadline = time.monotonic() + timeout
-        while len(ended) < len(procs) and time.monotonic() < deadline:
+        progress = Progress(lambda: [proc.pid for i, proc in enumerate(procs) if i not in ended], timeout)
+        while len(ended) < len(procs) and not progress.stalled():
             for i, proc in enumerate(procs):
                 if i not in ended and proc.poll() is not None:
                     ended[i] = (proc.returncode, time.time())
-            time.sleep(0.02)
+            time.sleep(0.05)
     finally:
         for proc in procs:
             _stop(proc)

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ds_ring.testing import Progress
+
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 IP = shutil.which("ip") or "/usr/sbin/ip"
@@ -194,11 +196,12 @@ exec {IP} netns exec $ns {UNSHARE} --uts sh -c 'hostname "$0" && exec sh -c "$1"
         self.runs = [HostRun(proc, log, handle)]
 
     def wait(self, timeout: float, poll: Callable[[], object] | None = None) -> list[int | None]:
-        """Exit codes of both agents (``None``: still running at the deadline, then killed), calling ``poll()``
-        every 50 ms meanwhile; kills every process left in either namespace."""
-        deadline = time.monotonic() + timeout
+        """Exit codes of both agents (``None``: still running when their processes had used no CPU for ``timeout``
+        seconds, then killed: :class:`ds_ring.testing.Progress`), calling ``poll()`` every 50 ms meanwhile; kills
+        every process left in either namespace."""
+        progress = Progress(lambda: [run.proc.pid for run in self.runs if run.proc.poll() is None], timeout)
         try:
-            while time.monotonic() < deadline and any(run.proc.poll() is None for run in self.runs):
+            while not progress.stalled() and any(run.proc.poll() is None for run in self.runs):
                 if poll is not None:
                     poll()
                 time.sleep(0.05)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from ds_ring.comm.wait import process_group_timeout_s
+from ds_ring.testing import Progress
 from tests.multihost.hosts import TwoHosts
 from tests.trainer_runs import TRAIN, write_config
 
@@ -39,8 +40,8 @@ def test_link_down_mid_step_every_rank_names_itself_its_peer_and_the_step(
                    DS_RING_FAULT=f"{fault}:rank=0:step={FAULT_STEP}:seconds={STALL_S}")  # fmt: skip
     try:
         logs = lambda: hosts.output(0) + hosts.output(1)  # noqa: E731
-        deadline = time.monotonic() + 90
-        while "ds_ring fault injection" not in logs() and time.monotonic() < deadline:
+        progress = Progress(lambda: [r.proc.pid for r in hosts.runs], 90)  # a hang guard: the log is waited on
+        while "ds_ring fault injection" not in logs() and not progress.stalled():
             time.sleep(0.05)
         assert "ds_ring fault injection" in logs(), logs()[-3000:]
         time.sleep(0.5)  # the other ranks are now waiting on rank 0

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ds_ring.testing import Progress
 from tests.multihost.hosts import TwoHosts
 from tests.trainer_runs import TRAIN, write_config
 
@@ -98,8 +99,8 @@ def test_dead_host_stops_the_other_and_a_relaunch_resumes_bit_equal(
                     "--save-every", str(SAVE_EVERY), "--save-dir", str(run / "ckpt"),
                     "--final-params", str(run / "final.pt"), "--metrics-log", str(run / "metrics.jsonl")],
                    run)  # fmt: skip
-    deadline = time.monotonic() + 90
-    while len(_metrics(run)) < KILL_AFTER and time.monotonic() < deadline and hosts.runs[0].proc.poll() is None:
+    progress = Progress(lambda: [r.proc.pid for r in hosts.runs], 90)  # a hang guard: steps are what is waited on
+    while len(_metrics(run)) < KILL_AFTER and not progress.stalled() and hosts.runs[0].proc.poll() is None:
         time.sleep(0.02)
     assert len(_metrics(run)) >= KILL_AFTER, hosts.output(0)[-3000:]
     hosts.kill_host(1)
