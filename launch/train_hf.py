@@ -60,6 +60,7 @@ from launch.train import (  # noqa: E402
     QUERY_TOKENS,
     VOCAB,
     add_training_arguments,
+    final_parameters,
     report_run,
     save,
     shut_down,
@@ -117,6 +118,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--offload-dir", help="with --long-context: keep checkpointed layer inputs in files here")
     p.add_argument("--save-dir", default=None, help="checkpoints; an existing one is resumed (any shape)")
     p.add_argument("--save-every", type=int, default=0, help="with --save-dir: checkpoint every N steps (0: never)")
+    p.add_argument("--final-params", default=None, help="rank 0 saves the final parameters here (torch.save), by name")
     args = p.parse_args(argv)
     if args.vocab < VOCAB:
         p.error(f"--vocab {args.vocab} is smaller than the task's {VOCAB} tokens; use at least {VOCAB}")
@@ -158,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
         start_step = resumed.client_state["step"]
         if rank == 0:
             print(f"resumed from checkpoint {resumed.tag} at step {start_step} ({resumed.loaded_as})", flush=True)
-    monitor, losses = engine.ring_monitor, []
+    monitor, losses, preempted = engine.ring_monitor, [], None
     batches = itertools.islice(loader, start_step, None)  # the data of the steps already taken is skipped
     progress = tqdm(batches, disable=rank != 0, desc="train", unit="step", initial=start_step, total=args.steps)
     started = time.perf_counter()
@@ -184,10 +186,15 @@ def main(argv: list[str] | None = None) -> dict:
             if rank == 0:
                 kept = f"saved step {step + 1} in {seconds:.2f} s" if args.save_dir else "no --save-dir, nothing saved"
                 print(f"preempted after step {step + 1}: {kept}; exiting 0", flush=True)
+            preempted = step + 1
             break
     elapsed = time.perf_counter() - started
 
     reports = report_run(losses, micro * replicas * args.seq, elapsed)
+    if args.final_params and preempted is None:
+        params = final_parameters(engine)
+        if rank == 0:
+            torch.save(params, args.final_params)
     shut_down(engine)
     return {"losses": losses, "elapsed_s": elapsed, "reports": reports}
 
