@@ -3,7 +3,7 @@
 ``python -m benchmarks.ring_dilated [--quick] [--out DIR]``: causal, batch 1, 8 heads, head_dim 64, fp32, S =
 32K..256K in total (``--quick``: 8K, 16K), p = 1, 2, 4 rank processes × 1 thread. LongNet branches scale with the
 sequence: ``w = [min(2048, S/16), min(8192, S/4), S]``, ``r = [1, 4, 16]``: with shards of S/p tokens the short
-branches stay on a rank and the S branch passes only every 16th K/V row around the ring (DESIGN §2). Rows: ring
+branches stay local, the S branch sends 1 K/V row in 16 on the ring (docs/design.md §Sharding across ranks). Rows: ring
 dilated (``ring_dilated_attention``, contiguous), dense ring (zigzag), and ``ds_ring.dilated_attention`` in one
 process with 1 and 2 threads. Dense ring beyond ``--max-call-s`` (256K: ~250 TFLOP useful per call) is recorded as
 skipped with the estimate.

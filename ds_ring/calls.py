@@ -5,7 +5,7 @@ follows, the strategy, and every option of the call (branches, causal, scale, la
 documents, communication, timeout) — is
 
 1. validated on this rank (shapes that cannot be described: ``ValueError`` before any communication);
-2. agreed across the ranks of its placement (DESIGN.md §7: one small all-gather on a group that takes
+2. agreed across the ranks of its placement (docs/design.md §Ranks agree: one small all-gather on a group that takes
    CPU tensors; ranks whose calls differ all raise one ``ValueError`` naming each field and each rank's
    value), so the strategy's checks below give the same answer on every rank;
 3. checked by its strategy (:meth:`~ds_ring.strategies.Strategy.check`: the same rules the ds_config's

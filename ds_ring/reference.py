@@ -3,7 +3,7 @@
 It shares no code with the kernels on purpose. A dilated attention is a sparse attention whose
 pieces are its branches, so the reference builds one boolean mask per branch
 ``[branch, heads, query, key]``, lays the branches side by side along the key axis and takes a
-single masked softmax over all ``(branch, key)`` pairs. That is the LSE merge of DESIGN.md §2
+single masked softmax over all ``(branch, key)`` pairs. That is the LSE merge of docs/design.md §The LSE merge
 written as one softmax.
 """
 

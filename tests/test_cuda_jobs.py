@@ -4,7 +4,7 @@
   gloo, data on NCCL), a few steps; then on every GPU of the machine when there are two or more;
 - ``launch/train_hf.py`` (a Hugging Face Llama through ``ds_ring.integrations.hf``) for a few steps.
 
-Nothing here has run yet: the project has no GPU (README, "Which paths have run on a GPU").
+Nothing here has run yet: the project has no GPU (docs/testing.md, "Which paths have run on a GPU").
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
 - dense causal attention at 64K tokens, one process, forward + backward on each kernel the GPU picks (bf16, fp32)
   and on ``DS_RING_KERNEL=torch``: ``torch.cuda.max_memory_allocated`` grows by at most 16 q-shards.
 
-Nothing here has run yet: the project has no GPU (README, "Which paths have run on a GPU").
+Nothing here has run yet: the project has no GPU (docs/testing.md, "Which paths have run on a GPU").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Ranks agree on a call before they move data (DESIGN.md §7).
+"""Ranks agree on a call before they move data (docs/design.md §Ranks agree).
 
 Every transfer assumes all ranks computed the same plan. :func:`agree` checks that with one
 all-gather of a fixed :data:`ROW` of int64 per rank: a marker, the global rank, and 64-bit

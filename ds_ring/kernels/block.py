@@ -5,7 +5,7 @@ Every strategy computes attention as a set of *blocks*: one query block against 
 either unmasked or causal with both blocks starting at the same position (the diagonal block of a
 ring or of a dilated segment). A block kernel (:mod:`ds_ring.kernels.base`) returns ``(out, lse)`` so
 blocks can be LSE-merged, and its backward takes the *final* (merged) ``out`` and ``lse``: with those,
-the flash-style backward of each block gives that block's exact share of the gradient (DESIGN.md §2).
+the flash-style backward of each block gives that block's exact share of the gradient (docs/design.md §The LSE merge).
 No kernel forms a block's score matrix: the fused ones (:mod:`ds_ring.kernels.fused`) never do, the
 pure-torch one (:mod:`ds_ring.kernels.chunked`) works in bounded tiles.
 

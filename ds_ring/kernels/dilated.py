@@ -4,7 +4,7 @@ Every (branch, segment run, head group) is one batched block-kernel call on the 
 its segments; the pieces are LSE-merged into fp32 (fp64) accumulators. Only the kept rows of one
 run and one head group are ever copied, so peak extra memory is O(seq × heads × head_dim / rate)
 per piece and a ``seq × seq`` matrix never exists. The backward recomputes each piece with the
-*final* ``out``/``lse`` (DESIGN.md §2), which is exact also when branches overlap.
+*final* ``out``/``lse`` (docs/design.md §The LSE merge), which is exact also when branches overlap.
 
 Token layout helpers: a tensor in *token layout* is ``[*lead, rows, heads, head_dim]`` (``lead`` is
 batch × segments); the block kernels want ``[N, heads, rows, head_dim]``. ``v`` may have a head dim ``Dv`` of

@@ -1,14 +1,14 @@
 """Dilated-attention bookkeeping: branches, head groups, segment runs and argument checks.
 
 Pure index math shared by the single-process kernel and every distributed strategy
-(DESIGN.md §2 "Dilated attention, precisely"):
+(docs/design.md §Dilated attention):
 
 - a *branch* ``(w, r)`` cuts the sequence into segments of length ``w`` (the last may be shorter);
 - head ``h`` (global index ``head_offset + h``) keeps, inside each segment, the positions
   ``o, o + r, o + 2r, ...`` with ``o = (head_offset + h) % r``;
 - heads sharing an offset form a *head group*; they are the strided slice ``first::r`` of the
   local heads, so selecting them is a view, not a copy;
-- a packed sequence (``cu_seqlens``, DESIGN.md §6) restarts segments and offsets at every document's
+- a packed sequence (``cu_seqlens``, docs/design.md §Packed sequences) restarts segments and offsets at every document's
   first token, and a document shorter than a segment clamps it to its own length: a *region* is a
   stretch of rows starting at a segment boundary and holding whole segments of one branch.
 """

@@ -1,4 +1,4 @@
-"""The log-sum-exp merge (DESIGN.md §2): the one piece of math every strategy rests on.
+"""The log-sum-exp merge (docs/design.md §The LSE merge): the one piece of math every strategy rests on.
 
 If piece *i* of a key set gives attention output ``o_i`` and log-sum-exp ``lse_i`` for a query
 row, the exact result over the union of the pieces is::

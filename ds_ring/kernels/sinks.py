@@ -1,4 +1,4 @@
-"""Attention sinks (GPT-OSS): one more key per head with score ``a`` and value 0 (DESIGN.md §8).
+"""Attention sinks (GPT-OSS): one more key per head with score ``a`` and value 0 (docs/design.md §Windows and sinks).
 
 In LSE space a sink is one more piece to merge: ``lse' = logaddexp(lse, a)``, ``out' = out · exp(lse − lse')``.
 It has value 0, so the backward of every real block is unchanged when run with the final ``out'`` and

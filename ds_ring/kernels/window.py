@@ -1,7 +1,7 @@
 """Causal sliding-window attention of a query run over a key run, as a few batched ops over key bands.
 
 Query row ``i`` (global position ``P + i``) of a window ``w`` sees key row ``j`` (position ``P' + j``) when
-``0 <= (P + i) - (P' + j) <= w - 1`` (DESIGN.md §8; flash-attn's ``window_size=(w - 1, 0)``). With
+``0 <= (P + i) - (P' + j) <= w - 1`` (docs/design.md §Windows and sinks; flash-attn's ``window_size=(w - 1, 0)``). With
 ``d = P - P'`` the keys of row ``i`` are ``[i + d - w + 1, i + d]``: a band.
 
 The query rows that meet a key are cut into ``T`` blocks of ``b`` rows (``b = max(16, w // 2)``, at most the

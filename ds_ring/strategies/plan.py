@@ -1,4 +1,4 @@
-"""Where every branch of a dilated attention lives on sequence shards (DESIGN.md §2 and §6, LongNet §3.2).
+"""Where every branch of a dilated attention lives on sequence shards (docs/design.md §Sharding across ranks).
 
 The sequence of ``S = P·L`` rows is held by ``P`` ranks in *pieces*: one per rank (``contiguous``), or
 chunks ``p`` and ``2P-1-p`` of ``2P`` (``zigzag``, dense attention only). A branch ``(w, r)`` cuts every

@@ -12,7 +12,7 @@ evenly over the ranks (e.g. fewer K/V heads than ranks), the K/V heads a rank ne
 replicated for it before the exchange; their gradients are summed back by autograd.
 
 Why not ``deepspeed.sequence.layer.DistributedAttention`` (which wraps a local attention the same
-way): strategies do not import DeepSpeed (DESIGN.md §5); its ``_SeqAllToAll`` waits only on the
+way): strategies do not import DeepSpeed (docs/design.md §Import rules); its ``_SeqAllToAll`` waits only on the
 process-group timeout and a hang names no peer, while every wait here is bounded and names the
 rank, op and peers (:func:`ds_ring.comm.all_to_all`); it rejects fewer K/V heads than ranks; it
 sends q, k and v in three all-to-alls (here one packed exchange per direction); and the local

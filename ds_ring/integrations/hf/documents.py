@@ -3,7 +3,7 @@
 A packed row holds several documents one after another; its ``position_ids`` count ``0, 1, 2, ...``
 inside each document and restart at 0 where the next one begins (what transformers'
 ``DataCollatorWithFlattening`` makes). ds_ring takes the boundaries as ``cu_seqlens``
-``[0, e1, ..., S]`` over the whole sequence, the same for every row (DESIGN.md §6).
+``[0, e1, ..., S]`` over the whole sequence, the same for every row (docs/design.md §Packed sequences).
 """
 
 from __future__ import annotations
