@@ -68,7 +68,14 @@ class SequenceParallelAttention:
         self.zero_optimization = zero_optimization
         self.gradient_scale: int | None = None
         """What ds_ring's losses scale each rank's gradient share by for the engine of the model that calls
-        this (:mod:`ds_ring.zero`), read off the first module's parameters at its first call."""
+        this (:func:`ds_ring.zero.parameter_gradient_scale`), read off the first module's parameters at its first
+        call; the session's :attr:`~ds_ring.integrations.hf.session.SequenceParallelSession.gradient_scale`."""
+        self.session: Any = None
+        """The :class:`~ds_ring.integrations.hf.session.SequenceParallelSession` this belongs to (what
+        ``installed_sessions`` finds through transformers' registry)."""
+        self.long_context_applied = not section.long_context.enabled
+        """Whether the section's ``long_context`` was applied (``session.apply_long_context``); a call before is
+        refused, so the section is never ignored without a word."""
         self.watch: ModelWatch | None = None
         """The registered model's hook (``None``: registered without a model instance)."""
         self.audit: CallAudit | None = None
@@ -108,6 +115,12 @@ class SequenceParallelAttention:
                 module, query, key, value, attention_mask,
                 dropout=dropout, scaling=scaling, sliding_window=sliding_window, softcap=softcap, **kwargs,
             )  # fmt: skip
+        if not self.long_context_applied:
+            raise ValueError(
+                f"the ds_config's {SECTION}.long_context switches on tiling or offloading, which is applied to the "
+                f"model instance, and it was not; call session.apply_long_context(model) with the session "
+                f"register_with_transformers returned (or drop {SECTION}.long_context)"
+            )
         if self.watch is not None:
             kwargs = {**self.watch.batch, **{k: v for k, v in kwargs.items() if v is not None}}
         spec = attention_mask if isinstance(attention_mask, MaskSpec) else None
