@@ -42,7 +42,7 @@ from ds_ring.integrations.hf.batches import shard_batch
 from ds_ring.integrations.hf.compat import trainer_counts_tokens_in_hook
 from ds_ring.integrations.hf.loss import causal_lm_loss
 from ds_ring.integrations.hf.preemption import StopOnPreemption
-from ds_ring.integrations.hf.registration import check_model_config, register_with_transformers
+from ds_ring.integrations.hf.registration import register_with_transformers
 from ds_ring.integrations.hf.router import add_router_aux_loss
 from ds_ring.preemption import Preemption
 from ds_ring.sharding import gather_sequence
@@ -256,12 +256,10 @@ def _on_every_rank(args: Any) -> Any:
 
 
 def _check_fits(section: RingAttentionConfig, world_size: int, model: nn.Module) -> None:
-    """``ValueError`` naming the section and the job when its degrees or the model (its heads, the features
-    :func:`check_model_config` refuses) do not fit; no communication: the same on every rank."""
+    """``ValueError`` naming the section and the job when its degrees do not fit the world; no communication: the
+    same on every rank. (The model's heads and features: :func:`register_with_transformers` refuses them.)"""
     try:
         section.degrees(world_size)
-        if getattr(model, "config", None) is not None:
-            check_model_config(model.config, section, world_size)  # what register_with_transformers checks
     except ValueError as err:
         raise ValueError(
             f"SequenceParallelTrainer: the ds_config's {SECTION} section does not fit this job ({world_size} ranks, "
