@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ds_ring.config import SECTION, read_ds_config
+from ds_ring.config import SECTION, DsConfig, read_ds_config, read_section
 from ds_ring.integrations.hf.batches import gather_batches, shard_batch
 from ds_ring.integrations.hf.documents import DOCUMENTS_KEY
 from ds_ring.integrations.hf.registration import register_with_transformers
@@ -100,10 +100,16 @@ class UlyssesSPAttentionHF:
                 f"seq_length {seq_length} is not divisible by sequence_parallel_size {sequence_parallel_size}; use "
                 f"a length that splits into {sequence_parallel_size} shards"
             )
+        loaded = _ds_config(config, sequence_parallel_size)
+        if loaded.section.long_context.enabled and not isinstance(model_name_or_path, nn.Module):
+            raise ValueError(
+                f"{SECTION}.long_context is applied to the model instance, and {model_name_or_path!r} is none; pass "
+                f"the model as model_name_or_path (or drop {SECTION}.long_context)"
+            )
         session = register_with_transformers(
             model_name_or_path,
             core_attn_implementation=core_attn_implementation,
-            config=_ds_config(config, sequence_parallel_size),
+            config=loaded,
             disable_in_eval=disable_in_eval,
         )
         if isinstance(model_name_or_path, nn.Module):
@@ -123,17 +129,29 @@ class UlyssesSPAttentionHF:
                 session.close()
 
 
-def _ds_config(config: str | os.PathLike | Mapping[str, Any] | None, sequence_parallel_size: int) -> dict[str, Any]:
-    """The ds_config to register with: ``config``'s, its section's degree checked; else ALST's dense Ulysses."""
-    ds_config = {} if config is None else read_ds_config(config)
-    section = dict(ds_config.get(SECTION) or {"strategy": "ulysses"})
+def _ds_config(config: str | os.PathLike | Mapping[str, Any] | None, sequence_parallel_size: int) -> DsConfig:
+    """The ds_config to register with, read by :func:`~ds_ring.config.read_section`: ``config``'s section (its
+    degree checked), or ALST's dense Ulysses where ``config`` has none.
+
+    Raises:
+        ValueError: a section with another ``sequence_parallel_size``, or one with ``enabled: false`` (ALST's call
+            asks for sequence parallelism).
+    """
+    whole = {} if config is None else read_ds_config(config)
+    section = dict(whole.get(SECTION) or {"strategy": "ulysses"})
     given = section.setdefault("sequence_parallel_size", sequence_parallel_size)
     if given != sequence_parallel_size:
         raise ValueError(
             f"{SECTION}.sequence_parallel_size is {given} in the ds_config but sequence_parallel_size="
             f"{sequence_parallel_size} was passed; make them equal (or leave it out of the section)"
         )
-    return {**ds_config, SECTION: section}
+    loaded = read_section({**whole, SECTION: section})
+    if not loaded.section.enabled:
+        raise ValueError(
+            f"{SECTION}.enabled is false in the ds_config but sequence_parallel_size={sequence_parallel_size} was "
+            f"passed; remove enabled: false, or pass sequence_parallel_size=1 (no sequence parallelism)"
+        )
+    return loaded
 
 
 class UlyssesSPDataLoaderAdapter:
