@@ -79,12 +79,12 @@ def _ds_ring_step(case: Case, rank: int) -> Callable[[], None]:
     (model, batch), config = _model_and_batch(case), _ds_config(case)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     engine, *_ = ds_ring.initialize(model=model, optimizer=optimizer, config=config, seq_len=case.seq)
-    topology = register_with_transformers(model, config=config, topology=engine.mpu)
-    inputs = shard_batch(batch, topology)
+    session = register_with_transformers(model, config=config, topology=engine.mpu)
+    inputs = shard_batch(session, batch)
     shift_labels = inputs.pop("shift_labels")
 
     def step() -> None:
-        loss = causal_lm_loss(engine(**inputs).logits, shift_labels, topology)
+        loss = causal_lm_loss(session, engine(**inputs).logits, shift_labels)
         engine.backward(loss)
         engine.step()
 

@@ -93,12 +93,13 @@ def _ds_ring_step(case: Case) -> Callable[[], None]:
     config = {**_zero0(case), "ring_attention": section}
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     engine, *_ = ds_ring.initialize(model=model, optimizer=optimizer, config=config, seq_len=case.seq)
-    topology = register_with_transformers(model, config=config, topology=engine.mpu)
-    inputs = shard_batch(batch, topology)
+    session = register_with_transformers(model, config=config, topology=engine.mpu)
+    session.apply_long_context(model)
+    inputs = shard_batch(session, batch)
 
     def step() -> None:
         out = engine(**inputs)
-        loss = out.loss if out.loss is not None else causal_lm_loss(out.logits, inputs["shift_labels"], topology)
+        loss = out.loss if out.loss is not None else causal_lm_loss(session, out.logits, inputs["shift_labels"])
         engine.backward(loss)
         engine.step()
 

@@ -29,6 +29,7 @@ import os
 import signal
 import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path
 from typing import Any, Literal
@@ -43,7 +44,7 @@ from ds_ring.topology import RankLayout
 
 __all__ = [
     "RingAttentionConfig", "MonitoringConfig", "LongContextConfig", "PreemptionConfig", "load_config", "read_ds_config",
-    "SECTION",
+    "read_section", "DsConfig", "SECTION",
 ]  # fmt: skip
 
 SECTION = "ring_attention"
@@ -138,7 +139,8 @@ class PreemptionConfig(DeepSpeedConfigModel):
 
 class LongContextConfig(DeepSpeedConfigModel):
     """What keeps the rest of a Hugging Face model O(seq/p) per rank (the ``"long_context"`` object inside
-    ``"ring_attention"``), applied by ``register_with_transformers(model, ...)`` to the model it is given::
+    ``"ring_attention"``), applied by ``session.apply_long_context(model)`` (the session ``register_with_transformers``
+    returns) to the model it is given::
 
         "long_context": {"tiled_loss": true, "tiled_mlp": true, "tile_tokens": 2048, "offload_checkpoints": "none"}
     """
@@ -384,9 +386,10 @@ def read_ds_config(ds_config: str | PathLike | Mapping[str, Any]) -> dict[str, A
 
 
 def load_config(ds_config: str | PathLike | Mapping[str, Any]) -> RingAttentionConfig:
-    """The validated ``"ring_attention"`` section of a whole ds_config (a JSON or YAML path, or a dict).
+    """The validated ``"ring_attention"`` section of a whole ds_config (a JSON or YAML path, or a dict), as written.
 
-    A ds_config without the section gives ``RingAttentionConfig(enabled=False)``.
+    A ds_config without the section gives ``RingAttentionConfig(enabled=False)``. Entry points that run with the
+    section use :func:`read_section` (``enabled: false`` normalised, the ranks' agreement).
     """
     ds_config = read_ds_config(ds_config)
     section = ds_config.get(SECTION)
@@ -395,3 +398,78 @@ def load_config(ds_config: str | PathLike | Mapping[str, Any]) -> RingAttentionC
     if not isinstance(section, Mapping):
         raise ValueError(f"{SECTION} must be a JSON object, got {section!r}")
     return RingAttentionConfig(strict=True, **section)
+
+
+@dataclass(frozen=True)
+class DsConfig:
+    """A whole ds_config and its validated, normalised ``ring_attention`` section (what :func:`read_section` gives)."""
+
+    whole: dict[str, Any]
+    """The ds_config as read (``{}`` when none was given); DeepSpeed gets it without the section."""
+
+    section: RingAttentionConfig
+    """The section; with ``enabled: false``, one without sequence parallelism (:func:`read_section`)."""
+
+    @property
+    def zero_optimization(self) -> Mapping[str, Any] | None:
+        """The ds_config's ``zero_optimization`` (``None``: not given, DeepSpeed's ZeRO 0)."""
+        return self.whole.get("zero_optimization")
+
+    def agree(self, seq_len: int | None = None, *, op: str = "ds_ring.initialize") -> None:
+        """Collective over every rank: ``ValueError`` on every rank unless all read the same section (and ``seq_len``).
+
+        Fields are compared after validation (defaults filled in), so a key left at its default on one rank and
+        written out on another agrees; the message names ``ring_attention.<field>`` and each rank's value. One small
+        all-gather over the world's control group, bounded by the section's ``timeout_s``; nothing without
+        ``torch.distributed`` started. ``op``: the entry point, named in the error.
+        """
+        from ds_ring.comm.agree import agree
+        from ds_ring.topology import control_world
+
+        fields: dict[str, Any] = {"seq_len": seq_len}
+        for key, value in self.section.model_dump().items():
+            if isinstance(value, Mapping):
+                fields.update({f"{SECTION}.{key}.{inner}": v for inner, v in value.items()})
+            else:
+                fields[f"{SECTION}.{key}"] = value
+        agree(fields, group=control_world(), op=op, timeout_s=self.section.timeout_s,
+              fix=_SAME_SECTION, cache=False)  # fmt: skip
+
+
+_SAME_SECTION = f"give every rank the same {SECTION} section (the same ds_config on every node) and the same seq_len"
+
+
+def read_section(config: str | PathLike | Mapping[str, Any] | None) -> DsConfig:
+    """The one reader of a ds_config for ds_ring's entry points (``ds_ring.initialize``, ``register_with_transformers``,
+    ``SequenceParallelTrainer``, ALST's names): the whole ds_config and its validated, normalised section.
+
+    No communication: entry points call :meth:`DsConfig.agree` once ``torch.distributed`` is up, so malformed input is
+    refused on every rank before any process group starts.
+
+    Args:
+        config: the whole ds_config: a JSON/YAML path or a dict. ``None``: no ds_config, the default section (dense
+            ring attention over every rank) and DeepSpeed's ZeRO defaults.
+
+    Returns:
+        The :class:`DsConfig`. ``enabled: false`` (or no section) means *no sequence parallelism*: every rank is a
+        data-parallel replica of its own (``sequence_parallel_size`` 1), every attention runs on the whole sequence
+        its rank holds, and the section's attention fields (strategy, degrees, branches, layout, causal) are dropped
+        for their defaults; ``timeout_s``, ``monitoring``, ``preemption`` and ``long_context`` still apply.
+
+    Raises:
+        ValueError: a syntax error, a malformed section (naming the field and the fix), or a dict that looks like
+            the section itself rather than a whole ds_config.
+    """
+    if config is None:
+        return DsConfig({}, RingAttentionConfig())
+    if isinstance(config, Mapping) and SECTION not in config and "strategy" in config:
+        raise ValueError(
+            f"config must be a whole ds_config (with a {SECTION!r} section), got what looks like the section "
+            f"itself; pass {{{SECTION!r}: {{...}}, ...}}"
+        )
+    whole = read_ds_config(config)
+    section = load_config(whole)
+    if not section.enabled:
+        kept = {key: getattr(section, key) for key in ("timeout_s", "monitoring", "preemption", "long_context")}
+        section = RingAttentionConfig(enabled=False, sequence_parallel_size=1, **kept)
+    return DsConfig(whole, section)

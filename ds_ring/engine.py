@@ -21,15 +21,14 @@ from torch.distributed import ProcessGroup
 
 from ds_ring.attention import MultiheadRingDilatedAttention, RingDilatedAttention
 from ds_ring.build_locks import clear_stale_build_locks
-from ds_ring.comm.agree import agree
 from ds_ring.comm.backends import device_backend
 from ds_ring.comm.wait import DEFAULT_TIMEOUT_S, process_group_timeout_s
-from ds_ring.config import SECTION, MonitoringConfig, PreemptionConfig, RingAttentionConfig, load_config, read_ds_config
+from ds_ring.config import SECTION, MonitoringConfig, PreemptionConfig, RingAttentionConfig, read_section
 from ds_ring.launch_env import discover_launch_env
 from ds_ring.monitor import RingMonitor, at_clean_exit, flush_writer
 from ds_ring.preemption import Preemption
-from ds_ring.topology import Topology, control_world
-from ds_ring.zero import gradient_scale, mark_parameters
+from ds_ring.topology import Topology
+from ds_ring.zero import engine_config, mark_parameters
 
 __all__ = [
     "initialize",
@@ -37,15 +36,48 @@ __all__ = [
     "init_distributed",
     "local_cuda_device",
     "process_group_backend",
-    "agree_on_section",
+    "deepspeed_config_for",
+    "EngineAttachments",
+    "attachments_of",
     "attach_monitor",
     "attach_preemption",
 ]
 
 MONITOR_BACKENDS = ("csv_monitor", "tensorboard", "wandb", "comet")
-_attached: RingMonitor | None = None  # the monitor of the last ds_ring.initialize in this process
-_forget_flush: Callable[[], None] | None = None  # undoes the exit flush of that engine's monitor
-_preemption: Preemption | None = None  # the signal handlers of the last ds_ring.initialize in this process
+
+
+class EngineAttachments:
+    """What ds_ring attaches to one engine (``engine.ds_ring_attachments``): its monitor, the exit flush of the
+    engine's DeepSpeed monitor, and its preemption handlers. :meth:`close` removes all of them; an engine that
+    ``ds_ring.initialize`` built closes them in its ``destroy()``."""
+
+    def __init__(self) -> None:
+        self.monitor: RingMonitor | None = None
+        self.preemption: Preemption | None = None
+        self.forget_flush: Callable[[], None] | None = None  # undoes the exit flush of the engine's monitor
+
+    def close_monitor(self) -> None:
+        """Remove the monitor's hooks and its exit flush (no-op if none)."""
+        if self.monitor is not None:
+            self.monitor.close()
+        if self.forget_flush is not None:
+            self.forget_flush()
+        self.monitor, self.forget_flush = None, None
+
+    def close(self) -> None:
+        """Remove the monitor, its exit flush and the preemption handlers (no-op for those not attached)."""
+        self.close_monitor()
+        if self.preemption is not None:
+            self.preemption.close()
+            self.preemption = None
+
+
+def attachments_of(engine: Any) -> EngineAttachments:
+    """``engine``'s :class:`EngineAttachments` (made empty, and set as ``engine.ds_ring_attachments``, if none)."""
+    attachments = getattr(engine, "ds_ring_attachments", None)
+    if attachments is None:
+        attachments = engine.ds_ring_attachments = EngineAttachments()
+    return attachments
 
 
 def _restart_safe_store(timeout: timedelta) -> dist.Store | None:
@@ -112,26 +144,6 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
 
 
-def agree_on_section(section: RingAttentionConfig, seq_len: int | None = None) -> None:
-    """Collective: ``ValueError`` on every rank unless all pass the same validated section and ``seq_len``.
-
-    Fields are compared after validation (defaults filled in), so a key left at its default on one
-    rank and written out on another agrees; the message names ``ring_attention.<field>`` and each
-    rank's value. One small all-gather, bounded by the section's ``timeout_s``.
-    """
-    fields = {"seq_len": seq_len}
-    for key, value in section.model_dump().items():
-        if isinstance(value, Mapping):
-            fields.update({f"{SECTION}.{key}.{inner}": v for inner, v in value.items()})
-        else:
-            fields[f"{SECTION}.{key}"] = value
-    agree(fields, group=control_world(), op="ds_ring.initialize", timeout_s=section.timeout_s, fix=_SAME_SECTION,
-          cache=False)  # fmt: skip
-
-
-_SAME_SECTION = f"give every rank the same {SECTION} section (the same ds_config on every node) and the same seq_len"
-
-
 def _attention_modules(model: nn.Module) -> list[RingDilatedAttention]:
     return [m for m in model.modules() if isinstance(m, RingDilatedAttention)]
 
@@ -166,24 +178,11 @@ def _check_heads(model: nn.Module, section: RingAttentionConfig, world_size: int
 
 
 def deepspeed_config_for(ds_config: Mapping[str, Any], topology: Topology) -> dict[str, Any]:
-    """The ds_config DeepSpeed gets with ``topology`` as its mpu: without the ``ring_attention`` section, and at
-    ZeRO 3 with sequence parallelism on DeepSpeed's all-reduce path, which divides the all-rank gradient sum by the
-    data-parallel degree as stages 0-2 do (its reduce-scatter path divides by every rank: :mod:`ds_ring.zero`).
-    DeepSpeed partitions the parameters itself, over every rank (the topology's ``get_data_parallel_group``), in
-    the dtype the ds_config's ``bf16`` / ``fp16`` give."""
+    """The ds_config DeepSpeed gets with ``topology`` as its mpu: without the ``ring_attention`` section, and the
+    ZeRO reduction :func:`ds_ring.zero.engine_config` chooses. DeepSpeed partitions the parameters itself, over every
+    rank (the topology's ``get_data_parallel_group``), in the dtype the ds_config's ``bf16`` / ``fp16`` give."""
     config = {key: value for key, value in ds_config.items() if key != SECTION}
-    zero = dict(config.get("zero_optimization") or {})
-    if int(zero.get("stage", 0)) != 3 or topology.get_sequence_parallel_world_size() == 1:
-        return config
-    return {**config, "zero_optimization": {**zero, "reduce_scatter": False}}
-
-
-def mark_engine_parameters(model: nn.Module | None, config: Mapping[str, Any], topology: Topology) -> None:
-    """After ``deepspeed.initialize`` with ``config`` (from :func:`deepspeed_config_for`): record on ``model``'s
-    parameters the gradient scale its engine needs (:func:`ds_ring.zero.mark_parameters`)."""
-    if model is not None:
-        scale = gradient_scale(config.get("zero_optimization"), topology.get_sequence_parallel_world_size())
-        mark_parameters(model, scale)
+    return engine_config(config, topology.get_sequence_parallel_world_size())
 
 
 def _check_monitor_backend(section: RingAttentionConfig, ds_config: Mapping[str, Any]) -> None:
@@ -210,16 +209,13 @@ def attach_monitor(
     """Attach the section's monitoring hooks to ``engine`` as ``engine.ring_monitor`` (metrics go to
     ``engine.monitor``, whose buffering backends :func:`ds_ring.run_main` flushes before the process
     ends); its collectives run over ``group`` (every rank, CPU tensors: the topology's control group) and are
-    bounded by ``timeout_s`` (``None``: 300 s). The monitor of an earlier ``ds_ring.initialize`` in this
-    process is closed."""
-    global _attached, _forget_flush
-    if _attached is not None:
-        _attached.close()
-    if _forget_flush is not None:
-        _forget_flush()
+    bounded by ``timeout_s`` (``None``: 300 s). A monitor attached to this engine before is closed (the engine's
+    :class:`EngineAttachments` hold both, and its exit flush)."""
+    attachments = attachments_of(engine)
+    attachments.close_monitor()
     writer = getattr(engine, "monitor", None)
-    _forget_flush = at_clean_exit(partial(flush_writer, writer)) if writer is not None else None
-    _attached = RingMonitor(
+    attachments.forget_flush = at_clean_exit(partial(flush_writer, writer)) if writer is not None else None
+    attachments.monitor = RingMonitor(
         metrics=monitoring.metrics,
         watchdog=monitoring.watchdog,
         step_timeout_s=monitoring.step_timeout_s,
@@ -229,8 +225,8 @@ def attach_monitor(
         timeout_s=timeout_s,
         group=group,
     )
-    engine.ring_monitor = _attached
-    return _attached
+    engine.ring_monitor = attachments.monitor
+    return attachments.monitor
 
 
 def attach_preemption(
@@ -238,13 +234,14 @@ def attach_preemption(
 ) -> Preemption:
     """Install the section's preemption handlers as ``engine.preemption`` (:class:`ds_ring.preemption.Preemption`;
     the training loop polls ``engine.preemption.stop_requested(step)`` after every step); its all-reduce runs over
-    ``group`` (the topology's control group), bounded by ``timeout_s``. Those of an earlier engine are removed."""
-    global _preemption
-    if _preemption is not None:
-        _preemption.close()
-    _preemption = Preemption(config, group=group, timeout_s=timeout_s).install()
-    engine.preemption = _preemption
-    return _preemption
+    ``group`` (the topology's control group), bounded by ``timeout_s``. Those attached to this engine before are
+    removed (:class:`EngineAttachments`)."""
+    attachments = attachments_of(engine)
+    if attachments.preemption is not None:
+        attachments.preemption.close()
+    attachments.preemption = Preemption(config, group=group, timeout_s=timeout_s).install()
+    engine.preemption = attachments.preemption
+    return attachments.preemption
 
 
 def initialize(
@@ -275,9 +272,11 @@ def initialize(
         :class:`ds_ring.preemption.Preemption` of its ``preemption`` entry (the loop polls its
         ``stop_requested`` after every step, then saves and returns: docs/elastic.md).
 
-    The ranks agree on the validated section and ``seq_len`` (:func:`agree_on_section`) before the
-    checks that need the world size or the model, so a section that differs between ranks fails
-    on every rank with each rank's values rather than on some ranks while the others wait.
+    The section is read by :func:`ds_ring.config.read_section` (``enabled: false``: no sequence parallelism).
+    The ranks agree on it and ``seq_len`` (:meth:`ds_ring.config.DsConfig.agree`) before the checks that need the
+    world size or the model, so a section that differs between ranks fails on every rank with each rank's values
+    rather than on some ranks while the others wait. ``engine.destroy()`` also removes the monitor and the signal
+    handlers (``engine.ds_ring_attachments``).
 
     Raises:
         ValueError: a malformed section or one inconsistent with the ds_config's monitors (before
@@ -287,23 +286,18 @@ def initialize(
     """
     if "mpu" in deepspeed_kwargs:
         raise ValueError("ds_ring.initialize builds the mpu from the ds_config; do not pass mpu=")
-    ds_config = read_ds_config(config)
-    section = load_config(ds_config)
-    _check_monitor_backend(section, ds_config)
+    loaded = read_section(config)
+    section = loaded.section
+    _check_monitor_backend(section, loaded.whole)
     discover_launch_env()
     init_distributed(section.timeout_s)
-    agree_on_section(section, seq_len)
+    loaded.agree(seq_len)
     world_size = dist.get_world_size()
     if section.enabled:
         _check_heads(model, section, world_size, seq_len)
-    else:
-        section = RingAttentionConfig(
-            enabled=False, sequence_parallel_size=1, timeout_s=section.timeout_s, monitoring=section.monitoring,
-            preemption=section.preemption,
-        )  # fmt: skip
     topology = Topology.from_config(section, world_size)
     install(model, section, topology)
-    config_for_deepspeed = deepspeed_config_for(ds_config, topology)
+    config_for_deepspeed = deepspeed_config_for(loaded.whole, topology)
     initialized = deepspeed.initialize(
         model=model,
         model_parameters=model_parameters,
@@ -312,8 +306,22 @@ def initialize(
         mpu=topology,
         **deepspeed_kwargs,
     )
-    mark_engine_parameters(model, config_for_deepspeed, topology)
-    control = topology.control_group(None)
-    attach_monitor(initialized[0], model, section.monitoring, timeout_s=section.timeout_s, group=control)
-    attach_preemption(initialized[0], section.preemption, timeout_s=section.timeout_s, group=control)
+    mark_parameters(model, config_for_deepspeed, topology.get_sequence_parallel_world_size())
+    engine, control = initialized[0], topology.control_group(None)
+    attach_monitor(engine, model, section.monitoring, timeout_s=section.timeout_s, group=control)
+    attach_preemption(engine, section.preemption, timeout_s=section.timeout_s, group=control)
+    _close_on_destroy(engine)
     return initialized
+
+
+def _close_on_destroy(engine: Any) -> None:
+    """``engine.destroy()`` first removes what ds_ring attached to it (:class:`EngineAttachments`)."""
+    destroy = getattr(engine, "destroy", None)
+    if destroy is None:
+        return
+
+    def destroy_and_detach(*args: Any, **kwargs: Any) -> Any:
+        attachments_of(engine).close()
+        return destroy(*args, **kwargs)
+
+    engine.destroy = destroy_and_detach

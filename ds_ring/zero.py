@@ -7,10 +7,12 @@ sequence-parallel mpu divides that all-rank sum by ``D`` at ZeRO 0–2 and on Ze
 sequence-parallel degree) on ZeRO 3's reduce-scatter path, its default. So a loss feeding that path
 scales each rank's share by ``S``, and every other one by 1 (:func:`gradient_scale`).
 
-``ds_ring.initialize`` takes the all-reduce path at ZeRO 3 and records the scale its engine needs on every
-parameter (:func:`mark_parameters`). A model handed to ``deepspeed.initialize(..., mpu=topology)``
-directly (DeepSpeed ALST's order) carries no such record; its attention reads the scale off its
-parameters at the first forward (:func:`parameter_gradient_scale`), before any gradient exists.
+``ds_ring.initialize`` (and ``SequenceParallelTrainer``) take the all-reduce path at ZeRO 3
+(:func:`engine_config`) and record the scale their engine needs on every parameter (:func:`mark_parameters`).
+A model handed to ``deepspeed.initialize(..., mpu=topology)`` directly (DeepSpeed ALST's order) carries no such
+record; its attention reads the scale off its parameters at the first forward (:func:`parameter_gradient_scale`),
+before any gradient exists. This module is the only owner of the rule: every loss asks it (through the session of
+``register_with_transformers``, or :func:`require_marked` for ds_ring's own modules) and nothing else computes it.
 Nothing here imports DeepSpeed: ZeRO-3 parameters are recognised by their ``ds_id`` attribute.
 """
 
@@ -22,7 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["gradient_scale", "mark_parameters", "parameter_gradient_scale", "require_marked", "is_zero3"]
+__all__ = [
+    "gradient_scale", "engine_config", "mark_parameters", "parameter_gradient_scale", "require_marked", "is_zero3",
+]  # fmt: skip
 
 _MARK = "ds_ring_gradient_scale"
 
@@ -36,8 +40,21 @@ def gradient_scale(zero_optimization: Mapping[str, Any] | None, sequence_paralle
     return sequence_parallel if int(zero.get("stage", 0)) == 3 and reduce_scatter else 1
 
 
-def mark_parameters(model: torch.nn.Module, scale: int) -> None:
-    """Record on every parameter of ``model`` the gradient scale its engine needs (``ds_ring.initialize``)."""
+def engine_config(ds_config: Mapping[str, Any], sequence_parallel: int) -> dict[str, Any]:
+    """``ds_config`` as ds_ring hands it to DeepSpeed with a sequence-parallel mpu: at ZeRO 3 with
+    ``sequence_parallel > 1``, on the all-reduce path (``reduce_scatter: false``), which divides the all-rank
+    gradient sum by the data-parallel degree as stages 0-2 do; otherwise unchanged (a copy)."""
+    config = dict(ds_config)
+    zero = dict(config.get("zero_optimization") or {})
+    if int(zero.get("stage", 0)) != 3 or sequence_parallel == 1:
+        return config
+    return {**config, "zero_optimization": {**zero, "reduce_scatter": False}}
+
+
+def mark_parameters(model: torch.nn.Module, ds_config: Mapping[str, Any], sequence_parallel: int) -> None:
+    """Record on every parameter of ``model`` the gradient scale of the engine built with ``ds_config`` (what
+    :func:`engine_config` gave DeepSpeed) over ``sequence_parallel`` ranks per sequence."""
+    scale = gradient_scale(ds_config.get("zero_optimization"), sequence_parallel)
     for param in model.parameters():
         setattr(param, _MARK, scale)
 

@@ -146,13 +146,15 @@ def main(argv: list[str] | None = None) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     config = ds_config(args)
     engine, *_ = ds_ring.initialize(model=model, optimizer=optimizer, config=config, seq_len=args.seq)
-    topology = register_with_transformers(model, config=config, topology=engine.mpu)
+    session = register_with_transformers(model, config=config, topology=engine.mpu)
+    session.apply_long_context(model)  # --long-context: tiled loss and MLP (and --offload-dir), else nothing
+    topology = session.topology
     rank = dist.get_rank()
     micro, replicas = engine.train_micro_batch_size_per_gpu(), topology.get_data_parallel_world_size()
     # Every rank of a sequence-parallel group loads the same full batches: sample over the replicas only.
     dataset = RecallDataset(args.steps * micro * replicas, args.seq, args.seed)
     sampler = DistributedSampler(dataset, replicas, topology.get_data_parallel_rank(), shuffle=False)
-    loader = SequenceParallelDataLoader(DataLoader(dataset, batch_size=micro, sampler=sampler), topology)
+    loader = SequenceParallelDataLoader(DataLoader(dataset, batch_size=micro, sampler=sampler), session)
 
     start_step = 0
     resumed = ds_ring.load_checkpoint(engine, args.save_dir) if args.save_dir else None
@@ -170,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
         loss = (
             outputs.loss
             if outputs.loss is not None
-            else causal_lm_loss(outputs.logits, batch["shift_labels"], topology)
+            else causal_lm_loss(session, outputs.logits, batch["shift_labels"])
         )
         if not monitor.skip_step():  # numerics_guard "skip_step": the batch is dropped on every rank
             engine.backward(loss)
@@ -195,6 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
         params = final_parameters(engine)
         if rank == 0:
             torch.save(params, args.final_params)
+    session.close()
     shut_down(engine)
     return {"losses": losses, "elapsed_s": elapsed, "reports": reports}
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import ds_ring
-from ds_ring.integrations.hf import causal_lm_loss, shard_batch
+from ds_ring.integrations.hf import SequenceParallelSession, causal_lm_loss, shard_batch
 
 VOCAB, SEQ, BATCH = 64, 32, 2
 DILATED = {"segment_lengths": [8, SEQ], "dilation_rates": [1, 2]}
@@ -145,15 +145,16 @@ def documents_alone(
 
 
 def sequence_parallel(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], topology: ds_ring.Topology, layout: str
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], session: SequenceParallelSession
 ) -> Result:
-    """The registered model on this rank's shard: gathered logits, the loss, gradients summed over the group."""
-    sharded = shard_batch(batch, topology)
+    """The model registered by ``session`` on this rank's shard: gathered logits, the loss, gradients summed over the
+    group."""
+    sharded = shard_batch(session, batch)
     model.zero_grad()
     logits = model(**{k: v for k, v in sharded.items() if k != "shift_labels"}).logits
-    loss = causal_lm_loss(logits, sharded["shift_labels"], topology)
+    loss = causal_lm_loss(session, logits, sharded["shift_labels"])
     loss.backward()
-    group = topology.sequence_parallel_group
+    group, layout = session.topology.sequence_parallel_group, session.section.layout
     grads = _grads(model)
     flat = torch.cat([g.flatten() for g in grads.values()])
     dist.all_reduce(flat, group=group)

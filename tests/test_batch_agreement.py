@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import ds_ring
 from ds_ring.integrations.hf import SequenceParallelDataLoader, UlyssesSPDataLoaderAdapter, shard_batch
-from ds_ring.integrations.hf.registration import register_with_transformers, unregister_from_transformers
+from ds_ring.integrations.hf.registration import register_with_transformers
 from tests.dist import CaseLog, assert_no_failures, run_distributed
 
 SEQ = 16
@@ -39,10 +39,10 @@ def _rank(rank: int, world: int) -> list[str]:
     log = CaseLog()
     topology = ds_ring.Topology(data_parallel=2, ring=2, timeout_s=20)
     section = {"strategy": "ring", "sequence_parallel_size": 2, "timeout_s": 20}
-    register_with_transformers(config={"ring_attention": section}, topology=topology)
+    session = register_with_transformers(config={"ring_attention": section}, topology=topology)
     try:
         with log.case("a sampler over the world: every rank raises, naming the ranks, digests and fix"):
-            loader = SequenceParallelDataLoader(_loader(world, rank), topology)
+            loader = SequenceParallelDataLoader(_loader(world, rank), session)
             started = time.monotonic()
             with pytest.raises(ValueError) as raised:
                 next(iter(loader))
@@ -55,21 +55,21 @@ def _rank(rank: int, world: int) -> list[str]:
         with log.case("different lengths name each rank's shapes"):
             batch = {"input_ids": torch.zeros(1, SEQ if rank % 2 else 2 * SEQ, dtype=torch.long)}
             with pytest.raises(ValueError, match=r"batch shapes: rank \d has 'input_ids \[1, 32\]'"):
-                shard_batch(batch, topology)
+                shard_batch(session, batch)
         with log.case("a sampler over the data-parallel replicas passes, sharded as before"):
             replicas, replica = topology.get_data_parallel_world_size(), topology.get_data_parallel_rank()
-            loader = SequenceParallelDataLoader(_loader(replicas, replica), topology)
+            loader = SequenceParallelDataLoader(_loader(replicas, replica), session)
             for full, got in zip(_loader(replicas, replica), loader, strict=True):
-                assert torch.equal(got["input_ids"], shard_batch(full, topology, check_same=False)["input_ids"])
+                assert torch.equal(got["input_ids"], shard_batch(session, full, check_same=False)["input_ids"])
         with log.case("check_same=False moves nothing"):
             events = []
             with ds_ring.register_hook(events.append):
-                shard_batch({k: v[None] for k, v in _samples()[rank].items()}, topology, check_same=False)
+                shard_batch(session, {k: v[None] for k, v in _samples()[rank].items()}, check_same=False)
             assert not events, events
         with log.case("UlyssesSPDataLoaderAdapter over the world sampler runs every rank's sample whole"):
             adapter = UlyssesSPDataLoaderAdapter(
                 _loader(world, rank), sp_rank=topology.get_sequence_parallel_rank(),
-                sp_group=topology.sequence_parallel_group, sp_world_size=2, device="cpu", topology=topology,
+                sp_group=topology.sequence_parallel_group, sp_world_size=2, device="cpu", session=session,
             )  # fmt: skip
             first, second = list(adapter)[:2]
             group_first = rank - rank % 2  # the sample of sequence-parallel rank 0 runs first, then rank 1's
@@ -77,7 +77,7 @@ def _rank(rank: int, world: int) -> list[str]:
             assert torch.equal(first["input_ids"][0], _samples()[group_first]["input_ids"][half])
             assert torch.equal(second["input_ids"][0], _samples()[group_first + 1]["input_ids"][half])
     finally:
-        unregister_from_transformers()
+        session.close()
     return log.failures
 
 

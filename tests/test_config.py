@@ -131,3 +131,36 @@ def test_communication_accepts_a_registered_exchange(monkeypatch):
 
     monkeypatch.setitem(sharded._REGISTRY.entries, "ring_copy", sharded.get_exchange("ring"))
     assert RingAttentionConfig(communication="ring_copy").communication == "ring_copy"
+
+
+def test_read_section_is_the_one_reader_and_enabled_false_means_no_sequence_parallelism():
+    from ds_ring.config import read_section
+
+    default = read_section(None)
+    assert default.section == RingAttentionConfig() and default.whole == {} and default.zero_optimization is None
+    off = read_section({
+        "zero_optimization": {"stage": 2},
+        "ring_attention": {"enabled": False, "strategy": "ulysses", "sequence_parallel_size": 4, "layout": "zigzag",
+                           "timeout_s": 7, "long_context": {"tiled_loss": True}},
+    })  # fmt: skip
+    assert not off.section.enabled and off.section.sequence_parallel_size == 1
+    assert (off.section.strategy, off.section.layout) == ("ring", "contiguous"), "attention fields dropped"
+    assert off.section.timeout_s == 7 and off.section.long_context.tiled_loss, "the rest still applies"
+    assert off.zero_optimization == {"stage": 2}
+    assert read_section({"train_batch_size": 8}).section == read_section({"ring_attention": {"enabled": False}}).section
+    with pytest.raises(ValueError, match="whole ds_config"):
+        read_section({"strategy": "ring"})
+    read_section({"ring_attention": {"strategy": "ring"}}).agree()  # no process group: nothing to agree with
+
+
+def test_zero_owns_the_gradient_scale_rule():
+    import torch
+
+    from ds_ring.zero import engine_config, gradient_scale, mark_parameters, parameter_gradient_scale
+
+    assert engine_config({"zero_optimization": {"stage": 3}}, 2)["zero_optimization"]["reduce_scatter"] is False
+    assert engine_config({"zero_optimization": {"stage": 3}}, 1) == {"zero_optimization": {"stage": 3}}
+    assert (gradient_scale({"stage": 3}, 4), gradient_scale({"stage": 3, "reduce_scatter": False}, 4)) == (4, 1)
+    model = torch.nn.Linear(2, 2)
+    mark_parameters(model, {"zero_optimization": {"stage": 3}}, 4)
+    assert parameter_gradient_scale(model.parameters(), None, 4, where="Linear") == 4

@@ -60,7 +60,7 @@ def _spy(monkeypatch_targets: list, seen: list[tuple[str, object]]) -> None:
 
 def _rank(rank: int, world: int) -> list[str]:
     from ds_ring import topology as topology_module
-    from ds_ring.integrations.hf import register_with_transformers, shard_batch, unregister_from_transformers
+    from ds_ring.integrations.hf import register_with_transformers, shard_batch
     from ds_ring.integrations.hf.batches import gather_batches
     from launch.model import TinyGPT
 
@@ -95,12 +95,12 @@ def _rank(rank: int, world: int) -> list[str]:
             monitor.end_step(loss=loss.item())
             ds_ring.gather_sequence(logits.detach(), topology)
             ds_ring.save_checkpoint(engine, save_dir, "step1")
-            register_with_transformers(config={"ring_attention": {"strategy": "ring"}}, topology=topology)
+            session = register_with_transformers(config={"ring_attention": {"strategy": "ring"}}, topology=topology)
             try:
-                shard_batch({"input_ids": tokens}, topology)
+                shard_batch(session, {"input_ids": tokens})
                 gather_batches({"input_ids": tokens}, topology)
             finally:
-                unregister_from_transformers()
+                session.close()
         finally:
             for owner, name, original in restore:
                 setattr(owner, name, original)

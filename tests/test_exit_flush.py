@@ -83,12 +83,13 @@ def test_initialize_registers_the_engine_monitor_flush(tmp_path: Path) -> None:
     engine = SimpleNamespace(monitor=SimpleNamespace(tb_monitor=SimpleNamespace(summary_writer=writer)))
     monitor = glue.attach_monitor(engine, types.SimpleNamespace(), MonitoringConfig(watchdog=False))
     try:
+        assert engine.ring_monitor is monitor and glue.attachments_of(engine).monitor is monitor
         writer.add_scalar("ds_ring/loss", 2.0, 7)
         clean_exit._run_flushes(10.0)
         assert json.loads(sink.path.read_text()) == [["ds_ring/loss", 2.0, 7]]
     finally:
-        monitor.close()
-        glue._forget_flush()
+        glue.attachments_of(engine).close()  # the monitor and its exit flush: state of this engine, not the module
+    assert glue.attachments_of(engine).monitor is None
 
 
 if __name__ == "__main__":

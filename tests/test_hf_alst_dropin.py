@@ -241,6 +241,7 @@ def _check_eval_and_flex(log: CaseLog, model_dir: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from ds_ring.integrations.hf import UlyssesSPAttentionHF
+    from ds_ring.integrations.hf.session import installed_sessions
 
     batch = {"input_ids": torch.tensor([[1, 10, 10, 10, 2, 2]]), "position_ids": torch.arange(6)[None]}
     with log.case("disable_in_eval: eval on whole sequences equals the model without ds_ring"):
@@ -260,7 +261,9 @@ def _check_eval_and_flex(log: CaseLog, model_dir: str) -> None:
         model.set_attn_implementation("flex_attention")
         mpu = UlyssesSPAttentionHF.register_with_transformers(model, "flex_attention", 2, BATCH)
         try:
-            got = sequence_parallel(model, full_batch(), mpu, "contiguous")
+            (session,) = installed_sessions()  # what ALST's call installed (its mpu is session.topology)
+            assert session.topology is mpu
+            got = sequence_parallel(model, full_batch(), session)
         finally:
             UlyssesSPAttentionHF.unregister_from_transformers()
         assert_same(got, reference)

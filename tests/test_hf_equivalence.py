@@ -13,7 +13,7 @@ boundaries) equal every document run through the whole model on its own.
 import pytest
 import torch
 
-from ds_ring.integrations.hf import register_with_transformers, unregister_from_transformers
+from ds_ring.integrations.hf import register_with_transformers
 from tests.dist import CaseLog, run_distributed
 from tests.hf_cases import (
     DILATED,
@@ -73,11 +73,11 @@ def _rank(rank: int, world: int, cases: dict[str, dict]) -> dict[str, list[str]]
             for case, section in cases.items():
                 with logs[kind].case(f"{kind}: {model_name}, {case}, {world} ranks"):
                     topology = topology_for(section, world, topologies)
-                    register_with_transformers(model, config=ds_config(**section), topology=topology)
+                    session = register_with_transformers(model, config=ds_config(**section), topology=topology)
                     try:
-                        got = sequence_parallel(model, batch, topology, section.get("layout", "contiguous"))
+                        got = sequence_parallel(model, batch, session)
                     finally:
-                        unregister_from_transformers()
+                        session.close()
                     assert_same(got, expected[kind, "dilated" if "segment_lengths" in section else "dense"])
     return {kind: log.failures for kind, log in logs.items()}
 

@@ -26,9 +26,9 @@ from ds_ring.integrations.hf import (
     causal_lm_loss,
     register_with_transformers,
     shard_batch,
-    unregister_from_transformers,
 )
 from ds_ring.integrations.hf.compat import activation_checkpointing_disable, activation_checkpointing_enable
+from ds_ring.integrations.hf.long_context import check_long_context
 from ds_ring.tiles.zero import gathered
 from tests.dist import CaseLog, run_distributed
 from tests.hf_cases import (
@@ -98,23 +98,24 @@ def _check(model, batch, topology, strategy: dict, variant: dict, expected, offl
         activation_checkpointing_enable(model)
     model.train()
     section = {**strategy, "long_context": variant}
-    register_with_transformers(model, config=ds_config(**section), topology=topology)
+    session = register_with_transformers(model, config=ds_config(**section), topology=topology)
     try:
-        sharded = shard_batch(batch, topology)
+        session.apply_long_context(model)
+        sharded = shard_batch(session, batch)
         model.zero_grad()
         out = model(**sharded)
         if variant.get("tiled_loss"):
             assert out.logits is None, "the tiled loss returned logits"
             loss = out.loss
         else:
-            loss = causal_lm_loss(out.logits, sharded["shift_labels"], topology)
+            loss = causal_lm_loss(session, out.logits, sharded["shift_labels"])
         loss.backward()
         store = getattr(model, "ds_ring_checkpoint_store", None)
         if variant.get("offload_checkpoints") == "disk":
             assert store.stored == model.config.num_hidden_layers and store.live == 0, (store.stored, store.live)
         grads = _summed_grads(model, topology.sequence_parallel_group)
     finally:
-        unregister_from_transformers()
+        session.close()
         activation_checkpointing_disable(model)
     assert "forward" not in model.__dict__, "unregister left the model patched"
     functions = [m.__dict__.get("_gradient_checkpointing_func") for m in model.modules()]
@@ -170,7 +171,8 @@ def _train(
 
     config = _zero_config(stage, long_context)
     engine, *_ = ds_ring.initialize(model=model, config=config, optimizer=optimizer)
-    topology = register_with_transformers(model, config=config, topology=engine.mpu)
+    session = register_with_transformers(model, config=config, topology=engine.mpu)
+    session.apply_long_context(model)
     originals = {name: getattr(deepspeed.comm, name) for name in _COLLECTIVES}
 
     def counted(name):
@@ -183,7 +185,7 @@ def _train(
     for name in _COLLECTIVES:
         setattr(deepspeed.comm, name, counted(name))
     try:
-        sharded = shard_batch(batch, topology)
+        sharded = shard_batch(session, batch)
         for _ in range(STEPS):
             out = engine(**sharded)
             assert out.logits is None
@@ -192,7 +194,7 @@ def _train(
     finally:
         for name in _COLLECTIVES:
             setattr(deepspeed.comm, name, originals[name])
-        unregister_from_transformers()
+        session.close()
     params = list(engine.module.parameters())
     with gathered(params):
         got = [copy.deepcopy(p.detach()) for p in params]
@@ -324,6 +326,6 @@ def test_models_that_cannot_be_tiled_are_refused_before_any_communication():
         register_with_transformers(capped, config=_section(tiled_loss=True))
     with pytest.raises(ValueError, match="GraniteForCausalLM scales its logits.*logits_scaling = 8.0"):
         register_with_transformers(_granite(), config=_section(tiled_loss=True))
-    with pytest.raises(ValueError, match="model instance.*register_with_transformers\\(model"):
-        register_with_transformers(config=_section(tiled_loss=True))
+    with pytest.raises(ValueError, match="model instance.*session.apply_long_context\\(model\\)"):
+        check_long_context(None, ds_ring.load_config(_section(tiled_loss=True)).long_context)
     assert not dist.is_initialized()

@@ -13,7 +13,6 @@ import torch
 import ds_ring
 from ds_ring.integrations.hf import register_with_transformers, shard_batch
 from ds_ring.integrations.hf.audit import CallAudit, refuse_sequence_mixers
-from ds_ring.integrations.hf.registration import unregister_from_transformers
 from tests.dist import run_distributed
 
 
@@ -60,7 +59,7 @@ def _rank(rank: int, world: int) -> None:
     config = {"ring_attention": {"timeout_s": 60}}
     bloom = BloomForCausalLM(BloomConfig(vocab_size=32, hidden_size=16, n_layer=1, n_head=2))
     with pytest.raises(ValueError, match="BloomForCausalLM computes attention in its own code"):
-        register_with_transformers(bloom, config=config, topology=topology)
+        session = register_with_transformers(bloom, config=config, topology=topology)
     torch.manual_seed(0)
     persimmon = PersimmonForCausalLM(
         PersimmonConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -68,12 +67,12 @@ def _rank(rank: int, world: int) -> None:
     ).double()  # fmt: skip
     input_ids = torch.randint(0, 32, (1, 8), generator=torch.Generator().manual_seed(0))
     whole = persimmon(input_ids=input_ids).logits
-    register_with_transformers(persimmon, config=config, topology=topology)
+    session = register_with_transformers(persimmon, config=config, topology=topology)
     try:  # Persimmon's attention receives no position_ids: the model's call gives them
-        sharded = shard_batch({"input_ids": input_ids}, topology)
+        sharded = shard_batch(session, {"input_ids": input_ids})
         local = persimmon(**{k: v for k, v in sharded.items() if k != "shift_labels"}).logits
     finally:
-        unregister_from_transformers()
+        session.close()
     torch.testing.assert_close(
         ds_ring.gather_sequence(local.detach(), topology.sequence_parallel_group), whole.detach()
     )

@@ -23,7 +23,6 @@ from ds_ring.integrations.hf import (
     causal_lm_loss,
     register_with_transformers,
     shard_batch,
-    unregister_from_transformers,
 )
 from tests.dist import CaseLog, run_distributed
 from tests.hf_cases import SEQ, VOCAB, assert_same, ds_config, full_batch, llama, sequence_parallel, whole_model
@@ -62,13 +61,28 @@ def _check_registry(log: CaseLog, topology: ds_ring.Topology) -> None:
 
     with log.case("register -> unregister restores the registries"):
         before = _registries()
-        register_with_transformers(config=ds_config(strategy="ring"), topology=topology)
-        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not before[1]["sdpa"]
-        register_with_transformers(config=ds_config(strategy="ring"), topology=topology, disable_in_eval=True)
-        register_with_transformers(core_attn_implementation="flash_attention_2", topology=topology)
-        unregister_from_transformers()
-        unregister_from_transformers()
+        first = register_with_transformers(config=ds_config(strategy="ring"), topology=topology)
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is first.attention and first.installed
+        second = register_with_transformers(config=ds_config(strategy="ring"), topology=topology, disable_in_eval=True)
+        assert not first.installed and second.installed, "a second registration replaces the first"
+        third = register_with_transformers(core_attn_implementation="flash_attention_2", topology=topology)
+        third.close()
+        third.close()
         assert _registries() == before
+    with log.case("a session is a context manager; each call reads its own session, never another's"):
+        before = _registries()
+        with register_with_transformers(config=ds_config(strategy="ring", layout="zigzag"), topology=topology) as zig:
+            assert zig.installed
+        assert _registries() == before and not zig.installed
+        with register_with_transformers(config=ds_config(strategy="ring"), topology=topology) as plain:
+            got, want = shard_batch(zig, full_batch()), shard_batch(plain, full_batch())
+            assert not torch.equal(got["position_ids"], want["position_ids"]), "the zigzag session's layout was lost"
+        assert _registries() == before
+    with log.case("a Topology where the session goes: TypeError naming the fix"):
+        with pytest.raises(TypeError, match="session = register_with_transformers"):
+            shard_batch(topology, full_batch())  # the call of older releases
+        with pytest.raises(TypeError, match="causal_lm_loss takes the SequenceParallelSession"):
+            causal_lm_loss(topology, torch.zeros(1, 2, VOCAB), torch.zeros(1, 2, dtype=torch.long))
     with log.case("an entry replaced before (ALST-style) is put back"):
 
         def alst(*args, **kwargs):  # a stand-in for ALST's wrapper
@@ -76,8 +90,8 @@ def _check_registry(log: CaseLog, topology: ds_ring.Topology) -> None:
 
         ALL_ATTENTION_FUNCTIONS["sdpa"] = alst
         before = _registries()
-        register_with_transformers(topology=topology)
-        unregister_from_transformers()
+        session = register_with_transformers(topology=topology)
+        session.close()
         assert _registries() == before and ALL_ATTENTION_FUNCTIONS["sdpa"] is alst
         del ALL_ATTENTION_FUNCTIONS["sdpa"]
 
@@ -92,6 +106,8 @@ def _check_refusals(log: CaseLog, world: int, topology: ds_ring.Topology) -> Non
     softcapped.attn_logit_softcapping = 30.0
     three_heads = LlamaConfig(**small, num_attention_heads=3)
     ulysses = ds_config(strategy="ulysses")
+    with register_with_transformers(config=ring, topology=topology) as session:  # closed: shard_batch reads it only
+        pass
     # at registration, from the model's config
     _refused(log, "eager", "eager", lambda: register_with_transformers(core_attn_implementation="eager", config=ring))
     _refused(log, "unknown implementation", "not one of", lambda: register_with_transformers(
@@ -99,8 +115,8 @@ def _check_refusals(log: CaseLog, world: int, topology: ds_ring.Topology) -> Non
     _refused(log, "a model built eager", "_attn_implementation", lambda: register_with_transformers(
         llama(attn_implementation="eager"), config=ring, topology=topology))  # fmt: skip
     with log.case("soft-capped attention is registered (computed, not refused)"):
-        register_with_transformers(softcapped, config=ring, topology=topology)
-        unregister_from_transformers()
+        session = register_with_transformers(softcapped, config=ring, topology=topology)
+        session.close()
     three_kv_heads = Qwen2Config(**small, num_attention_heads=4, num_key_value_heads=3)
     _refused(log, "K/V heads (config)", "num_key_value_heads", lambda: register_with_transformers(
         three_kv_heads, config=ring, topology=topology))  # fmt: skip
@@ -111,27 +127,27 @@ def _check_refusals(log: CaseLog, world: int, topology: ds_ring.Topology) -> Non
     _refused(log, "the section alone", "whole ds_config", lambda: register_with_transformers(
         config={"strategy": "ring"}, topology=topology))  # fmt: skip
     # in the batch
-    _refused(log, "padding mask (batch)", "attention_mask", lambda: shard_batch(
-        {**batch, "attention_mask": (torch.arange(SEQ) < SEQ - 3).expand(2, -1)}, topology))  # fmt: skip
-    _refused(log, "a length that does not split", f"multiple of {world}", lambda: shard_batch(
-        full_batch(SEQ - 1), topology))  # fmt: skip
-    _refused(log, "positions not counting up", "count 0, 1, 2", lambda: shard_batch(
-        {**batch, "position_ids": torch.arange(SEQ).flip(0)[None]}, topology))  # fmt: skip
+    _refused(log, "padding mask (batch)", "attention_mask", lambda: shard_batch(session,
+        {**batch, "attention_mask": (torch.arange(SEQ) < SEQ - 3).expand(2, -1)}))  # fmt: skip
+    _refused(log, "a length that does not split", f"multiple of {world}", lambda: shard_batch(session,
+        full_batch(SEQ - 1)))  # fmt: skip
+    _refused(log, "positions not counting up", "count 0, 1, 2", lambda: shard_batch(session,
+        {**batch, "position_ids": torch.arange(SEQ).flip(0)[None]}))  # fmt: skip
     packed = torch.stack([torch.cat([torch.arange(10), torch.arange(SEQ - 10)]), torch.arange(SEQ)])
-    _refused(log, "rows packed differently", "same places", lambda: shard_batch(
-        {**batch, "position_ids": packed}, topology))  # fmt: skip
-    _refused(log, "a tensor of another length", "labels", lambda: shard_batch(
-        {**batch, "labels": batch["labels"][:, :-1]}, topology))  # fmt: skip
+    _refused(log, "rows packed differently", "same places", lambda: shard_batch(session,
+        {**batch, "position_ids": packed}))  # fmt: skip
+    _refused(log, "a tensor of another length", "labels", lambda: shard_batch(session,
+        {**batch, "labels": batch["labels"][:, :-1]}))  # fmt: skip
 
     # at the call, on every rank before any communication
     def forward(model, config, drop=(), **extra):
-        register_with_transformers(config=config, topology=topology)
+        session = register_with_transformers(config=config, topology=topology)
         try:
-            sharded = shard_batch(batch, topology)
+            sharded = shard_batch(session, batch)
             inputs = {k: v for k, v in sharded.items() if k != "shift_labels" and k not in drop}
             return model(**inputs, **extra)
         finally:
-            unregister_from_transformers()
+            session.close()
 
     _refused(log, "attention dropout in training", "attention_dropout", lambda: forward(
         llama(attention_dropout=0.1).train(), ring))  # fmt: skip
@@ -144,24 +160,26 @@ def _check_refusals(log: CaseLog, world: int, topology: ds_ring.Topology) -> Non
         llama(), ring, drop=("cu_seq_lens_q", "cu_seq_lens_k", "ds_ring_cu_seqlens")))  # fmt: skip
     _refused(log, "padding mask (call)", "attention_mask", lambda: forward(
         llama(), ring, attention_mask=torch.zeros(2, SEQ // world, dtype=torch.long)))  # fmt: skip
+    _refused(log, "long_context never applied to the model", "session.apply_long_context", lambda: forward(
+        llama(), ds_config(strategy="ring", long_context={"tiled_loss": True})))  # fmt: skip
     with log.case("attention dropout is allowed in eval"):
         model = llama(attention_dropout=0.1).eval()
-        register_with_transformers(config=ring, topology=topology)
+        session = register_with_transformers(config=ring, topology=topology)
         try:
-            sharded = shard_batch(batch, topology)
+            sharded = shard_batch(session, batch)
             model(**{k: v for k, v in sharded.items() if k != "shift_labels"})
         finally:
-            unregister_from_transformers()
+            session.close()
 
 
 def _check_batches(log: CaseLog, rank: int, world: int, topology: ds_ring.Topology) -> None:
     batch = full_batch()
     with log.case("shard_batch: zigzag positions, labels shifted before sharding, one document"):
-        register_with_transformers(config=ds_config(strategy="ring", layout="zigzag"), topology=topology)
+        session = register_with_transformers(config=ds_config(strategy="ring", layout="zigzag"), topology=topology)
         try:
-            sharded = shard_batch(batch, topology)
+            sharded = shard_batch(session, batch)
         finally:
-            unregister_from_transformers()
+            session.close()
         chunk = SEQ // (2 * world)
         tokens = torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in (rank, 2 * world - 1 - rank)])
         assert torch.equal(sharded["position_ids"], tokens.expand(2, -1))
@@ -174,16 +192,16 @@ def _check_batches(log: CaseLog, rank: int, world: int, topology: ds_ring.Topolo
         model = llama()
         short = full_batch(SEQ - 1)
         expected = whole_model(model, short)
-        register_with_transformers(model, config=ds_config(strategy="ring"), topology=topology)
+        session = register_with_transformers(model, config=ds_config(strategy="ring"), topology=topology)
         try:
-            sharded = shard_batch({**short, "attention_mask": torch.ones_like(short["input_ids"])}, topology,
+            sharded = shard_batch(session, {**short, "attention_mask": torch.ones_like(short["input_ids"])},
                                   pad_to_multiple=True)  # fmt: skip
             assert sharded["input_ids"].shape == (2, SEQ // world)
             assert sharded["cu_seq_lens_q"].tolist() == [0, SEQ]
             logits = model(**{k: v for k, v in sharded.items() if k != "shift_labels"}).logits
-            loss = causal_lm_loss(logits, sharded["shift_labels"], topology)
+            loss = causal_lm_loss(session, logits, sharded["shift_labels"])
         finally:
-            unregister_from_transformers()
+            session.close()
         if rank == world - 1:
             assert (sharded["shift_labels"][:, -2:] == -100).all()
             assert sharded["position_ids"][0, -1].item() == SEQ - 1
@@ -191,21 +209,23 @@ def _check_batches(log: CaseLog, rank: int, world: int, topology: ds_ring.Topolo
     with log.case("disable_in_eval: eval runs the original attention on the whole sequence"):
         model = llama()
         expected = whole_model(model, batch)
-        register_with_transformers(model, config=ds_config(strategy="ring"), topology=topology, disable_in_eval=True)
+        session = register_with_transformers(
+            model, config=ds_config(strategy="ring"), topology=topology, disable_in_eval=True
+        )
         try:
             with torch.no_grad():
                 logits = model.eval()(input_ids=batch["input_ids"]).logits
-            got = sequence_parallel(model.train(), batch, topology, "contiguous")
+            got = sequence_parallel(model.train(), batch, session)
         finally:
-            unregister_from_transformers()
+            session.close()
         torch.testing.assert_close(logits, expected.logits, rtol=1e-7, atol=1e-9)
         assert_same(got, expected)
     with log.case("SequenceParallelDataLoader: len() kept, shard_batch of each batch"):
         loader = torch.utils.data.DataLoader([full_batch(seed=s) for s in range(3)], batch_size=None)
-        wrapped = SequenceParallelDataLoader(loader, topology)
+        wrapped = SequenceParallelDataLoader(loader, session)
         assert len(wrapped) == 3
         for got, full in zip(wrapped, loader, strict=True):
-            want = shard_batch(full, topology)
+            want = shard_batch(session, full)
             assert got.keys() == want.keys()
             assert all(torch.equal(got[k], want[k]) if isinstance(want[k], torch.Tensor) else got[k] == want[k]
                        for k in want)  # fmt: skip

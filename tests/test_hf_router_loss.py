@@ -32,7 +32,6 @@ def _rank(rank: int, world: int) -> list[str]:
 
     import ds_ring
     from ds_ring.integrations.hf import causal_lm_loss, register_with_transformers, shard_batch
-    from ds_ring.integrations.hf.registration import unregister_from_transformers
     from ds_ring.integrations.hf.router import add_router_aux_loss, router_aux_loss
 
     log = CaseLog()
@@ -45,9 +44,9 @@ def _rank(rank: int, world: int) -> list[str]:
     whole.backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters()}
     topology = ds_ring.Topology(1, 1, world)
-    register_with_transformers(model, config={"ring_attention": {"timeout_s": 60}}, topology=topology)
+    session = register_with_transformers(model, config={"ring_attention": {"timeout_s": 60}}, topology=topology)
     try:
-        sharded = shard_batch({"input_ids": input_ids}, topology)
+        sharded = shard_batch(session, {"input_ids": input_ids})
         model.zero_grad()
         out = model(**{k: v for k, v in sharded.items() if k != "shift_labels"})
         with log.case("aux loss equals the whole model's"):
@@ -57,7 +56,7 @@ def _rank(rank: int, world: int) -> list[str]:
             assert not torch.allclose(out.aux_loss, whole_aux, rtol=1e-6)
         with log.case("loss and gradients equal the whole model's"):
             loss = add_router_aux_loss(
-                causal_lm_loss(out.logits, sharded["shift_labels"], topology), out, model, topology
+                session, causal_lm_loss(session, out.logits, sharded["shift_labels"]), out, model
             )
             torch.testing.assert_close(loss, whole.detach(), rtol=1e-7, atol=0)
             loss.backward()
@@ -68,7 +67,7 @@ def _rank(rank: int, world: int) -> list[str]:
                     grad, expected[name], rtol=1e-6, atol=1e-8, msg=lambda m, n=name: f"{n}: {m}"
                 )
     finally:
-        unregister_from_transformers()
+        session.close()
     return log.failures
 
 

@@ -96,7 +96,6 @@ def _hand_written(config: dict, data: list[dict], packed: bool, accumulation: in
     """The README's loop: ds_ring.initialize, register, shard_batch, causal_lm_loss; this replica's batches."""
     import ds_ring
     from ds_ring.integrations.hf import causal_lm_loss, register_with_transformers, shard_batch
-    from ds_ring.integrations.hf.registration import unregister_from_transformers
 
     section = {k: v for k, v in config["ring_attention"].items() if k != "long_context"}  # the untiled model
     ds_config = {**config, "train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": accumulation,
@@ -105,18 +104,19 @@ def _hand_written(config: dict, data: list[dict], packed: bool, accumulation: in
     model = llama(torch.float32)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     engine, *_ = ds_ring.initialize(model=model, optimizer=optimizer, config={**ds_config, "ring_attention": section})
-    topology = register_with_transformers(model, config=ds_config, topology=engine.mpu)
+    session = register_with_transformers(model, config=ds_config, topology=engine.mpu)
+    topology = session.topology
     replicas, replica = topology.get_data_parallel_world_size(), topology.get_data_parallel_rank()
     collate = _collator(packed)
     try:
         for micro_step in range(STEPS * accumulation):  # the engine steps the optimizer every `accumulation`
             first = (micro_step * replicas + replica) * BATCH
-            batch = shard_batch(collate(data[first : first + BATCH]), topology)
+            batch = shard_batch(session, collate(data[first : first + BATCH]))
             labels = batch.pop("shift_labels")
-            engine.backward(causal_lm_loss(engine(**batch).logits, labels, topology))
+            engine.backward(causal_lm_loss(session, engine(**batch).logits, labels))
             engine.step()
     finally:
-        unregister_from_transformers()
+        session.close()
     got = _parameters(engine)
     engine.destroy()
     return got

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_ring.integrations.hf import register_with_transformers, unregister_from_transformers
+from ds_ring.integrations.hf import register_with_transformers
 from tests.dist import CaseLog, assert_no_failures, run_distributed
 from tests.hf_cases import VOCAB, assert_same, ds_config, full_batch, sequence_parallel, topology_for, whole_model
 
@@ -82,14 +82,15 @@ def _rank(rank: int, world: int) -> list[str]:
         for strategy, section in strategies.items():
             with log.case(f"{name}, {strategy}"):
                 topology = topology_for(section, world, topologies)
-                register_with_transformers(core_attn_implementation=implementation, config=ds_config(**section),
-                                           topology=topology)  # fmt: skip
+                session = register_with_transformers(
+                    core_attn_implementation=implementation, config=ds_config(**section), topology=topology
+                )
                 try:
                     model.set_attn_implementation(implementation)
-                    got = sequence_parallel(model, batch, topology, section.get("layout", "contiguous"))
+                    got = sequence_parallel(model, batch, session)
                 finally:
                     model.set_attn_implementation(reference_implementation)
-                    unregister_from_transformers()
+                    session.close()
                 assert_same(got, expected, **tolerance)
     return log.failures
 

@@ -20,7 +20,6 @@ from ds_ring.integrations.hf import (
     causal_lm_loss,
     register_with_transformers,
     shard_batch,
-    unregister_from_transformers,
 )
 from ds_ring.tiles.zero import gathered
 from tests.dist import CaseLog, run_distributed
@@ -59,20 +58,22 @@ def _train(stage: int, batch: dict, *, alst_order: bool = False, **zero) -> tupl
     model = llama(torch.float32)
     config = _config(stage, **zero)
     if alst_order:
-        topology = register_with_transformers(model, config=config)
+        session = register_with_transformers(model, config=config)
+        topology = session.topology
         engine, *_ = deepspeed.initialize(model=model, config=config, optimizer=sgd(model), mpu=topology)
     else:
         engine, *_ = ds_ring.initialize(model=model, config=config, optimizer=sgd(model))
-        topology = register_with_transformers(model, config=config, topology=engine.mpu)
+        session = register_with_transformers(model, config=config, topology=engine.mpu)
+        topology = session.topology
     try:
-        sharded = shard_batch(batch, topology)
+        sharded = shard_batch(session, batch)
         inputs = {k: v for k, v in sharded.items() if k != "shift_labels"}
         for _ in range(STEPS):
-            loss = causal_lm_loss(engine(**inputs).logits, sharded["shift_labels"], topology)
+            loss = causal_lm_loss(session, engine(**inputs).logits, sharded["shift_labels"])
             engine.backward(loss)
             engine.step()
     finally:
-        unregister_from_transformers()
+        session.close()
     params = list(engine.module.parameters())
     large = [p for p in params if getattr(p, "ds_numel", 0) >= 4096]
     partitioned = bool(large) and all(p.ds_tensor.numel() < p.ds_numel for p in large)
@@ -97,13 +98,13 @@ def _half_step(batch: dict, stage: int, precision: str) -> tuple[torch.dtype, fl
     model = llama(torch.float32)
     config = {**_config(stage), precision: {"enabled": True}}
     engine, *_ = ds_ring.initialize(model=model, config=config, optimizer=sgd(model))
-    topology = register_with_transformers(model, config=config, topology=engine.mpu)
+    session = register_with_transformers(model, config=config, topology=engine.mpu)
     try:
-        sharded = shard_batch(batch, topology)
+        sharded = shard_batch(session, batch)
         logits = engine(**{k: v for k, v in sharded.items() if k != "shift_labels"}).logits
-        loss = causal_lm_loss(logits, sharded["shift_labels"], topology).item()
+        loss = causal_lm_loss(session, logits, sharded["shift_labels"]).item()
     finally:
-        unregister_from_transformers()
+        session.close()
     engine.destroy()
     return logits.dtype, loss, reference
 
@@ -141,11 +142,11 @@ def _rank(rank: int, world: int, stages: list[int]) -> list[str]:
         model.gradient_checkpointing_enable()
         model.train()
         topology = ds_ring.Topology(ring=world)
-        register_with_transformers(model, config=_config(0), topology=topology)
+        session = register_with_transformers(model, config=_config(0), topology=topology)
         try:
-            got = sequence_parallel(model, batch, topology, "contiguous")
+            got = sequence_parallel(model, batch, session)
         finally:
-            unregister_from_transformers()
+            session.close()
         assert_same(got, reference)
     return log.failures
 

@@ -92,17 +92,17 @@ def _attention_rank(rank: int, world: int) -> tuple[list[str], dict[str, int]]:
 
 
 def _hf_rank(rank: int, world: int) -> tuple[list[str], dict[str, int]]:
-    from ds_ring.integrations.hf import register_with_transformers, shard_batch, unregister_from_transformers
+    from ds_ring.integrations.hf import register_with_transformers, shard_batch
     from tests.hf_cases import full_batch, llama
 
     log, first = CaseLog(), {}
     topology = ds_ring.Topology(ring=world)
     model = llama()
     positions = torch.cat([torch.arange(11), torch.arange(9), torch.arange(12)])[None]
-    register_with_transformers(model, config={"ring_attention": {"strategy": "ring"}}, topology=topology)
+    session = register_with_transformers(model, config={"ring_attention": {"strategy": "ring"}}, topology=topology)
     try:
         with log.case("HF Llama, 2 layers, packed batch from shard_batch"):
-            batch = shard_batch({**full_batch(), "position_ids": positions}, topology)
+            batch = shard_batch(session, {**full_batch(), "position_ids": positions})
             inputs = {k: v for k, v in batch.items() if k != "shift_labels"}
             for attempt in ("first", "second"):
                 counts: Counter = Counter()
@@ -112,7 +112,7 @@ def _hf_rank(rank: int, world: int) -> tuple[list[str], dict[str, int]]:
                     first["HF Llama packed"] = sum(counts.values())
             assert not counts, dict(counts)
     finally:
-        unregister_from_transformers()
+        session.close()
     return log.failures, first
 
 

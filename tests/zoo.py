@@ -170,21 +170,23 @@ def sequence_parallel(
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from ds_ring.integrations.hf import causal_lm_loss, register_with_transformers, shard_batch
-    from ds_ring.integrations.hf.registration import OWN_NAME, unregister_from_transformers
+    from ds_ring.integrations.hf.registration import OWN_NAME
 
     if OWN_NAME not in ALL_ATTENTION_FUNCTIONS:  # the entry exists before a model may select it
         ALL_ATTENTION_FUNCTIONS[OWN_NAME] = ALL_ATTENTION_FUNCTIONS["sdpa"]
     implementation = _implementation(model)
     config = {"train_micro_batch_size_per_gpu": BATCH, "ring_attention": {"timeout_s": 60, **section}}
-    register_with_transformers(model, core_attn_implementation=implementation, config=config, topology=topology)
+    session = register_with_transformers(
+        model, core_attn_implementation=implementation, config=config, topology=topology
+    )
     try:
-        sharded = shard_batch(full, topology)
+        sharded = shard_batch(session, full)
         model.zero_grad()
         logits = _logits(model(**{k: v for k, v in sharded.items() if k != "shift_labels"}))
-        loss = causal_lm_loss(logits, sharded["shift_labels"], topology)
+        loss = causal_lm_loss(session, logits, sharded["shift_labels"])
         loss.backward()
     finally:
-        unregister_from_transformers()
+        session.close()
         model.set_attn_implementation("eager")
     grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach() for n, p in model.named_parameters()}
     flat = torch.cat([g.flatten() for g in grads.values()])

@@ -9,18 +9,24 @@ ds_config's ``ring_attention`` section::
     from ds_ring.integrations.hf import SequenceParallelDataLoader, causal_lm_loss, register_with_transformers
 
     engine, *_ = ds_ring.initialize(model=model, optimizer=optimizer, config="ds_config.json")
-    topology = register_with_transformers(config="ds_config.json", topology=engine.mpu)
-    for batch in SequenceParallelDataLoader(loader, topology):     # full batches in, this rank's shards out
-        loss = causal_lm_loss(engine(**batch).logits, batch["shift_labels"], topology)
-        engine.backward(loss)
-        engine.step()
+    with register_with_transformers(model, config="ds_config.json", topology=engine.mpu) as session:
+        session.apply_long_context(model)                           # the section's long_context, if any
+        for batch in SequenceParallelDataLoader(loader, session):  # full batches in, this rank's shards out
+            loss = causal_lm_loss(session, engine(**batch).logits, batch["shift_labels"])
+            engine.backward(loss)
+            engine.step()
+
+The :class:`~.session.SequenceParallelSession` that registration returns is what every later call takes: its
+section, topology (``session.topology``, the ``mpu``) and the engine's gradient scale; closing it (the ``with``
+block, or ``session.close()``) puts transformers' registries and the model back.
 
 Every rank of a sequence-parallel group must load the same full batches (a sampler over the
-data-parallel replicas: ``topology.get_data_parallel_world_size()`` / ``get_data_parallel_rank()``).
+data-parallel replicas: ``session.topology.get_data_parallel_world_size()`` / ``get_data_parallel_rank()``).
 Gradients follow ds_ring's contract: each rank's gradient is its tokens' share, and the sum over the
 sequence group (what ZeRO's reduction does) is the whole model's gradient.
 
-The package is laid out by job: :mod:`.registration` (what goes into transformers' registries),
+The package is laid out by job: :mod:`.session` (the handle every call takes), :mod:`.registration` (what goes
+into transformers' registries),
 :mod:`.attention` (what runs inside the model), :mod:`.batches` and :mod:`.documents` (what prepares
 batches), :mod:`.loss`, :mod:`.long_context` (the section's ``long_context`` applied to the model: tiled loss
 and MLP, offloaded checkpoints), and :mod:`.alst` / :mod:`.alst_tiles`: DeepSpeed ALST's names
@@ -34,9 +40,11 @@ from ds_ring.integrations.hf.alst_tiles import TiledFusedLogitsLoss, TiledMLP, s
 from ds_ring.integrations.hf.batches import SequenceParallelDataLoader, shard_batch
 from ds_ring.integrations.hf.loss import causal_lm_loss
 from ds_ring.integrations.hf.registration import register_with_transformers, unregister_from_transformers
+from ds_ring.integrations.hf.session import SequenceParallelSession
 
 __all__ = [
     "SequenceParallelTrainer",
+    "SequenceParallelSession",
     "register_with_transformers",
     "unregister_from_transformers",
     "shard_batch",

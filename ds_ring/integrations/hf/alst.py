@@ -6,8 +6,10 @@ stay as they are. With ALST's arguments alone ds_ring does what ALST does (Ulyss
 contiguous shards) and the returned ``mpu`` (a :class:`ds_ring.Topology`) goes to ``deepspeed.initialize``
 at ZeRO 0-3; a ``ring_attention`` section in the ds_config given as ``config=`` switches strategy,
 branches and layout. Both are thin: they call :func:`register_with_transformers` and
-:func:`~ds_ring.integrations.hf.batches.shard_batch`. The tiled names of ALST's full recipe are in
-:mod:`.alst_tiles`.
+:func:`~ds_ring.integrations.hf.batches.shard_batch`. ALST's calls return the ``mpu`` where ds_ring's return the
+:class:`~ds_ring.integrations.hf.session.SequenceParallelSession`: the adapter takes it as ``session=``, or finds it
+in transformers' attention registry by its ``sp_group`` (what ALST's call installed there). The tiled names of
+ALST's full recipe are in :mod:`.alst_tiles`.
 
 Where ALST trains wrong without a word, ds_ring corrects or refuses: the tutorial's loss (``loss_function`` on
 the shard, weighted through a differentiable all-gather) gets ``sp ×`` the gradient at ZeRO 0–2 under ALST
@@ -25,16 +27,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from ds_ring.config import SECTION, read_ds_config
+from ds_ring.config import SECTION, DsConfig, read_ds_config, read_section
 from ds_ring.integrations.hf.batches import gather_batches, shard_batch
 from ds_ring.integrations.hf.documents import DOCUMENTS_KEY
-from ds_ring.integrations.hf.registration import (
-    register_with_transformers,
-    registration_for,
-    registration_for_group,
-    unregister_from_transformers,
-)
+from ds_ring.integrations.hf.registration import register_with_transformers
+from ds_ring.integrations.hf.session import SequenceParallelSession, installed_sessions, require_session
 from ds_ring.topology import Topology
 
 __all__ = ["UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter"]
@@ -72,7 +71,9 @@ class UlyssesSPAttentionHF:
             max_length: ALST's deprecated name of ``seq_length``.
             config: ds_ring's addition: a whole ds_config whose ``ring_attention`` section chooses strategy,
                 branches and layout (its ``sequence_parallel_size``, if set, must be this one) and whose
-                ``zero_optimization`` is the engine's. ``None``: dense Ulysses, DeepSpeed's ZeRO defaults.
+                ``zero_optimization`` is the engine's. ``None``: dense Ulysses, DeepSpeed's ZeRO defaults. Its
+                ``long_context`` is applied to a model instance given as ``model_name_or_path``
+                (:meth:`~ds_ring.integrations.hf.session.SequenceParallelSession.apply_long_context`).
 
         Returns:
             The :class:`ds_ring.Topology` (``None`` for ``sequence_parallel_size == 1``): pass it as
@@ -99,30 +100,58 @@ class UlyssesSPAttentionHF:
                 f"seq_length {seq_length} is not divisible by sequence_parallel_size {sequence_parallel_size}; use "
                 f"a length that splits into {sequence_parallel_size} shards"
             )
-        return register_with_transformers(
+        loaded = _ds_config(config, sequence_parallel_size)
+        if loaded.section.long_context.enabled and not isinstance(model_name_or_path, nn.Module):
+            raise ValueError(
+                f"{SECTION}.long_context is applied to the model instance, and {model_name_or_path!r} is none; pass "
+                f"the model as model_name_or_path (or drop {SECTION}.long_context)"
+            )
+        session = register_with_transformers(
             model_name_or_path,
             core_attn_implementation=core_attn_implementation,
-            config=_ds_config(config, sequence_parallel_size),
+            config=loaded,
             disable_in_eval=disable_in_eval,
         )
+        if isinstance(model_name_or_path, nn.Module):
+            session.apply_long_context(model_name_or_path)
+        return session.topology
 
     @classmethod
     def unregister_from_transformers(cls, core_attn_implementation: str | None = None) -> None:
-        """Put back what :meth:`register_with_transformers` replaced."""
-        unregister_from_transformers()
+        """Put back what :meth:`register_with_transformers` replaced: close the sessions transformers' attention
+        registry holds (for ``core_attn_implementation``, or every one)."""
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        for session in installed_sessions():
+            if core_attn_implementation is None or ALL_ATTENTION_FUNCTIONS.get(core_attn_implementation) is (
+                session.attention
+            ):
+                session.close()
 
 
-def _ds_config(config: str | os.PathLike | Mapping[str, Any] | None, sequence_parallel_size: int) -> dict[str, Any]:
-    """The ds_config to register with: ``config``'s, its section's degree checked; else ALST's dense Ulysses."""
-    ds_config = {} if config is None else read_ds_config(config)
-    section = dict(ds_config.get(SECTION) or {"strategy": "ulysses"})
+def _ds_config(config: str | os.PathLike | Mapping[str, Any] | None, sequence_parallel_size: int) -> DsConfig:
+    """The ds_config to register with, read by :func:`~ds_ring.config.read_section`: ``config``'s section (its
+    degree checked), or ALST's dense Ulysses where ``config`` has none.
+
+    Raises:
+        ValueError: a section with another ``sequence_parallel_size``, or one with ``enabled: false`` (ALST's call
+            asks for sequence parallelism).
+    """
+    whole = {} if config is None else read_ds_config(config)
+    section = dict(whole.get(SECTION) or {"strategy": "ulysses"})
     given = section.setdefault("sequence_parallel_size", sequence_parallel_size)
     if given != sequence_parallel_size:
         raise ValueError(
             f"{SECTION}.sequence_parallel_size is {given} in the ds_config but sequence_parallel_size="
             f"{sequence_parallel_size} was passed; make them equal (or leave it out of the section)"
         )
-    return {**ds_config, SECTION: section}
+    loaded = read_section({**whole, SECTION: section})
+    if not loaded.section.enabled:
+        raise ValueError(
+            f"{SECTION}.enabled is false in the ds_config but sequence_parallel_size={sequence_parallel_size} was "
+            f"passed; remove enabled: false, or pass sequence_parallel_size=1 (no sequence parallelism)"
+        )
+    return loaded
 
 
 class UlyssesSPDataLoaderAdapter:
@@ -151,13 +180,14 @@ class UlyssesSPDataLoaderAdapter:
         sp_rank, sp_group, sp_world_size: this rank's sequence-parallel rank, the group and its size
             (``deepspeed.utils.groups._get_sequence_parallel_*()`` after ``deepspeed.initialize(mpu=...)``).
         device: where the yielded tensors go.
-        topology: ds_ring's addition; default: the topology registered with ``sp_group`` as its
-            sequence-parallel group.
+        session: ds_ring's addition: the session of ``register_with_transformers``. Default: the session
+            transformers' attention registry holds with ``sp_group`` as its sequence-parallel group (what
+            :meth:`UlyssesSPAttentionHF.register_with_transformers` installed).
 
     Raises:
-        ValueError: ``sp_rank`` / ``sp_world_size`` that are not ``sp_group``'s, or no registration for
-            ``sp_group`` — before any communication; while iterating, loaders of different lengths on the
-            group's ranks (on every rank, at the first step where they differ).
+        ValueError: ``sp_rank`` / ``sp_world_size`` that are not ``sp_group``'s, or no session given and none (or
+            several) installed for ``sp_group`` — before any communication; while iterating, loaders of different
+            lengths on the group's ranks (on every rank, at the first step where they differ).
     """
 
     def __init__(
@@ -168,9 +198,9 @@ class UlyssesSPDataLoaderAdapter:
         sp_world_size: int,
         device: torch.device | str | None,
         *,
-        topology: Topology | None = None,
+        session: SequenceParallelSession | None = None,
     ) -> None:
-        topology = topology if topology is not None else _registered_topology(sp_group)
+        session = _installed_session(sp_group) if session is None else require_session(session, "the adapter")
         if (sp_rank, sp_world_size) != (dist.get_rank(sp_group), dist.get_world_size(sp_group)):
             raise ValueError(
                 f"sp_rank {sp_rank} / sp_world_size {sp_world_size} are not this rank's place in sp_group (rank "
@@ -178,21 +208,19 @@ class UlyssesSPDataLoaderAdapter:
                 f"groups._get_sequence_parallel_rank() and groups._get_sequence_parallel_world_size()"
             )
         self.dl, self.sp_rank, self.sp_group, self.sp_world_size = dl, sp_rank, sp_group, sp_world_size
-        self.device, self.topology = device, topology
+        self.device, self.session = device, session
 
     def __len__(self) -> int:
         return len(self.dl) * self.sp_world_size
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        registration = registration_for(self.topology)
-        attention = registration.attention if registration is not None else None
-        loaded = iter(self.dl)
+        attention, loaded = self.session.attention, iter(self.dl)
         for step in itertools.count():
-            gathered = gather_batches(next(loaded, None), self.topology, batches_before=step)
+            gathered = gather_batches(next(loaded, None), self.session.topology, batches_before=step)
             if gathered is None:
                 return
             for batch in gathered:
-                sharded = shard_batch(batch, self.topology, check_same=False)
+                sharded = shard_batch(self.session, batch, check_same=False)
                 documents = sharded.pop(DOCUMENTS_KEY)
                 del sharded["cu_seq_lens_q"], sharded["cu_seq_lens_k"]
                 out = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in sharded.items()}
@@ -201,12 +229,13 @@ class UlyssesSPDataLoaderAdapter:
                 yield out
 
 
-def _registered_topology(group: dist.ProcessGroup) -> Topology:
-    registration = registration_for_group(group)
-    if registration is None:
+def _installed_session(group: dist.ProcessGroup) -> SequenceParallelSession:
+    """The one session transformers' attention registry holds whose sequence-parallel group is ``group``."""
+    found = [s for s in installed_sessions() if s.topology.sequence_parallel_group is group]
+    if len(found) != 1:
         raise ValueError(
-            "UlyssesSPDataLoaderAdapter: no ds_ring registration has sp_group as its sequence-parallel group; call "
-            "UlyssesSPAttentionHF.register_with_transformers (or register_with_transformers) first and pass its "
-            "mpu's group, or pass topology="
+            f"UlyssesSPDataLoaderAdapter: {len(found) or 'no'} ds_ring registration(s) installed in transformers have "
+            f"sp_group as their sequence-parallel group; call UlyssesSPAttentionHF.register_with_transformers first "
+            f"and pass its mpu's group, or pass session= (what register_with_transformers returns)"
         )
-    return registration.topology
+    return found[0]

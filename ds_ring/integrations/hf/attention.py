@@ -11,6 +11,7 @@ here imports transformers.
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -30,6 +31,7 @@ from ds_ring.zero import parameter_gradient_scale
 __all__ = ["SequenceParallelAttention"]
 
 AttentionFunction = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+_CHECKED_KEPT = 1024  # checked call signatures remembered per attention function (least recently used dropped)
 
 
 class SequenceParallelAttention:
@@ -68,12 +70,20 @@ class SequenceParallelAttention:
         self.zero_optimization = zero_optimization
         self.gradient_scale: int | None = None
         """What ds_ring's losses scale each rank's gradient share by for the engine of the model that calls
-        this (:mod:`ds_ring.zero`), read off the first module's parameters at its first call."""
+        this (:func:`ds_ring.zero.parameter_gradient_scale`), read off the first module's parameters at its first
+        call; the session's :attr:`~ds_ring.integrations.hf.session.SequenceParallelSession.gradient_scale`."""
+        self.session: Any = None
+        """The :class:`~ds_ring.integrations.hf.session.SequenceParallelSession` this belongs to (what
+        ``installed_sessions`` finds through transformers' registry)."""
+        self.long_context_applied = not section.long_context.enabled
+        """Whether the section's ``long_context`` was applied (``session.apply_long_context``); a call before is
+        refused, so the section is never ignored without a word."""
         self.watch: ModelWatch | None = None
         """The registered model's hook (``None``: registered without a model instance)."""
         self.audit: CallAudit | None = None
         """Told of every call (attention modules that never call this are refused)."""
-        self._checked: set[tuple] = set()  # (heads, kv_heads, positions' shape, documents, mask) seen and checked
+        self._checked: OrderedDict[tuple, None] = OrderedDict()  # (heads, kv_heads, positions' shape, documents,
+        # mask, window) checked, the _CHECKED_KEPT most recent: packed batches bring new documents every step
         self._expected: dict[int, tuple[weakref.ref, Documents]] = {}  # id(position_ids) -> (it, its documents)
 
     def expect_documents(self, position_ids: torch.Tensor, documents: Documents) -> None:
@@ -108,6 +118,12 @@ class SequenceParallelAttention:
                 module, query, key, value, attention_mask,
                 dropout=dropout, scaling=scaling, sliding_window=sliding_window, softcap=softcap, **kwargs,
             )  # fmt: skip
+        if not self.long_context_applied:
+            raise ValueError(
+                f"the ds_config's {SECTION}.long_context switches on tiling or offloading, which is applied to the "
+                f"model instance, and it was not; call session.apply_long_context(model) with the session "
+                f"register_with_transformers returned (or drop {SECTION}.long_context)"
+            )
         if self.watch is not None:
             kwargs = {**self.watch.batch, **{k: v for k, v in kwargs.items() if v is not None}}
         spec = attention_mask if isinstance(attention_mask, MaskSpec) else None
@@ -119,13 +135,17 @@ class SequenceParallelAttention:
         bounds = self._document_bounds(kwargs)
         mask_key = spec if spec is not None else (None if attention_mask is None else tuple(attention_mask.shape))
         checked = (query.shape[1], key.shape[1], kwargs["position_ids"].shape, bounds, mask_key, sliding_window)
-        if checked not in self._checked:  # once per shape, documents and mask: no host read in steady state
+        if checked in self._checked:  # once per shape, documents and mask: no host read in steady state
+            self._checked.move_to_end(checked)
+        else:
             self._check_shapes(module, query, key, bounds[-1])
             self._agree_on_documents(bounds)
             self._check_positions(kwargs["position_ids"], bounds)
             if isinstance(attention_mask, torch.Tensor):
                 self._check_mask(module, attention_mask, bounds, sliding_window)
-            self._checked.add(checked)
+            self._checked[checked] = None
+            if len(self._checked) > _CHECKED_KEPT:
+                self._checked.popitem(last=False)
         window = None if sliding_window is None or sliding_window >= bounds[-1] else sliding_window
         branches = (None, None) if window is not None else (self.section.segment_lengths, self.section.dilation_rates)
         out = sequence_parallel_attention(

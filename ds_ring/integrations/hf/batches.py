@@ -17,7 +17,6 @@ import torch
 from ds_ring.comm.agree import agree
 from ds_ring.comm.collectives import all_gather
 from ds_ring.comm.spans import group_members
-from ds_ring.config import RingAttentionConfig
 from ds_ring.integrations.hf.documents import (
     DOCUMENTS_KEY,
     IGNORE_INDEX,
@@ -26,7 +25,7 @@ from ds_ring.integrations.hf.documents import (
     refuse_padding,
     shift_labels,
 )
-from ds_ring.integrations.hf.registration import registration_for
+from ds_ring.integrations.hf.session import SequenceParallelSession, require_session
 from ds_ring.sharding import layout_chunks, shard_sequence
 from ds_ring.topology import Topology
 
@@ -48,28 +47,32 @@ _CONSUMED = (
 
 
 def shard_batch(
-    batch: Mapping[str, Any], topology: Topology, *, pad_to_multiple: bool = False, check_same: bool = True
+    session: SequenceParallelSession,
+    batch: Mapping[str, Any],
+    *,
+    pad_to_multiple: bool = False,
+    check_same: bool = True,
 ) -> dict[str, Any]:
     """This rank's part of a full-sequence batch, for a model registered with :func:`register_with_transformers`.
 
-    Collective over the topology's sequence-parallel group (unless ``check_same=False``): every rank of it
+    Collective over the session's sequence-parallel group (unless ``check_same=False``): every rank of it
     must pass the same full batch, which one small exchange checks before anything else (shapes and a
     blake2b digest of ``input_ids``, ``labels``, ``position_ids``, ``attention_mask``; the digest reads a
     device tensor back to the host, once per batch).
 
     Args:
+        session: what :func:`register_with_transformers` returned (its section's layout and causality, its topology).
         batch: ``input_ids [b, S]``; optional ``labels [b, S]`` (default: ``input_ids``),
             ``position_ids [b or 1, S]`` (default ``arange(S)``; restarting at 0 where a packed
             document begins), ``attention_mask [b, S]`` of ones; any other ``[b, S, ...]`` tensor is
             sharded alike, anything not a tensor copied.
-        topology: the registered topology.
         pad_to_multiple: pad ``S`` up to a multiple of the layout's chunk count (pad tokens get label
             -100 and never reach a counted token), rather than raise.
         check_same: agree that the group's ranks hold the same batch (``False`` only where they do by
             construction, e.g. batches the ranks gathered from one another).
 
     Returns:
-        ``input_ids``, ``position_ids`` (global positions, in the registered section's layout,
+        ``input_ids``, ``position_ids`` (global positions, in the session's section's layout,
         zigzag included) and ``shift_labels`` ``[b, S/p]`` (labels moved left by one *before*
         sharding; -100 where a token has no next token in its document), ``cu_seq_lens_q`` =
         ``cu_seq_lens_k`` (int32 ``[0, e1, ..., S]``: the documents of the whole sequence, the same on
@@ -77,15 +80,16 @@ def shard_batch(
         reads without a device sync); transformers forwards them to the attention. Call the model with all of it.
 
     Raises:
+        TypeError: ``session`` is not a session (e.g. the Topology of older releases), naming the fix.
         ValueError: ranks of the group holding different batches (on every rank, naming each rank's
             shapes or digest and the fix); no ``input_ids``, a mask with zeros, position ids that do not
             count up from 0 per document or rows packed differently, a tensor of another length, or a length
             that does not split into the layout's chunks (without ``pad_to_multiple``) — naming the multiple.
     """
+    session = require_session(session, "shard_batch")
+    section, topology = session.section, session.topology
     if check_same:
         agree_on_batch(batch, topology)
-    registration = registration_for(topology)
-    section = registration.section if registration is not None else RingAttentionConfig(enabled=False)
     input_ids = batch.get("input_ids")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError(f"batch['input_ids'] must be a [batch, seq] tensor, got {_describe(input_ids)}")
@@ -200,7 +204,7 @@ def gather_batches(
 
 
 class SequenceParallelDataLoader:
-    """Wraps a data loader of full-sequence dict batches; yields :func:`shard_batch` of each.
+    """Wraps a data loader of full-sequence dict batches; yields :func:`shard_batch` of each for ``session``.
 
     Every rank of a sequence-parallel group must load the same batches (checked on every batch:
     :func:`agree_on_batch`); ``len()`` is the wrapped loader's. To run sequence parallel over a loader
@@ -211,13 +215,13 @@ class SequenceParallelDataLoader:
     def __init__(
         self,
         dataloader: Iterable[Mapping[str, Any]],
-        topology: Topology,
+        session: SequenceParallelSession,
         *,
         pad_to_multiple: bool = False,
         device: torch.device | str | None = None,
     ) -> None:
         self.dataloader = dataloader
-        self.topology = topology
+        self.session = require_session(session, "SequenceParallelDataLoader")
         self.pad_to_multiple = pad_to_multiple
         self.device = device
 
@@ -226,7 +230,7 @@ class SequenceParallelDataLoader:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for batch in self.dataloader:
-            sharded = shard_batch(batch, self.topology, pad_to_multiple=self.pad_to_multiple)
+            sharded = shard_batch(self.session, batch, pad_to_multiple=self.pad_to_multiple)
             if self.device is not None:
                 sharded = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in sharded.items()}
             yield sharded

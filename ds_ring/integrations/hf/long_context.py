@@ -1,7 +1,8 @@
 """The ``long_context`` section applied to a Hugging Face causal LM instance (its rest made O(seq/p) per rank).
 
 :func:`check_long_context` refuses, before any communication, a model the section cannot be applied to;
-:func:`apply_long_context` then patches the instance (never its class) and returns how to undo it:
+:func:`apply_long_context` then patches the instance (never its class) and returns how to undo it. Both are called
+by :meth:`ds_ring.integrations.hf.session.SequenceParallelSession.apply_long_context`, which :meth:`close` undoes:
 
 * ``tiled_loss``: the model's ``forward`` runs its decoder and, when the batch carries ``shift_labels``
   (and no ``labels``), returns ``loss`` = the sequence-group mean computed tile by tile
@@ -62,7 +63,7 @@ def check_long_context(model: Any, section: LongContextConfig) -> None:
     if not isinstance(model, nn.Module):
         raise ValueError(
             f"{_WHERE} is applied to the model instance, and none was given; call "
-            f"register_with_transformers(model, config=..., topology=...) with the model (or drop {_WHERE})"
+            f"session.apply_long_context(model) with the model (or drop {_WHERE})"
         )
     lm = _causal_lm(model)
     name = type(lm).__name__

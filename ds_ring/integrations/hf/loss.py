@@ -23,20 +23,21 @@ from typing import Any
 
 import torch
 
-from ds_ring.integrations.hf.registration import registration_for
+from ds_ring.integrations.hf.session import SequenceParallelSession, require_session
 from ds_ring.loss import sequence_parallel_cross_entropy
-from ds_ring.topology import Topology
 
 __all__ = ["causal_lm_loss", "shard_loss"]
 
 
-def causal_lm_loss(logits: torch.Tensor, shift_labels: torch.Tensor, topology: Topology) -> torch.Tensor:
+def causal_lm_loss(
+    session: SequenceParallelSession, logits: torch.Tensor, shift_labels: torch.Tensor
+) -> torch.Tensor:
     """Mean cross-entropy over every counted token of the whole sequence group.
 
     Args:
+        session: what :func:`register_with_transformers` returned (its topology and gradient scale).
         logits: this rank's ``[b, S/p, vocab]`` (computed in fp32; fp64 stays fp64).
         shift_labels: this rank's ``[b, S/p]`` from :func:`shard_batch` (-100: not counted).
-        topology: the registered topology.
 
     Returns:
         A scalar, the same on every rank, equal to ``model(input_ids, labels=labels).loss`` of the
@@ -45,11 +46,16 @@ def causal_lm_loss(logits: torch.Tensor, shift_labels: torch.Tensor, topology: T
         which is what the engine's reduction gives at ZeRO 0-2 and under ``ds_ring.initialize``. A model
         that ``deepspeed.initialize(..., mpu=topology)`` made ZeRO-3 (DeepSpeed ALST's order) divides by every
         rank on its default reduce-scatter path; the share is then scaled by the sequence-parallel degree
-        (read off the model's parameters by its attention: :mod:`ds_ring.zero`), so training is the same.
+        (the session's :attr:`~ds_ring.integrations.hf.session.SequenceParallelSession.gradient_scale`, read off the
+        model's parameters by its attention: :mod:`ds_ring.zero`), so training is the same.
+
+    Raises:
+        TypeError: ``session`` is not a session (e.g. the Topology of older releases), naming the fix.
     """
-    registration = registration_for(topology)
-    scale = 1 if registration is None else registration.gradient_scale
-    return sequence_parallel_cross_entropy(logits, shift_labels, topology, gradient_scale=scale)
+    session = require_session(session, "causal_lm_loss")
+    return sequence_parallel_cross_entropy(
+        logits, shift_labels, session.topology, gradient_scale=session.gradient_scale
+    )
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -65,24 +71,24 @@ class _ScaleGradient(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
-def shard_loss(original: Callable[..., torch.Tensor], gradient_scale: Callable[[], int], sp: int) -> Callable:
+def shard_loss(original: Callable[..., torch.Tensor], session: SequenceParallelSession) -> Callable:
     """transformers' causal LM loss ``original`` for ``LOSS_MAPPING``, its gradient made right for ALST's tutorial.
 
     Args:
         original: the entry it replaces (``ForCausalLMLoss``).
-        gradient_scale: the factor ds_ring's losses put on a rank's share for the model's engine (the
-            registration's, known once the model has run).
-        sp: the sequence-parallel degree.
+        session: the registration: its gradient scale (known once the model has run) and sequence-parallel degree.
 
     Returns:
         ``original``'s signature and value; called with ``shift_labels`` and ``labels=None``, the gradient is
-        ``gradient_scale() / sp`` times transformers' (the module docstring says why).
+        ``session.gradient_scale / sp`` times transformers' (the module docstring says why).
     """
+    sp = session.topology.get_sequence_parallel_world_size()
+
 
     def loss(logits: torch.Tensor, labels: torch.Tensor | None, vocab_size: int, **kwargs: Any) -> torch.Tensor:
         value = original(logits, labels, vocab_size, **kwargs)
         if labels is not None or kwargs.get("shift_labels") is None or not value.requires_grad:
             return value
-        return _ScaleGradient.apply(value, gradient_scale() / sp)
+        return _ScaleGradient.apply(value, session.gradient_scale / sp)
 
     return loss

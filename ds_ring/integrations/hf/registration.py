@@ -1,35 +1,34 @@
 """Registration with transformers: ds_ring's attention in the registry entry a model calls.
 
 DeepSpeed's ALST overwrites transformers' attention registry entry with its Ulysses wrapper; this
-module plugs into the same place with every ds_ring strategy, and puts back exactly what it replaced.
-It also refuses, from the model's config and before any communication, what the attention cannot compute.
+module plugs into the same place with every ds_ring strategy, and puts back exactly what it replaced (when the
+:class:`~ds_ring.integrations.hf.session.SequenceParallelSession` it returns is closed). It also refuses, from the
+model's config and before any communication, what the attention cannot compute.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ds_ring.config import SECTION, RingAttentionConfig, load_config, read_ds_config
+from ds_ring.config import SECTION, DsConfig, RingAttentionConfig, read_section
 from ds_ring.integrations.hf.attention import SequenceParallelAttention
 from ds_ring.integrations.hf.audit import CallAudit, ModelWatch, refuse_sequence_mixers
 from ds_ring.integrations.hf.documents import refuse_padding
-from ds_ring.integrations.hf.long_context import apply_long_context, check_long_context
+from ds_ring.integrations.hf.long_context import check_long_context
 from ds_ring.integrations.hf.masks import MaskSpec, mask_spec
+from ds_ring.integrations.hf.session import SequenceParallelSession, installed_sessions
 from ds_ring.topology import Topology
 
 __all__ = [
-    "Registration",
     "register_with_transformers",
     "unregister_from_transformers",
-    "registration_for",
-    "registration_for_group",
     "check_model_config",
     "HUB_KERNEL",
     "OWN_NAME",
@@ -44,39 +43,15 @@ HUB_KERNEL = re.compile(r"^[^/:]+/[^/:]+(?:@[^/:]+)?(?::[^/:]+)?$")
 ``"kernels-community/flash-attn2"``): transformers registers it on first use."""
 
 
-@dataclass(frozen=True)
-class Registration:
-    """What :func:`register_with_transformers` installed, and how to put back what it replaced.
-
-    ``attention`` is the function in transformers' registry (``None`` when the section is disabled);
-    it knows, once the model has run, the gradient scale its engine needs (:mod:`ds_ring.zero`).
-    """
-
-    section: RingAttentionConfig
-    topology: Topology
-    attention: SequenceParallelAttention | None
-    replaced: tuple[tuple[Any, str, bool, Any], ...]  # (interface, key, had its own entry, that entry)
-    restore_model: Callable[[], None] = lambda: None  # undoes the section's long_context on the model
-
-    @property
-    def gradient_scale(self) -> int:
-        """What ds_ring's losses multiply each rank's gradient share by for this model's engine (1 until the
-        model has run)."""
-        return 1 if self.attention is None or self.attention.gradient_scale is None else self.attention.gradient_scale
-
-
-_active: Registration | None = None
-
-
 def register_with_transformers(
     model_name_or_path: Any = None,
     *,
     core_attn_implementation: str = "sdpa",
-    config: str | os.PathLike | Mapping[str, Any] | None = None,
+    config: str | os.PathLike | Mapping[str, Any] | DsConfig | None = None,
     topology: Topology | None = None,
     disable_in_eval: bool = False,
     position_wise: Sequence[str] = (),
-) -> Topology:
+) -> SequenceParallelSession:
     """Make transformers' ``core_attn_implementation`` attention run ds_ring sequence-parallel attention.
 
     Like ALST's ``UlyssesSPAttentionHF.register_with_transformers``: the registry entry every model
@@ -87,22 +62,29 @@ def register_with_transformers(
     Unless ``disable_in_eval``, the mask transformers would build for that implementation is not
     built either (the attention needs none). transformers' ``LOSS_MAPPING["ForCausalLM"]`` is replaced too
     (:func:`~ds_ring.integrations.hf.loss.shard_loss`: ALST's tutorial loss, whose gradient is ``sp ×`` the
-    whole model's at ZeRO 0–2 under ALST, trains right). A second call replaces the first.
+    whole model's at ZeRO 0–2 under ALST, trains right). A session still installed is closed first (one is
+    installed at a time).
+
+    It does three things, in order: validate (the section, the implementation, the model's config and modules;
+    no communication), build the topology (starting ``torch.distributed`` if needed; the ranks agree on the
+    section), and replace the registry entries. It does not patch the model: the section's ``long_context`` is
+    applied by :meth:`SequenceParallelSession.apply_long_context`.
 
     Args:
         model_name_or_path: optional: a model, a config, or a model name / local directory whose
-            config is read (nothing else) to check heads and features now, before any communication. A
-            model instance is where the section's ``long_context`` is applied
-            (:mod:`ds_ring.integrations.hf.long_context`; required when it is on).
+            config is read (nothing else) to check heads and features now, before any communication. A model
+            instance is also checked for the section's ``long_context`` and watched for the keyword arguments of
+            its calls (:class:`~ds_ring.integrations.hf.audit.ModelWatch`).
         core_attn_implementation: the registry entry to replace: ``"sdpa"``, ``"flash_attention_2"``,
             ``"flex_attention"``, a hub kernel (``"kernels-community/flash-attn2"``: transformers registers it
             first), ...; or ``"ds_ring"``, an entry of its own, for models that allow no ``sdpa`` but a registered
             attention (GPT-OSS): build them with ``attn_implementation="ds_ring"``.
-        config: the whole ds_config (JSON/YAML path or dict) the engine is built with; its ``ring_attention``
-            section chooses strategy, communication, layout, segment_lengths, dilation_rates and degrees, and
-            its ``zero_optimization`` how the engine reduces gradients (:mod:`ds_ring.zero`). ``None``: dense
-            ring attention over every rank, DeepSpeed's ZeRO defaults. A ds_config without the section (or
-            with ``enabled: false``) registers nothing and gives a data-parallel-only topology.
+        config: the whole ds_config (JSON/YAML path or dict, or the :class:`~ds_ring.config.DsConfig`
+            :func:`~ds_ring.config.read_section` read) the engine is built with; its ``ring_attention`` section
+            chooses strategy, communication, layout, segment_lengths, dilation_rates and degrees, and its
+            ``zero_optimization`` how the engine reduces gradients (:mod:`ds_ring.zero`). ``None``: dense ring
+            attention over every rank, DeepSpeed's ZeRO defaults. A ds_config without the section (or with
+            ``enabled: false``) registers nothing and gives a data-parallel-only topology.
         topology: the process groups to use (e.g. ``engine.mpu`` after ``ds_ring.initialize``); its
             degrees must be the section's. ``None``: built from the section, starting
             ``torch.distributed`` from the launcher's environment if it is not started.
@@ -114,24 +96,27 @@ def register_with_transformers(
     Nothing runs silently wrong: the model's modules that mix along the sequence other than through attention
     (state-space, recurrent, convolution, linear-attention layers) are refused now; while registered, an
     attention module whose first forward does not call ds_ring's attention is refused right after it
-    (:class:`~ds_ring.integrations.hf.audit.CallAudit`), and a mask ds_ring does not compute is refused on its
-    first call (:mod:`~ds_ring.integrations.hf.masks`).
+    (:class:`~ds_ring.integrations.hf.audit.CallAudit`), a mask ds_ring does not compute is refused on its
+    first call (:mod:`~ds_ring.integrations.hf.masks`), and so is an attention call before the section's
+    ``long_context`` was applied.
 
     Returns:
-        The :class:`ds_ring.Topology`: the ``mpu`` for ``deepspeed.initialize``, and what
-        :func:`shard_batch`, :class:`SequenceParallelDataLoader` and :func:`causal_lm_loss` take.
+        The :class:`~ds_ring.integrations.hf.session.SequenceParallelSession`: ``session.topology`` is the ``mpu``
+        for ``deepspeed.initialize``; :func:`shard_batch`, :class:`SequenceParallelDataLoader` and
+        :func:`causal_lm_loss` take the session. ``with register_with_transformers(...) as session:`` closes it at
+        the end (or call ``session.close()``).
 
     Raises:
-        ValueError: before any communication, naming the field and the fix: ``eager`` or an unknown
-            implementation, a model config with a sliding window, logit soft-capping or heads the
-            strategy cannot split, a malformed section, a ``long_context`` the model cannot take, or a
-            topology with other degrees.
+        ValueError: naming the field and the fix: before any communication, ``eager`` or an unknown
+            implementation, a model config with heads the strategy cannot split, a malformed section, a
+            ``long_context`` the model cannot take; on every rank, ranks with different sections; a topology with
+            other degrees.
     """
-    global _active
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    section, zero_optimization = _section(config)
+    loaded = config if isinstance(config, DsConfig) else read_section(config)
+    section = loaded.section
     own = core_attn_implementation == OWN_NAME
     if own and disable_in_eval:
         raise ValueError(
@@ -143,7 +128,8 @@ def register_with_transformers(
     model_config = _model_config(model_name_or_path, core_attn_implementation)
     if model_config is not None and section.enabled:
         refuse_sequence_mixers(_module_tree(model_name_or_path, model_config), position_wise)
-    check_long_context(model_name_or_path, section.long_context)
+    if isinstance(model_name_or_path, torch.nn.Module):
+        check_long_context(model_name_or_path, section.long_context)
     if topology is None and not dist.is_initialized():
         from ds_ring.engine import init_distributed
 
@@ -151,6 +137,7 @@ def register_with_transformers(
     world_size = topology.world_size if topology is not None else dist.get_world_size()
     if model_config is not None and section.enabled:
         check_model_config(model_config, section, world_size)
+    loaded.agree(op="register_with_transformers")
     degrees = section.degrees(world_size)
     if topology is None:
         topology = Topology.from_config(section, world_size)
@@ -161,85 +148,55 @@ def register_with_transformers(
             f"this ds_config (engine.mpu of ds_ring.initialize), or topology=None"
         )
     unregister_from_transformers()
-    replaced = []
-    attention = None
-    if section.enabled:
-        original = None if own else ALL_ATTENTION_FUNCTIONS[core_attn_implementation]
-        attention = SequenceParallelAttention(
-            section, topology, original, disable_in_eval=disable_in_eval, zero_optimization=zero_optimization
-        )
-        replaced.append(_replace(ALL_ATTENTION_FUNCTIONS, core_attn_implementation, attention))
-        attention.audit = CallAudit()
-        if isinstance(model_name_or_path, torch.nn.Module):
-            attention.watch = ModelWatch(model_name_or_path)
-        if topology.get_sequence_parallel_world_size() > 1:  # ALST's tutorial loss, right at every ZeRO stage
-            from transformers.loss.loss_utils import LOSS_MAPPING
+    if not section.enabled:  # every attention on the whole sequence its rank holds: nothing to replace
+        return SequenceParallelSession(section, topology, loaded.zero_optimization, None)
+    original = None if own else ALL_ATTENTION_FUNCTIONS[core_attn_implementation]
+    attention = SequenceParallelAttention(
+        section, topology, original, disable_in_eval=disable_in_eval, zero_optimization=loaded.zero_optimization
+    )
+    session = SequenceParallelSession(section, topology, loaded.zero_optimization, attention)
+    attention.session = session
+    replaced = [_replace(ALL_ATTENTION_FUNCTIONS, core_attn_implementation, attention)]
+    attention.audit = CallAudit()
+    if isinstance(model_name_or_path, torch.nn.Module):
+        attention.watch = ModelWatch(model_name_or_path)
+    if topology.get_sequence_parallel_world_size() > 1:  # ALST's tutorial loss, right at every ZeRO stage
+        from transformers.loss.loss_utils import LOSS_MAPPING
 
-            from ds_ring.integrations.hf.loss import shard_loss  # it imports this module
+        from ds_ring.integrations.hf.loss import shard_loss  # it imports the session
 
-            sp = topology.get_sequence_parallel_world_size()
-            tutorial = shard_loss(LOSS_MAPPING["ForCausalLM"], lambda: attention.gradient_scale or 1, sp)
-            replaced.append((LOSS_MAPPING, "ForCausalLM", True, LOSS_MAPPING["ForCausalLM"]))
-            LOSS_MAPPING["ForCausalLM"] = tutorial
-        if not disable_in_eval and (own or core_attn_implementation in ALL_MASK_ATTENTION_FUNCTIONS):
-            replaced.append(_replace(ALL_MASK_ATTENTION_FUNCTIONS, core_attn_implementation, _no_mask))
-        if own:  # transformers builds masks only for implementations of its class-wide table: the window lives there
-            table = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
-            replaced.append((table, OWN_NAME, OWN_NAME in table, table.get(OWN_NAME)))
-            table[OWN_NAME] = _no_mask
-    scale = (lambda: 1) if attention is None else (lambda: attention.gradient_scale or 1)
-    restore = apply_long_context(model_name_or_path, section.long_context, topology, scale)
-    _active = Registration(section, topology, attention, tuple(replaced), restore)
-    return topology
+        replaced.append((LOSS_MAPPING, "ForCausalLM", True, LOSS_MAPPING["ForCausalLM"]))
+        LOSS_MAPPING["ForCausalLM"] = shard_loss(LOSS_MAPPING["ForCausalLM"], session)
+    if not disable_in_eval and (own or core_attn_implementation in ALL_MASK_ATTENTION_FUNCTIONS):
+        replaced.append(_replace(ALL_MASK_ATTENTION_FUNCTIONS, core_attn_implementation, _no_mask))
+    if own:  # transformers builds masks only for implementations of its class-wide table: the window lives there
+        table = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+        replaced.append((table, OWN_NAME, OWN_NAME in table, table.get(OWN_NAME)))
+        table[OWN_NAME] = _no_mask
+    session.on_close(functools.partial(_put_back, tuple(replaced), attention))
+    return session
 
 
-def registration_for(topology: Topology) -> Registration | None:
-    """The registration made with ``topology`` (its section: layout, causal, branches), or ``None``."""
-    return _active if _active is not None and _active.topology is topology else None
+def unregister_from_transformers(session: SequenceParallelSession | None = None) -> None:
+    """Close ``session`` (:meth:`~ds_ring.integrations.hf.session.SequenceParallelSession.close`: the registry entries
+    it replaced put back, its ``long_context`` undone); ``None``: every session transformers' attention registry
+    holds (no-op if none)."""
+    for installed in [session] if session is not None else installed_sessions():
+        installed.close()
 
 
-def registration_for_group(group: dist.ProcessGroup) -> Registration | None:
-    """The registration whose topology has ``group`` as its sequence-parallel group, or ``None``."""
-    return _active if _active is not None and _active.topology.sequence_parallel_group is group else None
-
-
-def unregister_from_transformers() -> None:
-    """Put back exactly the registry entries :func:`register_with_transformers` replaced, and the model it patched
-    for ``long_context`` (no-op if none)."""
-    global _active
-    if _active is None:
-        return
-    for interface, key, had_entry, entry in reversed(_active.replaced):
+def _put_back(replaced: tuple[tuple[Any, str, bool, Any], ...], attention: SequenceParallelAttention) -> None:
+    """Put back the registry entries of ``replaced`` (``(registry, key, had its own entry, that entry)``, undone in
+    reverse order) and remove the attention's hooks on the model."""
+    for interface, key, had_entry, entry in reversed(replaced):
         if had_entry:
             interface[key] = entry
         else:
             del interface[key]
-    _active.restore_model()
-    if _active.attention is not None:
-        for hooks in (_active.attention.audit, _active.attention.watch):
-            if hooks is not None:
-                hooks.remove()
-    _active = None
-
-
-def _section(
-    config: str | os.PathLike | Mapping[str, Any] | None,
-) -> tuple[RingAttentionConfig, Mapping[str, Any] | None]:
-    """The validated section, and the ds_config's ``zero_optimization`` (``None``: not given)."""
-    if config is None:
-        return RingAttentionConfig(), None
-    if isinstance(config, Mapping) and SECTION not in config and "strategy" in config:
-        raise ValueError(
-            f"config must be a whole ds_config (with a {SECTION!r} section), got what looks like the section "
-            f"itself; pass {{{SECTION!r}: {{...}}, ...}}"
-        )
-    ds_config = read_ds_config(config)
-    section = load_config(ds_config)
-    if not section.enabled:  # every attention on the whole sequence its rank holds
-        section = RingAttentionConfig(
-            enabled=False, sequence_parallel_size=1, timeout_s=section.timeout_s, long_context=section.long_context
-        )
-    return section, ds_config.get("zero_optimization")
+    for hooks in (attention.audit, attention.watch):
+        if hooks is not None:
+            hooks.remove()
+    attention.audit = attention.watch = None
 
 
 def _check_implementation(name: str, registry: Mapping[str, Any]) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ds_ring.comm.collectives import all_reduce
+from ds_ring.integrations.hf.session import SequenceParallelSession, require_session
 from ds_ring.topology import Topology, sequence_group
 
 __all__ = ["router_aux_loss", "add_router_aux_loss"]
@@ -57,14 +58,15 @@ def router_aux_loss(
     return share + (whole - share).detach()
 
 
-def add_router_aux_loss(loss: torch.Tensor, outputs: Any, model: Any, topology: Topology) -> torch.Tensor:
+def add_router_aux_loss(
+    session: SequenceParallelSession, loss: torch.Tensor, outputs: Any, model: Any
+) -> torch.Tensor:
     """``loss`` plus the model's ``router_aux_loss_coef × router_aux_loss`` when it returned router logits (what
-    transformers adds to a whole model's loss when labels are given); ``loss`` unchanged otherwise. The gradient
-    scale is the registration's, as :func:`~ds_ring.integrations.hf.loss.causal_lm_loss` takes it."""
-    from ds_ring.integrations.hf.registration import registration_for  # registration imports the attention
-
-    registration = registration_for(topology)
-    gradient_scale = 1 if registration is None else registration.gradient_scale
+    transformers adds to a whole model's loss when labels are given); ``loss`` unchanged otherwise. ``session``: what
+    ``register_with_transformers`` returned (its topology and gradient scale, as
+    :func:`~ds_ring.integrations.hf.loss.causal_lm_loss` takes them)."""
+    session = require_session(session, "add_router_aux_loss")
+    topology, gradient_scale = session.topology, session.gradient_scale
     router_logits = outputs.get("router_logits") if hasattr(outputs, "get") else None
     config = getattr(model, "config", None)
     if not router_logits or config is None or not getattr(config, "output_router_logits", False):

@@ -4,9 +4,10 @@
 
 What it changes in ``Trainer`` (and nothing else):
 
-- **topology and attention**: builds the :class:`~ds_ring.Topology` from the section once ``torch.distributed`` is
-  up (collective) and registers the model's attention (:func:`register_with_transformers`, which also applies the
-  section's ``long_context`` to the model);
+- **topology and attention**: reads the ds_config (:func:`ds_ring.config.read_section`), builds the
+  :class:`~ds_ring.Topology` from the section once ``torch.distributed`` is up (collective), registers the model's
+  attention (:func:`register_with_transformers`: ``trainer.session``) and applies the section's ``long_context`` to
+  the model (:meth:`~ds_ring.integrations.hf.session.SequenceParallelSession.apply_long_context`);
 - **the engine**: every ``deepspeed.initialize`` the Trainer (through accelerate) makes gets the topology as its
   ``mpu``, the batch size of the data-parallel replicas (not of every rank), ZeRO 3 on the all-reduce path and the
   parameters marked as ``ds_ring.initialize`` marks them (:mod:`ds_ring.zero`);
@@ -36,20 +37,17 @@ from torch import nn
 
 from ds_ring.comm.collectives import all_gather
 from ds_ring.comm.spans import group_members
-from ds_ring.config import SECTION, RingAttentionConfig, load_config, read_ds_config
+from ds_ring.config import SECTION, DsConfig, RingAttentionConfig, read_ds_config, read_section
 from ds_ring.integrations.hf.batches import shard_batch
 from ds_ring.integrations.hf.compat import trainer_counts_tokens_in_hook
 from ds_ring.integrations.hf.loss import causal_lm_loss
 from ds_ring.integrations.hf.preemption import StopOnPreemption
-from ds_ring.integrations.hf.registration import (
-    check_model_config,
-    register_with_transformers,
-    unregister_from_transformers,
-)
+from ds_ring.integrations.hf.registration import register_with_transformers
 from ds_ring.integrations.hf.router import add_router_aux_loss
 from ds_ring.preemption import Preemption
 from ds_ring.sharding import gather_sequence
 from ds_ring.topology import Topology, control_world
+from ds_ring.zero import mark_parameters
 
 __all__ = ["SequenceParallelTrainer"]
 
@@ -74,7 +72,8 @@ class SequenceParallelTrainer(_trainer_base()):  # type: ignore[misc]
 
     def __init__(self, model: nn.Module | None = None, args: Any = None, *rest: Any, disable_in_eval: bool = False,
                  **kwargs: Any) -> None:  # fmt: skip
-        self.ds_config, self.section = _section_of(args)
+        self.loaded = _section_of(args)
+        self.section = self.loaded.section
         _refuse_other_sequence_parallelism(args)
         args = _on_every_rank(args)
         super().__init__(model, args, *rest, **kwargs)
@@ -84,12 +83,14 @@ class SequenceParallelTrainer(_trainer_base()):  # type: ignore[misc]
         self.disable_in_eval = disable_in_eval
         self._tokens_mode: str | None = None  # the user's setting while ds_ring counts (older transformers)
         world_size = dist.get_world_size() if dist.is_initialized() else 1
-        _check_fits(self.section, world_size, self.accelerator.unwrap_model(self.model))
+        model = self.accelerator.unwrap_model(self.model)
+        _check_fits(self.section, world_size, model)
+        self.loaded.agree(op="SequenceParallelTrainer")
         self.topology = Topology.from_config(self.section, world_size)
-        register_with_transformers(
-            self.accelerator.unwrap_model(self.model), config=self.ds_config, topology=self.topology,
-            disable_in_eval=disable_in_eval,
-        )  # fmt: skip
+        self.session = register_with_transformers(
+            model, config=self.loaded, topology=self.topology, disable_in_eval=disable_in_eval
+        )
+        self.session.apply_long_context(model)
         self.preemption = Preemption(
             self.section.preemption, group=control_world(), timeout_s=self.section.timeout_s
         ).install()
@@ -123,9 +124,9 @@ class SequenceParallelTrainer(_trainer_base()):  # type: ignore[misc]
             return super().predict(*args, **kwargs)
 
     def close(self) -> None:
-        """Put back transformers' attention (the registration lives as long as the trainer is used) and the
-        signal handlers."""
-        unregister_from_transformers()
+        """Put back transformers' attention and the model (the session lives as long as the trainer is used) and
+        the signal handlers."""
+        self.session.close()
         self.preemption.close()
 
     # --- arithmetic of the data-parallel replicas -----------------------------------------------------
@@ -184,7 +185,7 @@ class SequenceParallelTrainer(_trainer_base()):  # type: ignore[misc]
         inputs = super()._prepare_inputs(inputs)
         if not self._sequence_parallel(self.model.training):
             return inputs
-        return shard_batch(inputs, self.topology)
+        return shard_batch(self.session, inputs)
 
     # --- the loss ----------------------------------------------------------------------------------------
 
@@ -196,8 +197,8 @@ class SequenceParallelTrainer(_trainer_base()):  # type: ignore[misc]
         outputs = model(**inputs)  # with long_context.tiled_loss the model computes the loss from shift_labels
         loss = outputs.get("loss")
         if loss is None:
-            loss = causal_lm_loss(outputs.logits, inputs["shift_labels"], self.topology)
-            loss = add_router_aux_loss(loss, outputs, self.model, self.topology)
+            loss = causal_lm_loss(self.session, outputs.logits, inputs["shift_labels"])
+            loss = add_router_aux_loss(self.session, loss, outputs, self.model)
         return (loss, outputs) if return_outputs else loss
 
     # --- evaluation -----------------------------------------------------------------------------------
@@ -222,21 +223,21 @@ class SequenceParallelTrainer(_trainer_base()):  # type: ignore[misc]
         return loss.detach(), logits, None if labels is None else labels.to(logits.device)
 
 
-def _section_of(args: Any) -> tuple[dict[str, Any], RingAttentionConfig]:
+def _section_of(args: Any) -> DsConfig:
+    """``args.deepspeed`` read (:func:`~ds_ring.config.read_section`); ``ValueError`` unless its section is enabled."""
     ds_config = getattr(args, "deepspeed", None)
     if ds_config is None:
         raise ValueError(
             f"SequenceParallelTrainer needs TrainingArguments(deepspeed=...): a ds_config (path or dict) with a "
             f"{SECTION!r} section; pass the ds_config, or use transformers' Trainer"
         )
-    ds_config = read_ds_config(ds_config)
-    section = load_config(ds_config)
-    if not section.enabled:
+    loaded = read_section(ds_config)
+    if not loaded.section.enabled:
         raise ValueError(
             f"SequenceParallelTrainer: the ds_config TrainingArguments(deepspeed=...) names has no enabled {SECTION!r} "
             f"section; add one (strategy, degrees, branches), or use transformers' Trainer"
         )
-    return ds_config, section
+    return loaded
 
 
 def _on_every_rank(args: Any) -> Any:
@@ -255,12 +256,10 @@ def _on_every_rank(args: Any) -> Any:
 
 
 def _check_fits(section: RingAttentionConfig, world_size: int, model: nn.Module) -> None:
-    """``ValueError`` naming the section and the job when its degrees or the model (its heads, the features
-    :func:`check_model_config` refuses) do not fit; no communication: the same on every rank."""
+    """``ValueError`` naming the section and the job when its degrees do not fit the world; no communication: the
+    same on every rank. (The model's heads and features: :func:`register_with_transformers` refuses them.)"""
     try:
         section.degrees(world_size)
-        if getattr(model, "config", None) is not None:
-            check_model_config(model.config, section, world_size)  # what register_with_transformers checks
     except ValueError as err:
         raise ValueError(
             f"SequenceParallelTrainer: the ds_config's {SECTION} section does not fit this job ({world_size} ranks, "
@@ -305,7 +304,7 @@ def _engine_over(topology: Topology, args: Any) -> Iterator[None]:
     """Every ``deepspeed.initialize`` inside gets ``mpu=topology`` and the ds_config ``ds_ring.initialize`` gives."""
     import deepspeed
 
-    from ds_ring.engine import deepspeed_config_for, mark_engine_parameters
+    from ds_ring.engine import deepspeed_config_for
 
     original = deepspeed.initialize
 
@@ -318,7 +317,9 @@ def _engine_over(topology: Topology, args: Any) -> Iterator[None]:
             config["train_batch_size"] = micro * steps * topology.get_data_parallel_world_size()
         kwargs[key] = config
         initialized = original(*positional, **kwargs)
-        mark_engine_parameters(kwargs.get("model", positional[1] if len(positional) > 1 else None), config, topology)
+        model = kwargs.get("model", positional[1] if len(positional) > 1 else None)
+        if model is not None:
+            mark_parameters(model, config, topology.get_sequence_parallel_world_size())
         return initialized
 
     deepspeed.initialize = initialize
