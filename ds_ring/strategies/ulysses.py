@@ -96,53 +96,97 @@ def check_layout(layout: str, local_len: int) -> None:
         )
 
 
-class _AllToAll(torch.autograd.Function):
-    """Differentiable equal-split all-to-all along dim 0, every wait bounded (``ds_ring.comm``).
-
-    Sending chunk ``i`` to rank ``i`` twice returns every chunk home, so the backward (the
-    reverse all-to-all) is the same exchange applied to the gradient.
-    """
-
-    @staticmethod
-    def forward(ctx, x, group, ops, timeout_s):
-        ctx.args = (group, ops[1], timeout_s)
-        return all_to_all(x, group=group, op=ops[0], timeout_s=timeout_s)
-
-    @staticmethod
-    def backward(ctx, grad):
-        group, op, timeout_s = ctx.args
-        return all_to_all(grad, group=group, op=op, timeout_s=timeout_s), None, None, None
-
-
-def _exchange(x: torch.Tensor, group: ProcessGroup | None, op: str, timeout_s: float | None) -> torch.Tensor:
-    """All-to-all of ``x [p, ...]`` over ``group`` (nothing to move for one rank)."""
-    return x if x.shape[0] == 1 else _AllToAll.apply(x, group, (op, op + "_grad"), timeout_s)
-
-
-def _to_rows(x: torch.Tensor, zigzag: bool) -> torch.Tensor:
-    """``[p, B, L, ...]`` (chunk of each source rank) → ``[B, p·L, ...]`` in true sequence order.
-
-    Zigzag: source ``s`` holds chunks ``c + s`` and ``c' - s`` (two halves), so the first halves in
-    source order followed by the second halves in reverse source order are in order.
-    """
-    p, b, rows = x.shape[:3]
-    if zigzag:
-        halves = x.unflatten(2, (2, rows // 2))
-        x = torch.cat([halves[:, :, 0], halves[:, :, 1].flip(0)])
-    return x.transpose(0, 1).flatten(1, 2)
-
-
-def _from_rows(x: torch.Tensor, degree: int, zigzag: bool) -> torch.Tensor:
-    """Inverse of :func:`_to_rows`: ``[B, p·L, ...]`` → ``[p, B, L, ...]``."""
-    x = x.unflatten(1, (2 * degree if zigzag else degree, -1)).transpose(0, 1)
-    if zigzag:
-        x = torch.stack([x[:degree], x[degree:].flip(0)], dim=2).flatten(2, 3)
-    return x
-
-
 def _by_destination(x: torch.Tensor, degree: int) -> torch.Tensor:
     """``[B, L, degree·h, D]`` → ``[degree, B, L, h, D]``: the heads for each destination rank."""
     return x.unflatten(2, (degree, -1)).permute(2, 0, 1, 3, 4)
+
+
+def _kernel_rows(recv: torch.Tensor, zigzag: bool) -> torch.Tensor:
+    """``[p, B, L, h, D]`` (chunk of each source rank) → a new contiguous ``[B, h, p·L, D]``: the block
+    kernels' layout, rows in true sequence order. One copy.
+
+    Zigzag: source ``s`` holds chunks ``s`` and ``2p-1-s`` (two halves), so the first halves in source order
+    followed by the second halves in reverse source order are in order.
+    """
+    p, b, rows, h, d = recv.shape
+    out = recv.new_empty((b, h, p * rows, d))
+    if not zigzag:
+        out.view(b, h, p, rows, d).copy_(recv.permute(1, 3, 0, 2, 4))
+        return out
+    halves, dst = recv.view(p, b, 2, rows // 2, h, d), out.view(b, h, 2, p, rows // 2, d)
+    dst[:, :, 0].copy_(halves[:, :, 0].permute(1, 3, 0, 2, 4))
+    dst[:, :, 1].copy_(halves[:, :, 1].flip(0).permute(1, 3, 0, 2, 4))
+    return out
+
+
+def _source_chunks(x: torch.Tensor, degree: int, zigzag: bool) -> torch.Tensor:
+    """``[B, p·L, h, D]`` (any strides) → a new contiguous ``[p, B, L, h, D]``: the rows each rank sends back
+    to shard ``j`` (inverse of :func:`_kernel_rows`'s order). One copy."""
+    b, seq, h, d = x.shape
+    rows = seq // degree
+    out = x.new_empty((degree, b, rows, h, d))
+    if not zigzag:
+        out.copy_(x.unflatten(1, (degree, rows)).transpose(0, 1))
+        return out
+    halves, dst = x.unflatten(1, (2, degree, rows // 2)), out.view(degree, b, 2, rows // 2, h, d)
+    dst[:, :, 0].copy_(halves[:, 0].transpose(0, 1))
+    dst[:, :, 1].copy_(halves[:, 1].flip(1).transpose(0, 1))
+    return out
+
+
+def _heads_to_rows(x: torch.Tensor, degree: int) -> torch.Tensor:
+    """``[B, L, p·h, D]`` (any strides) → a new contiguous ``[p, B, L, h, D]``: the heads for each destination."""
+    return _by_destination(x, degree).contiguous()
+
+
+def _rows_to_heads(recv: torch.Tensor) -> torch.Tensor:
+    """``[p, B, L, h, D]`` (chunk of each source) → a new contiguous ``[B, L, p·h, D]``."""
+    return recv.movedim(0, 2).flatten(2, 3)
+
+
+class _ToHeads(torch.autograd.Function):
+    """One tensor, sequence shards → head shards: ``[B, L, p·h, D]`` → ``[B, p·L, h, D]``, a view of a contiguous
+    ``[B, h, p·L, D]`` (the block kernels read it without a copy). Every buffer is freed as soon as it is consumed:
+    the send buffer once the exchange returns, the received one once reordered; the backward is the inverse."""
+
+    @staticmethod
+    def forward(ctx, x, degree, group, zigzag, op, timeout_s):
+        ctx.args = (degree, group, zigzag, op, timeout_s)
+        send = _heads_to_rows(x, degree)
+        recv = all_to_all(send, group=group, op=op, timeout_s=timeout_s)
+        del send
+        return _kernel_rows(recv, zigzag).transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        degree, group, zigzag, op, timeout_s = ctx.args
+        send = _source_chunks(grad, degree, zigzag)
+        del grad
+        recv = all_to_all(send, group=group, op=op + "_grad", timeout_s=timeout_s)
+        del send
+        return _rows_to_heads(recv), None, None, None, None, None
+
+
+class _ToSequence(torch.autograd.Function):
+    """One tensor, head shards → sequence shards: ``[B, p·L, h, D]`` (any strides) → a new ``[B, L, p·h, D]``; the
+    backward returns the gradient as a view of a contiguous ``[B, h, p·L, D]`` (kernel layout, no copy there)."""
+
+    @staticmethod
+    def forward(ctx, x, degree, group, zigzag, op, timeout_s):
+        ctx.args = (degree, group, zigzag, op, timeout_s)
+        send = _source_chunks(x, degree, zigzag)
+        recv = all_to_all(send, group=group, op=op, timeout_s=timeout_s)
+        del send
+        return _rows_to_heads(recv)
+
+    @staticmethod
+    def backward(ctx, grad):
+        degree, group, zigzag, op, timeout_s = ctx.args
+        send = _heads_to_rows(grad, degree)
+        del grad
+        recv = all_to_all(send, group=group, op=op + "_grad", timeout_s=timeout_s)
+        del send
+        return _kernel_rows(recv, zigzag).transpose(1, 2), None, None, None, None, None
 
 
 def to_heads(
@@ -155,28 +199,32 @@ def to_heads(
     layout: str,
     timeout_s: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sequence shards → head shards, in one all-to-all (differentiable).
+    """Sequence shards → head shards (differentiable), one all-to-all per tensor.
 
     ``q [B, L, H, D]``, ``k [B, L, Hkv, D]``, ``v [B, L, Hkv, Dv]`` → ``q [B, p·L, H/p, D]``, ``k``
-    ``[B, p·L, split.kv_heads, D]``, ``v [B, p·L, split.kv_heads, Dv]``, rows in true sequence order. Each
-    destination's heads travel flattened with their head dims (``[h·D]``), so ``v``'s heads keep ``Dv``.
+    ``[B, p·L, split.kv_heads, D]``, ``v [B, p·L, split.kv_heads, Dv]``, rows in true sequence order, each a view
+    of a contiguous ``[B, h, p·L, D]`` (the block kernels' layout: attention reads them without a copy). One
+    exchange per tensor keeps only one tensor's send and receive buffers alive at a time (each freed as soon as
+    consumed) instead of all three packed; for one rank nothing moves.
     """
+    if split.degree == 1:
+        return q, k, v
     if split.kv_index is not None:
         k, v = k.index_select(2, split.kv_index), v.index_select(2, split.kv_index)
-    heads = (split.heads, split.kv_heads, split.kv_heads)
-    packed = torch.cat([_by_destination(x, split.degree).flatten(3) for x in (q, k, v)], dim=3)
-    received = _exchange(packed, group, "ulysses_qkv", timeout_s)
-    parts = received.split([h * x.shape[-1] for h, x in zip(heads, (q, k, v), strict=True)], dim=3)
     zigzag = layout == "zigzag"
-    return tuple(_to_rows(x.unflatten(3, (h, -1)), zigzag) for x, h in zip(parts, heads, strict=True))
+    return tuple(
+        _ToHeads.apply(x, split.degree, group, zigzag, f"ulysses_{name}", timeout_s)
+        for x, name in zip((q, k, v), "qkv", strict=True)
+    )
 
 
 def to_sequence(
     x: torch.Tensor, degree: int, group: ProcessGroup | None, *, layout: str, op: str, timeout_s: float | None
 ) -> torch.Tensor:
     """Head shards → sequence shards (differentiable): ``[B, p·L, h, ...]`` → ``[B, L, p·h, ...]``."""
-    received = _exchange(_from_rows(x, degree, layout == "zigzag"), group, op, timeout_s)
-    return received.movedim(0, 2).flatten(2, 3)
+    if degree == 1:
+        return x
+    return _ToSequence.apply(x, degree, group, layout == "zigzag", op, timeout_s)
 
 
 def attend_local_heads(
