@@ -9,7 +9,8 @@ best strategy's and it is not the worst.
 
 Memory: for each strategy at ``--memory-ranks`` ranks, the activation-memory slope in q-shards
 between two local lengths, measured in fresh processes by :func:`benchmarks.memory._measure` (the
-memory benchmark's own function), next to the model's prediction (:func:`ds_ring.auto.model.memory_q_shards`;
+memory benchmark's own function, with every tensor over 64 KiB mmap'ed so the RSS follows live tensors
+at these small sizes), next to the model's prediction (:func:`ds_ring.auto.model.memory_q_shards`;
 target: within 15 %).
 
     python -m benchmarks.auto                             # the small grid, ~10 min on 2 loaded cores
@@ -164,9 +165,18 @@ def main() -> None:
     parser.add_argument("--memory-lengths", nargs=2, type=int, default=[2048, 4096], help="rows per rank")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--no-timing", action="store_true", help="the memory check only")
+    parser.add_argument(
+        "--malloc-mmap-threshold",
+        type=int,
+        default=65536,
+        help="glibc's MALLOC_MMAP_THRESHOLD_ for the ranks: tensors over it are mmap'ed, so the "
+        "RSS follows live tensors at small sizes (0: leave glibc's default)",
+    )
     parser.add_argument("--timeout-s", type=float, default=900)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
+    if args.malloc_mmap_threshold:  # read by glibc when the fork server starts
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
     args.out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"load_average_start": os.getloadavg(), "timing": [], "memory": []}
     for world in [] if args.no_timing else args.ranks:

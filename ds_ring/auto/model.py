@@ -49,14 +49,15 @@ BUFFERS = {
     "ring": 0.75,
     "ring_dilated": 0.9,
     "allgather": 1.0,
-    "ulysses": 0.0,
-    "ulysses_heads": 0.5,
+    "ulysses": 0.5,
+    "ulysses_heads": 1.0,
 }
 """Memory coefficients beyond the output and gradients, per unit of K/V bytes over q bytes (``kv``):
 ``ring``: in-flight K/V blocks and dK/dV (calibrated: dense causal ring, 4 ranks, 5.5 q-shards);
 ``ring_dilated``: the same with dilation (5.8 q-shards); ``allgather``: per gathered remote shard;
-``ulysses``: extra beyond the head-sharded copies; ``ulysses_heads``: share of the head-sharded q, k, v
-(and out, dout) alive at the backward's peak."""
+``ulysses_heads``: share of the head-sharded q, k, v, out and dout alive at the backward's peak (all of them:
+the attention backward holds them with dq, dk, dv); ``ulysses``: the rest (calibrated: 4 ranks, 8 heads × 64,
+dense causal, Ulysses 9.0–10.1 and hybrid 2 × 2 10.3–10.5 q-shards, live tensors measured in fresh processes)."""
 
 
 @dataclass(frozen=True)
@@ -245,7 +246,7 @@ def _a2a_part(p: Problem, degree: int, bandwidth: float, link: Link) -> tuple[fl
     out = rows * p.heads * p.dv
     elements = (q + kv + out) * (2 if p.backward else 1)
     sent = elements * p.itemsize * (degree - 1) / degree
-    messages = (4 if p.backward else 2) * (degree - 1)
+    messages = (8 if p.backward else 4) * (degree - 1)  # one exchange per tensor: q, k, v, out (and back)
     return sent, sent / bandwidth + messages * link.latency_s
 
 
@@ -259,7 +260,7 @@ def memory_q_shards(p: Problem, o: Option) -> float:
         u = p.world if o.strategy == "ulysses" else o.ulysses
         heads_kv = _kv_heads_sent(p, u) * (p.head_dim + p.dv) / (p.heads * p.head_dim)
         return own + BUFFERS["ulysses_heads"] * (1 + heads_kv + 2 * out) + BUFFERS["ulysses"]
-    if o.strategy == "hybrid":
+    if o.strategy == "hybrid":  # Ulysses' head shards, then a ring on them
         u = o.ulysses
         heads_kv = _kv_heads_sent(p, u) * (p.head_dim + p.dv) / (p.heads * p.head_dim)
         ring = BUFFERS["ring_dilated" if dilated else "ring"] * heads_kv
