@@ -15,14 +15,16 @@ from tests.sharded_cases import run_cases
 L = 8  # rows per rank
 
 
-def _skewed(rank_scale: float):
-    """A ``measure_link`` replacement: every rank measures a different link (``rank_scale`` per rank)."""
+def _skewed(rank_scale: float, bound: str):
+    """A ``measure_link`` replacement: every rank measures a different link (``rank_scale`` per rank), latency-bound
+    (few messages win: a ring) or bandwidth-bound (few bytes win: Ulysses or hybrid where the heads allow)."""
 
     def measure(group, device, timeout_s=None):
         import torch.distributed as dist
 
         r = dist.get_rank()
-        return Link(latency_s=1e-5 * (1 + rank_scale * r), bandwidth=1e9 / (1 + rank_scale * r),
+        latency, bandwidth = (1e-3, 1e12) if bound == "latency" else (1e-12, 1e3)
+        return Link(latency_s=latency * (1 + rank_scale * r), bandwidth=bandwidth / (1 + rank_scale * r),
                     flops=1e10 * (1 + r), source="test")  # fmt: skip
 
     return measure
@@ -40,11 +42,11 @@ def _cases(world: int) -> list[dict]:
     return cases
 
 
-def _rank(rank: int, world: int, ulysses: int, ring: int, skew: float) -> tuple[list[str], list[str]]:
+def _rank(rank: int, world: int, ulysses: int, ring: int, skew: float, bound: str) -> tuple[list[str], list[str]]:
     import ds_ring
     from ds_ring.auto import probe, strategy
 
-    probe.measure_link = _skewed(skew)
+    probe.measure_link = _skewed(skew, bound)
     topology = ds_ring.Topology(ulysses=ulysses, ring=ring)
     attention = functools.partial(ds_ring.sequence_parallel_attention, topology=topology, strategy="auto")
     failures = run_cases(_cases(world), attention, group=topology.sequence_parallel_group)
@@ -54,17 +56,27 @@ def _rank(rank: int, world: int, ulysses: int, ring: int, skew: float) -> tuple[
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("ulysses", "ring"), [(1, 2), (2, 1), (2, 2), (1, 4)], ids=["r2", "u2", "u2xr2", "r4"])
-def test_auto_matches_reference_and_agrees(ulysses, ring):
+@pytest.mark.parametrize(
+    ("ulysses", "ring", "bound"),
+    [(1, 2, "latency"), (2, 1, "bandwidth"), (2, 2, "bandwidth"), (1, 4, "latency"), (1, 4, "bandwidth")],
+    ids=["r2-latency", "u2-bandwidth", "u2xr2-bandwidth", "r4-latency", "r4-bandwidth"],
+)
+def test_auto_matches_reference_and_agrees(ulysses, ring, bound):
     """Forward+backward fp64 equal the oracle; every rank made the same choices although each measured its
-    own link (latency, bandwidth and FLOP rate differ by rank)."""
+    own link (latency, bandwidth and FLOP rate differ by rank); a latency-bound link picks rings, a
+    bandwidth-bound one the all-to-all strategies where the heads allow (so both paths run through auto)."""
     world = ulysses * ring
-    results = run_distributed(_rank, world, timeout=110, ulysses=ulysses, ring=ring, skew=3.0)
+    results = run_distributed(_rank, world, timeout=110, ulysses=ulysses, ring=ring, skew=3.0, bound=bound)
     failures = [f for per_rank, _ in results for f in per_rank]
     assert not failures, "\n".join(failures[:3])
     choices = [labels for _, labels in results]
     assert choices[0], "auto made no decision"
     assert all(labels == choices[0] for labels in choices), choices
+    picked = {label.split()[0].split("/")[0] for label in choices[0]}
+    if bound == "latency":
+        assert picked <= {"ring", "allgather"}, picked
+    else:
+        assert picked & {"ulysses", "hybrid"}, picked
 
 
 def test_never_invalid():
