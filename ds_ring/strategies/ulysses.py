@@ -102,8 +102,8 @@ def _by_destination(x: torch.Tensor, degree: int) -> torch.Tensor:
 
 
 def _kernel_rows(recv: torch.Tensor, zigzag: bool) -> torch.Tensor:
-    """``[p, B, L, h, D]`` (chunk of each source rank) → a new contiguous ``[B, h, p·L, D]``: the block
-    kernels' layout, rows in true sequence order. One copy.
+    """``[p, B, L, h, D]`` (chunk of each source rank; any strides) → a new contiguous ``[B, h, p·L, D]``: the
+    block kernels' layout, rows in true sequence order. One copy.
 
     Zigzag: source ``s`` holds chunks ``s`` and ``2p-1-s`` (two halves), so the first halves in source order
     followed by the second halves in reverse source order are in order.
@@ -113,25 +113,22 @@ def _kernel_rows(recv: torch.Tensor, zigzag: bool) -> torch.Tensor:
     if not zigzag:
         out.view(b, h, p, rows, d).copy_(recv.permute(1, 3, 0, 2, 4))
         return out
-    halves, dst = recv.view(p, b, 2, rows // 2, h, d), out.view(b, h, 2, p, rows // 2, d)
+    halves, dst = recv.unflatten(2, (2, rows // 2)), out.view(b, h, 2, p, rows // 2, d)
     dst[:, :, 0].copy_(halves[:, :, 0].permute(1, 3, 0, 2, 4))
     dst[:, :, 1].copy_(halves[:, :, 1].flip(0).permute(1, 3, 0, 2, 4))
     return out
 
 
-def _source_chunks(x: torch.Tensor, degree: int, zigzag: bool) -> torch.Tensor:
-    """``[B, p·L, h, D]`` (any strides) → a new contiguous ``[p, B, L, h, D]``: the rows each rank sends back
-    to shard ``j`` (inverse of :func:`_kernel_rows`'s order). One copy."""
-    b, seq, h, d = x.shape
-    rows = seq // degree
-    out = x.new_empty((degree, b, rows, h, d))
+def _source_chunks_into(dst: torch.Tensor, x: torch.Tensor, zigzag: bool) -> None:
+    """Write ``x [B, p·L, h, D]`` (any strides) into ``dst [p, B, L, h, D]`` (a view): the rows each rank sends
+    back to shard ``j`` (inverse of :func:`_kernel_rows`'s order)."""
+    degree, b, rows, h, d = dst.shape
     if not zigzag:
-        out.copy_(x.unflatten(1, (degree, rows)).transpose(0, 1))
-        return out
-    halves, dst = x.unflatten(1, (2, degree, rows // 2)), out.view(degree, b, 2, rows // 2, h, d)
-    dst[:, :, 0].copy_(halves[:, 0].transpose(0, 1))
-    dst[:, :, 1].copy_(halves[:, 1].flip(1).transpose(0, 1))
-    return out
+        dst.copy_(x.unflatten(1, (degree, rows)).transpose(0, 1))
+        return
+    halves, out = x.unflatten(1, (2, degree, rows // 2)), dst.unflatten(2, (2, rows // 2))
+    out[:, :, 0].copy_(halves[:, 0].transpose(0, 1))
+    out[:, :, 1].copy_(halves[:, 1].flip(1).transpose(0, 1))
 
 
 def _heads_to_rows(x: torch.Tensor, degree: int) -> torch.Tensor:
@@ -144,49 +141,79 @@ def _rows_to_heads(recv: torch.Tensor) -> torch.Tensor:
     return recv.movedim(0, 2).flatten(2, 3)
 
 
+def _exchange(send: torch.Tensor, group: ProcessGroup | None, op: str, timeout_s: float | None) -> torch.Tensor:
+    """All-to-all of ``send [p, ...]`` over ``group`` (for one rank nothing moves: ``send`` itself)."""
+    return send if send.shape[0] == 1 else all_to_all(send, group=group, op=op, timeout_s=timeout_s)
+
+
+def _slices(heads: int, chunks: int) -> list[slice]:
+    step = heads // chunks
+    return [slice(i * step, (i + 1) * step) for i in range(chunks)]
+
+
 class _ToHeads(torch.autograd.Function):
-    """One tensor, sequence shards → head shards: ``[B, L, p·h, D]`` → ``[B, p·L, h, D]``, a view of a contiguous
-    ``[B, h, p·L, D]`` (the block kernels read it without a copy). Every buffer is freed as soon as it is consumed:
-    the send buffer once the exchange returns, the received one once reordered; the backward is the inverse."""
+    """One tensor, sequence shards → head shards: ``[B, L, p·h, D]`` → ``chunks`` tensors ``[B, p·L, h/chunks, D]``,
+    each a view of its own contiguous ``[B, h/chunks, p·L, D]`` (the block kernels read it without a copy; a
+    chunk's memory is freed as soon as its attention backward has run). Every buffer is freed as soon as it is
+    consumed: the send buffer once the exchange returns, the received one once reordered; the backward is the
+    inverse (one exchange for all chunks)."""
 
     @staticmethod
-    def forward(ctx, x, degree, group, zigzag, op, timeout_s):
-        ctx.args = (degree, group, zigzag, op, timeout_s)
+    def forward(ctx, x, degree, group, zigzag, op, timeout_s, chunks):
+        ctx.args = (degree, group, zigzag, op, timeout_s, chunks)
         send = _heads_to_rows(x, degree)
-        recv = all_to_all(send, group=group, op=op, timeout_s=timeout_s)
+        recv = _exchange(send, group, op, timeout_s)
         del send
-        return _kernel_rows(recv, zigzag).transpose(1, 2)
+        return tuple(
+            _kernel_rows(recv[:, :, :, part], zigzag).transpose(1, 2) for part in _slices(recv.shape[3], chunks)
+        )
 
     @staticmethod
-    def backward(ctx, grad):
-        degree, group, zigzag, op, timeout_s = ctx.args
-        send = _source_chunks(grad, degree, zigzag)
-        del grad
-        recv = all_to_all(send, group=group, op=op + "_grad", timeout_s=timeout_s)
+    def backward(ctx, *grads):
+        degree, group, zigzag, op, timeout_s, chunks = ctx.args
+        b, seq, h, d = grads[0].shape
+        send = grads[0].new_empty((degree, b, seq // degree, h * chunks, d))
+        for part, grad in zip(_slices(h * chunks, chunks), grads, strict=True):
+            _source_chunks_into(send[:, :, :, part], grad, zigzag)
+        del grads
+        recv = _exchange(send, group, op + "_grad", timeout_s)
         del send
-        return _rows_to_heads(recv), None, None, None, None, None
+        return _rows_to_heads(recv), None, None, None, None, None, None
 
 
 class _ToSequence(torch.autograd.Function):
-    """One tensor, head shards → sequence shards: ``[B, p·L, h, D]`` (any strides) → a new ``[B, L, p·h, D]``; the
-    backward returns the gradient as a view of a contiguous ``[B, h, p·L, D]`` (kernel layout, no copy there)."""
+    """Head shards → sequence shards: ``chunks`` tensors ``[B, p·L, h/chunks, D]`` (any strides) → a new
+    ``[B, L, p·h, D]``; the backward returns each chunk's gradient as a view of its own contiguous
+    ``[B, h/chunks, p·L, D]`` (kernel layout, no copy there; freed once that chunk's backward has run)."""
 
     @staticmethod
-    def forward(ctx, x, degree, group, zigzag, op, timeout_s):
-        ctx.args = (degree, group, zigzag, op, timeout_s)
-        send = _source_chunks(x, degree, zigzag)
-        recv = all_to_all(send, group=group, op=op, timeout_s=timeout_s)
+    def forward(ctx, degree, group, zigzag, op, timeout_s, *xs):
+        ctx.args = (degree, group, zigzag, op, timeout_s, len(xs))
+        b, seq, h, d = xs[0].shape
+        send = xs[0].new_empty((degree, b, seq // degree, h * len(xs), d))
+        for part, x in zip(_slices(h * len(xs), len(xs)), xs, strict=True):
+            _source_chunks_into(send[:, :, :, part], x, zigzag)
+        recv = _exchange(send, group, op, timeout_s)
         del send
         return _rows_to_heads(recv)
 
     @staticmethod
     def backward(ctx, grad):
-        degree, group, zigzag, op, timeout_s = ctx.args
+        degree, group, zigzag, op, timeout_s, chunks = ctx.args
         send = _heads_to_rows(grad, degree)
         del grad
-        recv = all_to_all(send, group=group, op=op + "_grad", timeout_s=timeout_s)
+        recv = _exchange(send, group, op + "_grad", timeout_s)
         del send
-        return _kernel_rows(recv, zigzag).transpose(1, 2), None, None, None, None, None
+        parts = _slices(recv.shape[3], chunks)
+        return None, None, None, None, None, *(_kernel_rows(recv[:, :, :, p], zigzag).transpose(1, 2) for p in parts)
+
+
+def head_chunks(split: HeadSplit, limit: int = 4) -> int:
+    """How many groups of whole K/V heads (with their query heads) a rank attends to one after another: the
+    largest divisor of its K/V heads up to ``limit``. Each group's head shards, output and gradients are
+    separate tensors, so the backward frees one group's saved tensors before the next group's gradients
+    exist: the peak holds one group's dq, dk, dv instead of all of them."""
+    return max(c for c in range(1, min(limit, split.kv_heads) + 1) if split.kv_heads % c == 0)
 
 
 def to_heads(
@@ -198,33 +225,31 @@ def to_heads(
     *,
     layout: str,
     timeout_s: float | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sequence shards → head shards (differentiable), one all-to-all per tensor.
+    chunks: int = 1,
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Sequence shards → head shards (differentiable), one all-to-all per tensor, in ``chunks`` head groups.
 
-    ``q [B, L, H, D]``, ``k [B, L, Hkv, D]``, ``v [B, L, Hkv, Dv]`` → ``q [B, p·L, H/p, D]``, ``k``
-    ``[B, p·L, split.kv_heads, D]``, ``v [B, p·L, split.kv_heads, Dv]``, rows in true sequence order, each a view
-    of a contiguous ``[B, h, p·L, D]`` (the block kernels' layout: attention reads them without a copy). One
-    exchange per tensor keeps only one tensor's send and receive buffers alive at a time (each freed as soon as
-    consumed) instead of all three packed; for one rank nothing moves.
+    ``q [B, L, H, D]``, ``k [B, L, Hkv, D]``, ``v [B, L, Hkv, Dv]`` → per group ``i < chunks``: ``q [B, p·L,
+    H/p/chunks, D]``, ``k [B, p·L, split.kv_heads/chunks, D]``, ``v [B, p·L, split.kv_heads/chunks, Dv]``, rows in
+    true sequence order, each a view of its own contiguous ``[B, h, p·L, D]`` (the block kernels' layout:
+    attention reads them without a copy); group ``i``'s query heads use its K/V heads (GQA). One exchange per
+    tensor keeps only one tensor's send and receive buffers alive at a time, each freed as soon as consumed.
     """
-    if split.degree == 1:
-        return q, k, v
     if split.kv_index is not None:
         k, v = k.index_select(2, split.kv_index), v.index_select(2, split.kv_index)
     zigzag = layout == "zigzag"
     return tuple(
-        _ToHeads.apply(x, split.degree, group, zigzag, f"ulysses_{name}", timeout_s)
+        _ToHeads.apply(x, split.degree, group, zigzag, f"ulysses_{name}", timeout_s, chunks)
         for x, name in zip((q, k, v), "qkv", strict=True)
     )
 
 
 def to_sequence(
-    x: torch.Tensor, degree: int, group: ProcessGroup | None, *, layout: str, op: str, timeout_s: float | None
-) -> torch.Tensor:
-    """Head shards → sequence shards (differentiable): ``[B, p·L, h, ...]`` → ``[B, L, p·h, ...]``."""
-    if degree == 1:
-        return x
-    return _ToSequence.apply(x, degree, group, layout == "zigzag", op, timeout_s)
+    xs: tuple[torch.Tensor, ...], degree: int, group: ProcessGroup | None, *, layout: str, op: str,
+    timeout_s: float | None,
+) -> torch.Tensor:  # fmt: skip
+    """Head shards → sequence shards (differentiable): head groups ``[B, p·L, h/n, ...]`` → ``[B, L, p·h, ...]``."""
+    return _ToSequence.apply(degree, group, layout == "zigzag", op, timeout_s, *xs)
 
 
 def attend_local_heads(
@@ -300,30 +325,40 @@ class Ulysses(Strategy):
         first = placement.degrees.rank * split.heads
         offset, heads = call.head_offset + first, slice(first, first + split.heads)
 
+        chunks = head_chunks(split)
+        width = split.heads // chunks
+
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None):
-            qh, kh, vh = to_heads(q, k, v, split, group, layout=call.layout, timeout_s=call.timeout_s)
+            qs, ks, vs = to_heads(q, k, v, split, group, layout=call.layout, timeout_s=call.timeout_s, chunks=chunks)
             local_sinks = None if sinks is None else sinks[heads]
-            out, lse = attend_local_heads(
-                qh, kh, vh, call, head_offset=offset, strategy=self.name, documents=documents, sinks=local_sinks
-            )
-            return heads_to_sequence(out, lse, split, group, call, call.timeout_s)
+            outs, lses = [], []
+            for i, (qh, kh, vh) in enumerate(zip(qs, ks, vs, strict=True)):
+                out, lse = attend_local_heads(
+                    qh, kh, vh, call, head_offset=offset + i * width, strategy=self.name, documents=documents,
+                    sinks=None if local_sinks is None else local_sinks[i * width : (i + 1) * width],
+                )  # fmt: skip
+                outs.append(out)
+                lses.append(lse)
+            return heads_to_sequence(outs, lses, split, group, call, call.timeout_s)
 
         return run
 
 
 def heads_to_sequence(
-    out: torch.Tensor,
-    lse: torch.Tensor,
+    outs: list[torch.Tensor],
+    lses: list[torch.Tensor],
     split: HeadSplit,
     group: ProcessGroup | None,
     call: AttentionCall,
     timeout_s: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Return ``out [B, p·L, h, D]`` and, with ``call.return_lse``, ``lse [B, p·L, h]`` to sequence shards
-    ``[B, L, H, D]`` / ``[B, L, H]`` (``None``: the LSE stays where it is)."""
+    """Return the head groups' ``out [B, p·L, h/n, D]`` and, with ``call.return_lse``, ``lse [B, p·L, h/n]`` to
+    sequence shards ``[B, L, H, D]`` / ``[B, L, H]`` (``None``: the LSE stays where it is)."""
     layout = call.layout
-    out = to_sequence(out, split.degree, group, layout=layout, op="ulysses_out", timeout_s=timeout_s)
+    out = to_sequence(tuple(outs), split.degree, group, layout=layout, op="ulysses_out", timeout_s=timeout_s)
     if not call.return_lse:
         return out, None
-    lse = to_sequence(lse.unsqueeze(-1), split.degree, group, layout=layout, op="ulysses_lse", timeout_s=timeout_s)
+    lse = to_sequence(
+        tuple(x.unsqueeze(-1) for x in lses), split.degree, group, layout=layout, op="ulysses_lse", timeout_s=timeout_s
+    )
     return out, lse.squeeze(-1)
