@@ -49,15 +49,16 @@ BUFFERS = {
     "ring": 0.75,
     "ring_dilated": 0.9,
     "allgather": 1.0,
-    "ulysses": 0.5,
-    "ulysses_heads": 1.0,
+    "ulysses": 0.75,
+    "ulysses_heads": 0.55,
 }
 """Memory coefficients beyond the output and gradients, per unit of K/V bytes over q bytes (``kv``):
 ``ring``: in-flight K/V blocks and dK/dV (calibrated: dense causal ring, 4 ranks, 5.5 q-shards);
 ``ring_dilated``: the same with dilation (5.8 q-shards); ``allgather``: per gathered remote shard;
-``ulysses_heads``: share of the head-sharded q, k, v, out and dout alive at the backward's peak (all of them:
-the attention backward holds them with dq, dk, dv); ``ulysses``: the rest (calibrated: 4 ranks, 8 heads × 64,
-dense causal, Ulysses 9.0–10.1 and hybrid 2 × 2 10.3–10.5 q-shards, live tensors measured in fresh processes)."""
+``ulysses_heads``: share of the head-sharded q, k, v, out and dout alive at the backward's peak (the heads
+are attended in groups, and a group's tensors are freed once its backward has run); ``ulysses``: the rest
+(calibrated: 4 ranks, 8 heads × 64 in 2 groups per rank, dense causal: Ulysses 7.55 and hybrid 2 × 2 8.0
+q-shards, live tensors measured in fresh processes)."""
 
 
 @dataclass(frozen=True)
