@@ -86,11 +86,16 @@ class Hybrid(Strategy):
         width = split.heads // chunks
         if degrees.ring == 1:
 
-            def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None):
-                return attend_local_heads(
-                    q, k, v, call, head_offset=offset + i * width, strategy=self.name, documents=documents, sinks=sinks
-                )
+            def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None):
+                qs, ks, vs = to_heads(q, k, v, split, placement.ulysses, layout=call.layout, timeout_s=timeout_s,
+                                      chunks=chunks)  # fmt: skip
+                outs, lses = attend_local_heads(
+                    qs, ks, vs, call, head_offset=offset, strategy=self.name, documents=documents,
+                    sinks=None if sinks is None else sinks[heads],
+                )  # fmt: skip
+                return heads_to_sequence(outs, lses, split, placement.ulysses, call, timeout_s)
 
+            return run
         else:
             plans = [
                 plan_shards(

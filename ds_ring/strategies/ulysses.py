@@ -22,6 +22,7 @@ attention here needs its global head offset and, for ``zigzag``, the gathered ro
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -253,34 +254,42 @@ def to_sequence(
 
 
 def attend_local_heads(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    qs: Sequence[torch.Tensor],
+    ks: Sequence[torch.Tensor],
+    vs: Sequence[torch.Tensor],
     call: AttentionCall,
     *,
     head_offset: int,
     strategy: str,
     documents: tuple[int, ...] | None,
     sinks: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dilated attention over the whole sequence on this rank's heads, with attention events.
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Dilated attention over the whole sequence on this rank's heads, group by group, with one pair of
+    attention events for the call.
 
-    ``q [B, S, h, D]``, ``k``/``v`` ``[B, S, hkv, D]`` after the all-to-all (rows in sequence order, so
-    ``documents`` — checked ``call.cu_seqlens`` — apply as they are; ``head_offset``: this rank's
-    global index of its local head 0; ``sinks [h]``: those heads' sink logits); returns ``out [B, S, h, D]``
-    and ``lse [B, S, h]``.
+    Group ``i``: ``qs[i] [B, S, h, D]``, ``ks[i]``/``vs[i]`` ``[B, S, hkv, D]`` after the all-to-all (rows in
+    sequence order, so ``documents`` — checked ``call.cu_seqlens`` — apply as they are; its global heads start
+    at ``head_offset + i·h``; ``sinks [n·h]``: this rank's heads' sink logits); returns every group's
+    ``out [B, S, h, D]`` and ``lse [B, S, h]``. The end event carries the call's whole ``out`` and ``lse``
+    (concatenated over the groups, only while a hook listens).
     """
     rank, started = group_rank(None), time.perf_counter()
     if hooks_active("start"):
         emit_attention(strategy, "forward", "start", rank)
-    out, lse = dilated_attention(
-        q, k, v, call.segment_lengths, call.dilation_rates, causal=call.causal, scale=call.scale,
-        head_offset=head_offset, return_lse=True, cu_seqlens=documents, window=call.window, sinks=sinks,
-        softcap=call.softcap,
-    )  # fmt: skip
+    outs, lses = [], []
+    for i, (q, k, v) in enumerate(zip(qs, ks, vs, strict=True)):
+        width = q.shape[2]
+        out, lse = dilated_attention(
+            q, k, v, call.segment_lengths, call.dilation_rates, causal=call.causal, scale=call.scale,
+            head_offset=head_offset + i * width, return_lse=True, cu_seqlens=documents, window=call.window,
+            sinks=None if sinks is None else sinks[i * width : (i + 1) * width], softcap=call.softcap,
+        )  # fmt: skip
+        outs.append(out)
+        lses.append(lse.transpose(1, 2))
     if hooks_active():
-        emit_attention(strategy, "forward", "end", rank, started, out=out, lse=lse)
-    return out, lse.transpose(1, 2)
+        out, lse = (torch.cat(x, dim=2) if len(x) > 1 else x[0] for x in (outs, lses))
+        emit_attention(strategy, "forward", "end", rank, started, out=out, lse=lse.transpose(1, 2))
+    return outs, lses
 
 
 class Ulysses(Strategy):
@@ -326,19 +335,13 @@ class Ulysses(Strategy):
         offset, heads = call.head_offset + first, slice(first, first + split.heads)
 
         chunks = head_chunks(split)
-        width = split.heads // chunks
 
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None):
             qs, ks, vs = to_heads(q, k, v, split, group, layout=call.layout, timeout_s=call.timeout_s, chunks=chunks)
-            local_sinks = None if sinks is None else sinks[heads]
-            outs, lses = [], []
-            for i, (qh, kh, vh) in enumerate(zip(qs, ks, vs, strict=True)):
-                out, lse = attend_local_heads(
-                    qh, kh, vh, call, head_offset=offset + i * width, strategy=self.name, documents=documents,
-                    sinks=None if local_sinks is None else local_sinks[i * width : (i + 1) * width],
-                )  # fmt: skip
-                outs.append(out)
-                lses.append(lse)
+            outs, lses = attend_local_heads(
+                qs, ks, vs, call, head_offset=offset, strategy=self.name, documents=documents,
+                sinks=None if sinks is None else sinks[heads],
+            )  # fmt: skip
             return heads_to_sequence(outs, lses, split, group, call, call.timeout_s)
 
         return run
