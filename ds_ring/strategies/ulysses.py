@@ -215,9 +215,9 @@ HEAD_GROUPS = 4
 
 def head_chunks(split: HeadSplit, limit: int | None = None) -> int:
     """How many groups of whole K/V heads (with their query heads) a rank attends to one after another: the
-    largest divisor of its K/V heads up to ``limit`` (``None``: :data:`HEAD_GROUPS`). Each group's head shards, output and gradients are
-    separate tensors, so the backward frees one group's saved tensors before the next group's gradients
-    exist: the peak holds one group's dq, dk, dv instead of all of them."""
+    largest divisor of its K/V heads up to ``limit`` (``None``: :data:`HEAD_GROUPS`). Each group's head
+    shards, output and gradients are separate tensors, so the backward frees one group's saved tensors
+    before the next group's gradients exist: the peak holds one group's dq, dk, dv instead of all of them."""
     limit = HEAD_GROUPS if limit is None else limit
     return max(c for c in range(1, min(limit, split.kv_heads) + 1) if split.kv_heads % c == 0)
 
