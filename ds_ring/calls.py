@@ -72,7 +72,7 @@ def ring_dilated_attention(
     causal: bool = False,
     scale: float | None = None,
     group: ProcessGroup | None = None,
-    communication: str = "ring",
+    communication: str | None = None,
     layout: str = "contiguous",
     head_offset: int = 0,
     return_lse: bool = False,
@@ -81,6 +81,7 @@ def ring_dilated_attention(
     window: int | None = None,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
+    strategy: str = "ring",
 ) -> Output:
     """Dilated (or dense) attention over a sequence sharded across ``group``.
 
@@ -93,7 +94,8 @@ def ring_dilated_attention(
             Segments may cross shard boundaries anywhere; only the kept rows of those that do travel.
         causal: causal mask by global position.
         group: the sequence-parallel process group (``None``: the default group).
-        communication: ``"ring"`` (K/V passed rank to rank, O(seq/p) memory) or ``"allgather"``.
+        communication: ``"ring"`` (K/V passed rank to rank, O(seq/p) memory) or ``"allgather"`` (``None``: the
+            strategy's default, ``"ring"``).
         layout: ``"contiguous"`` or ``"zigzag"`` (dense only; balances causal work).
         head_offset: global index of local head 0 (dilation offsets use global head indices).
         return_lse: also return ``lse [batch, heads, seq/p]`` (float32; float64 for float64 inputs).
@@ -107,6 +109,8 @@ def ring_dilated_attention(
             differentiable (its gradient is this rank's rows' share, like a parameter's).
         softcap: attention logit soft-capping (Gemma 2): scores ``s`` become ``softcap·tanh(s / softcap)`` before
             the softmax (sinks are not capped). ``None``: uncapped.
+        strategy: ``"ring"``, ``"allgather"``, ``"ulysses"`` (all-to-all over ``group``), or ``"auto"``: the fastest
+            of those the call admits by :mod:`ds_ring.auto` (chosen alike on every rank, logged).
 
     Returns:
         The local output shard ``[batch, seq/p, heads, v_head_dim]`` (and the LSE, the sinks included).
@@ -120,7 +124,7 @@ def ring_dilated_attention(
         segment_lengths, dilation_rates, causal, scale, communication, layout, head_offset, return_lse, timeout_s,
         cu_seqlens, window, sinks, softcap,
     )  # fmt: skip
-    return attend(q, k, v, call, group_placement(group), "ring", op="ring_dilated_attention")
+    return attend(q, k, v, call, group_placement(group), strategy, op="ring_dilated_attention")
 
 
 def sequence_parallel_attention(
@@ -154,7 +158,8 @@ def sequence_parallel_attention(
         causal: causal mask by global position.
         scale: softmax scale, default ``1/sqrt(head_dim)``.
         topology: the process groups (:class:`ds_ring.Topology`).
-        strategy: ``"ring"``, ``"allgather"``, ``"ulysses"``, ``"hybrid"`` or any registered one.
+        strategy: ``"ring"``, ``"allgather"``, ``"ulysses"``, ``"hybrid"``, ``"auto"`` (the fastest of those the
+            topology and the call admit, by :mod:`ds_ring.auto`) or any registered one.
         communication: how a ring dimension moves K/V (``"ring"`` or ``"allgather"``) for ``ring`` and
             ``hybrid``; ``None``: the strategy's default (``allgather`` always all-gathers; ``ulysses`` has no
             ring dimension and refuses one).

@@ -215,7 +215,9 @@ class RingAttentionConfig(DeepSpeedConfigModel):
 
     strategy: str = "ring"
     """``"ring"``/``"allgather"`` (K/V move between sequence shards), ``"ulysses"`` (all-to-all from
-    sequence to head sharding), or ``"hybrid"`` (Ulysses inside ``ulysses_degree`` ranks, ring across)."""
+    sequence to head sharding), ``"hybrid"`` (Ulysses inside ``ulysses_degree`` ranks, ring across), or ``"auto"``
+    (per call, the fastest of those the degrees admit by a cost model and a link probe, the same on every rank;
+    ``python -m ds_ring.plan`` shows the choice and the degrees to set before the run)."""
 
     communication: str | None = None
     """How the ring dimension moves K/V: ``"ring"`` (passed rank to rank, O(n/p) memory), ``"allgather"``
@@ -262,6 +264,13 @@ class RingAttentionConfig(DeepSpeedConfigModel):
 
     preemption: PreemptionConfig = Field(default_factory=PreemptionConfig)
     """Stop, save and exit 0 on SIGTERM / SIGUSR1 (:class:`PreemptionConfig`)."""
+
+    def __init__(self, strict: bool = False, **data: Any) -> None:
+        # DeepSpeedConfigModel drops every value "auto" (Hugging Face's placeholder) unless strict; here
+        # "strategy": "auto" is a choice of its own, so it is kept (other "auto" values are dropped as before).
+        if not strict and data.get("strategy") == "auto":
+            data, strict = {k: v for k, v in data.items() if v != "auto" or k == "strategy"}, True
+        super().__init__(strict=strict, **data)
 
     @model_validator(mode="before")
     @classmethod

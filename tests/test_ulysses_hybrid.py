@@ -88,7 +88,7 @@ def _bad_call_rank(rank: int, world: int) -> list[str]:
     log = CaseLog()
     zigzag_dilated = dict(layout="zigzag", segment_lengths=[L, 4 * L], dilation_rates=[1, 2])
     for heads, kv_heads, kwargs, message in [
-        (4, 4, dict(strategy="tree"), r"strategy must be one of \['allgather', 'hybrid', 'ring', 'ulysses'\]"),
+        (4, 4, dict(strategy="tree"), r"strategy must be one of \['allgather', 'auto', 'hybrid', 'ring', 'ulysses'\]"),
         (4, 4, dict(strategy="hybrid", communication="bcast"), r"communication must be one of"),
         (4, 4, dict(strategy="ulysses", layout="striped"), r"layout must be one of"),
         (4, 4, dict(strategy="hybrid", layout="striped"), r"layout must be one of"),

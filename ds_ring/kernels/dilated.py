@@ -130,9 +130,18 @@ def attend_backward(
 
 def new_accumulators(q: torch.Tensor, v: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Zero output ``[B, S, H, Dv]`` (``Dv``: ``v``'s head dim; ``q``'s without ``v``) and ``-inf`` LSE
-    ``[B, S, H]`` in the accumulation dtype of ``q``."""
+    ``[B, S, H]`` in the accumulation dtype of ``q``, laid out like ``q`` when it is a view of the kernels'
+    ``[B, H, S, D]``."""
     acc = accum_dtype(q.dtype)
-    out = torch.zeros((*q.shape[:-1], (q if v is None else v).shape[-1]), dtype=acc, device=q.device)
+    dv = (q if v is None else v).shape[-1]
+    if q.dim() == 4 and not q.is_contiguous() and q.transpose(1, 2).is_contiguous():
+        # q is a view of the kernels' layout [B, H, S, D] (Ulysses' head shards): so are the accumulators, and the
+        # backward then reads the saved output without a copy.
+        b, s, h = q.shape[:3]
+        out = torch.zeros((b, h, s, dv), dtype=acc, device=q.device).transpose(1, 2)
+        lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device).transpose(1, 2)
+        return out, lse
+    out = torch.zeros((*q.shape[:-1], dv), dtype=acc, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
     return out, lse
 

@@ -27,6 +27,10 @@ register_strategy(SequenceShards("allgather", exchange="allgather"))
 register_strategy(Ulysses())
 register_strategy(Hybrid())
 
+from ds_ring.auto.strategy import Auto  # noqa: E402  (needs the strategies above)
+
+register_strategy(Auto())
+
 __all__ = [
     "AttentionCall",
     "Bound",

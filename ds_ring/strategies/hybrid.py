@@ -22,7 +22,14 @@ from ds_ring.strategies.base import AttentionCall, Bound, Degrees, Placement, Sh
 from ds_ring.strategies.blocks import Options
 from ds_ring.strategies.plan import plan_shards
 from ds_ring.strategies.sharded import CommSpec, get_exchange, sharded_attention
-from ds_ring.strategies.ulysses import attend_local_heads, check_layout, heads_to_sequence, split_heads, to_heads
+from ds_ring.strategies.ulysses import (
+    attend_local_heads,
+    check_layout,
+    head_chunks,
+    heads_to_sequence,
+    split_heads,
+    to_heads,
+)
 
 __all__ = ["Hybrid"]
 
@@ -75,28 +82,56 @@ class Hybrid(Strategy):
         split = split_heads(shape.heads, shape.kv_heads, degrees.ulysses, device)
         u, r = degrees.rank % degrees.ulysses, degrees.rank // degrees.ulysses
         offset, heads = call.head_offset + u * split.heads, slice(u * split.heads, (u + 1) * split.heads)
+        chunks = head_chunks(split)
+        width = split.heads // chunks
         if degrees.ring == 1:
 
-            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None):
-                return attend_local_heads(
-                    q, k, v, call, head_offset=offset, strategy=self.name, documents=documents, sinks=sinks
-                )
+            def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None):
+                qs, ks, vs = to_heads(q, k, v, split, placement.ulysses, layout=call.layout, timeout_s=timeout_s,
+                                      chunks=chunks)  # fmt: skip
+                outs, lses = attend_local_heads(
+                    qs, ks, vs, call, head_offset=offset, strategy=self.name, documents=documents,
+                    sinks=None if sinks is None else sinks[heads],
+                )  # fmt: skip
+                return heads_to_sequence(outs, lses, split, placement.ulysses, call, timeout_s)
 
+            return run
         else:
-            plan = plan_shards(
-                shape.rows * degrees.ulysses, split.heads, split.kv_heads, r, degrees.ring,
-                _tuple(call.segment_lengths), _tuple(call.dilation_rates), layout=call.layout, head_offset=offset,
-                device=device, causal=call.causal, documents=documents, window=call.window,
-            )  # fmt: skip
+            plans = [
+                plan_shards(
+                    shape.rows * degrees.ulysses,
+                    width,
+                    split.kv_heads // chunks,
+                    r,
+                    degrees.ring,
+                    _tuple(call.segment_lengths),
+                    _tuple(call.dilation_rates),
+                    layout=call.layout,
+                    head_offset=offset + i * width,
+                    device=device,
+                    causal=call.causal,
+                    documents=documents,
+                    window=call.window,
+                )  # fmt: skip
+                for i in range(chunks)
+            ]
             exchange, comm = get_exchange(call.communication), CommSpec(placement.ring, timeout_s)
-            options = Options(call.causal, call.scale, offset, call.window, call.softcap)
+            options = [
+                Options(call.causal, call.scale, offset + i * width, call.window, call.softcap) for i in range(chunks)
+            ]
 
-            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None):
-                return sharded_attention(q, k, v, plan, exchange, comm, options, sinks)
+            def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None):
+                return sharded_attention(q, k, v, plans[i], exchange, comm, options[i], sinks)
 
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None):
-            qh, kh, vh = to_heads(q, k, v, split, placement.ulysses, layout=call.layout, timeout_s=timeout_s)
-            out, lse = attend(qh, kh, vh, None if sinks is None else sinks[heads])
-            return heads_to_sequence(out, lse, split, placement.ulysses, call, timeout_s)
+            qs, ks, vs = to_heads(q, k, v, split, placement.ulysses, layout=call.layout, timeout_s=timeout_s,
+                                  chunks=chunks)  # fmt: skip
+            local = None if sinks is None else sinks[heads]
+            outs, lses = [], []
+            for i, (qh, kh, vh) in enumerate(zip(qs, ks, vs, strict=True)):
+                out, lse = attend(i, qh, kh, vh, None if local is None else local[i * width : (i + 1) * width])
+                outs.append(out)
+                lses.append(lse)
+            return heads_to_sequence(outs, lses, split, placement.ulysses, call, timeout_s)
 
         return run

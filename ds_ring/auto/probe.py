@@ -1,0 +1,135 @@
+"""The link probe of ``strategy="auto"``: latency, bandwidth and FLOP rate, measured once per group and agreed.
+
+At the first ``auto`` call on a process group every rank of it times, on the data's device,
+
+- two all-to-alls of a small message (``SMALL`` bytes per rank) and two of a larger one (``LARGE``):
+  latency = the small one's time, bandwidth = the extra bytes over the extra time;
+- a few small matmuls shaped like attention blocks: the FLOP rate.
+
+About 10 ms on gloo loopback. Ranks measure different numbers (a busy core, a far host), so the
+numbers are then *agreed*: one all-reduce of every rank's row (a one-hot sum, so every rank ends up
+with every row), and every rank takes the worst (largest latency, smallest bandwidth and FLOP rate)
+of the same rows — the same floats on every rank, hence the same choice. The result is cached per
+process group (the ranks, and so the hosts they run on), so later calls and layers cost nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch.distributed import ProcessGroup
+
+from ds_ring.auto.model import Link
+from ds_ring.comm.collectives import all_reduce, all_to_all
+from ds_ring.comm.groups import group_rank, group_size, takes_cpu
+
+__all__ = ["probe_link", "measure_link", "agree_link", "SMALL", "LARGE"]
+
+SMALL = 4 * 2**10
+"""Bytes per rank of the latency all-to-all."""
+LARGE = 1 * 2**20
+"""Bytes per rank of the bandwidth all-to-all."""
+
+_cache: weakref.WeakKeyDictionary[object, Link] = weakref.WeakKeyDictionary()
+_alone: dict[str, Link] = {}
+_lock = threading.Lock()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_all_to_all(nbytes: int, group: ProcessGroup | None, device: torch.device, timeout_s: float | None) -> float:
+    """Best of 2 all-to-alls of ``nbytes`` per rank (one warm-up), seconds."""
+    p = group_size(group)
+    x = torch.zeros(p, max(1, nbytes // (4 * p)), dtype=torch.float32, device=device)
+    best = float("inf")
+    for i in range(3):
+        _sync(device)
+        start = time.perf_counter()
+        all_to_all(x, group=group, op="auto_probe", timeout_s=timeout_s)
+        _sync(device)
+        if i:
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _time_flops(device: torch.device) -> float:
+    """FLOP/s of attention-shaped matmuls (``[8, 256, 64] @ [8, 64, 256]``, bf16 on a GPU, fp32 on a CPU)."""
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    a = torch.randn(8, 256, 64, device=device, dtype=dtype)
+    b = torch.randn(8, 64, 256, device=device, dtype=dtype)
+    reps = 4 if device.type == "cpu" else 50
+    torch.bmm(a, b)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        torch.bmm(a, b)
+    _sync(device)
+    return reps * 2 * 8 * 256 * 256 * 64 / max(time.perf_counter() - start, 1e-9)
+
+
+def measure_link(group: ProcessGroup | None, device: torch.device, timeout_s: float | None = None) -> Link:
+    """This rank's own measurement (collective over ``group``: every rank calls it at the same point)."""
+    flops = _time_flops(device)
+    if group_size(group) == 1:
+        return Link(latency_s=0.0, bandwidth=float("inf"), flops=flops, source="measured, 1 rank")
+    small = _time_all_to_all(SMALL, group, device, timeout_s)
+    large = _time_all_to_all(LARGE, group, device, timeout_s)
+    p = group_size(group)
+    extra = (LARGE - SMALL) * (p - 1) / p
+    bandwidth = extra / max(large - small, 1e-9)
+    return Link(latency_s=small / max(1, p - 1), bandwidth=bandwidth, flops=flops, source="measured")
+
+
+def agree_link(
+    mine: Link, group: ProcessGroup | None, timeout_s: float | None = None, device: torch.device | None = None
+) -> Link:
+    """The worst of every rank's measurement, identical on every rank (one all-reduce of one row per rank;
+    ``device``: where the rows travel, ``None``: the CPU)."""
+    p, me = group_size(group), group_rank(group)
+    if p == 1:
+        return mine
+    rows = torch.zeros(p, 3, dtype=torch.float64, device=device)
+    rows[me] = torch.tensor([mine.latency_s, mine.bandwidth, mine.flops], dtype=torch.float64, device=device)
+    rows = all_reduce(rows, group=group, op="auto_probe_agree", timeout_s=timeout_s).cpu()
+    latency, bandwidth, flops = (float(x) for x in (rows[:, 0].max(), rows[:, 1].min(), rows[:, 2].min()))
+    return Link(latency_s=latency, bandwidth=bandwidth, flops=flops, source=f"measured, worst of {p} ranks")
+
+
+def probe_link(
+    group: ProcessGroup | None,
+    device: torch.device,
+    *,
+    control: ProcessGroup | None = None,
+    timeout_s: float | None = None,
+    measure: Callable[[ProcessGroup | None, torch.device, float | None], Link] | None = None,
+) -> Link:
+    """The agreed :class:`Link` of ``group`` (measured on its first call, then cached per group).
+
+    Collective over ``group`` on the first call: every rank of it must call at the same point (the
+    ``auto`` strategy does, when a call's key is first run). ``control``: a group of the same ranks whose
+    backend takes CPU tensors for the agreement (``None``: ``group``, with CPU tensors). ``measure``:
+    replaces :func:`measure_link` (tests inject rank-dependent timings).
+    """
+    key = group if group is not None else None
+    with _lock:
+        cached = _alone.get(device.type) if key is None else _cache.get(key)
+    if cached is not None:
+        return cached
+    mine = (measure or measure_link)(group, device, timeout_s)
+    if control is None and not takes_cpu(group):  # no CPU twin: the rows travel on the data's device
+        link = agree_link(mine, group, timeout_s, device)
+    else:
+        link = agree_link(mine, control if control is not None else group, timeout_s)
+    with _lock:
+        if key is None:
+            _alone[device.type] = link
+        else:
+            _cache[key] = link
+    return link
