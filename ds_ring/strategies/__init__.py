@@ -4,7 +4,7 @@ Importing this package registers the built-in exchanges (``ring``, ``allgather``
 moves K/V blocks) and strategies (one line each: a new strategy is one module plus one line here).
 """
 
-from ds_ring.strategies import allgather, ring  # noqa: F401  (exchange registration)
+from ds_ring.strategies.exchanges import allgather, ring  # noqa: F401  (exchange registration)
 from ds_ring.strategies.base import (
     AttentionCall,
     Bound,
