@@ -18,7 +18,7 @@ from ds_ring.strategies.base import (
 )
 from ds_ring.strategies.hybrid import Hybrid
 from ds_ring.strategies.plan import ShardPlan, plan_shards
-from ds_ring.strategies.sequence import SequenceShards
+from ds_ring.strategies.ring import SequenceShards
 from ds_ring.strategies.sharded import CommSpec, exchanges, get_exchange, register_exchange, sharded_attention
 from ds_ring.strategies.ulysses import Ulysses
 
