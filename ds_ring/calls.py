@@ -37,8 +37,8 @@ from ds_ring.comm.agree import agree
 from ds_ring.comm.groups import group_rank, group_size, takes_cpu
 from ds_ring.kernels.dilation import check_cu_seqlens, check_softcap, validate_qkv
 from ds_ring.kernels.sinks import check_sinks
+from ds_ring.parallel.topology import Topology
 from ds_ring.strategies import AttentionCall, Bound, Degrees, Placement, Shape, get_strategy
-from ds_ring.topology import Topology
 
 __all__ = [
     "AttentionCall",

@@ -38,8 +38,8 @@ from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from ds_ring.comm.wait import DEFAULT_TIMEOUT_S
+from ds_ring.parallel.layout import RankLayout
 from ds_ring.strategies import AttentionCall, Degrees, Shape, exchanges, get_strategy, strategy_names
-from ds_ring.topology import RankLayout
 
 __all__ = [
     "RingAttentionConfig", "MonitoringConfig", "LongContextConfig", "PreemptionConfig", "load_config", "read_ds_config",

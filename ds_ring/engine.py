@@ -27,8 +27,9 @@ from ds_ring.comm.wait import DEFAULT_TIMEOUT_S, process_group_timeout_s
 from ds_ring.config import SECTION, MonitoringConfig, PreemptionConfig, RingAttentionConfig, load_config, read_ds_config
 from ds_ring.launch_env import discover_launch_env
 from ds_ring.monitor import RingMonitor, at_clean_exit, flush_writer
+from ds_ring.parallel.groups import control_world
+from ds_ring.parallel.topology import Topology
 from ds_ring.preemption import Preemption
-from ds_ring.topology import Topology, control_world
 from ds_ring.zero import gradient_scale, mark_parameters
 
 __all__ = [

@@ -2,14 +2,12 @@
 
 Both name who was waiting (``rank``), on whom (``peer``, a global rank; ``-1`` for a whole
 collective) and where (``op``, ``step``), so a hang in a ring of many ranks points at one link.
-When the job spans several hosts (:mod:`ds_ring.comm.hosts`, known once a Topology is built) they
-also name the host of the rank and of the peer. After either error the process group is unusable:
+When the job spans several hosts they also name the host of the rank and of the peer, given to them
+(:func:`ds_ring.comm.hosts.name_hosts`). After either error the process group is unusable:
 tear it down rather than retry.
 """
 
 from __future__ import annotations
-
-from ds_ring.comm.hosts import host_of, spans_hosts
 
 __all__ = ["CommError", "CommTimeoutError"]
 
@@ -30,9 +28,19 @@ class CommError(RuntimeError):
         self.op = op
         self.what = what
         self.cause = cause
-        self.hosts = hosts if hosts is not None else _hosts(rank, peer)
+        self.hosts = hosts
         """``(this rank's host, the peer's host)`` when the job spans several hosts (``""``: unknown), else ``None``."""
         super().__init__(self._describe())
+
+    def on_hosts(self, hosts: tuple[str, str]) -> None:
+        """Name ``hosts`` (this rank's, the peer's) in the error from now on."""
+        self.hosts = hosts
+        self.args = (self._describe(),)
+
+    def doing(self, what: str) -> CommError:
+        """The same error (same class, hosts and cause), saying this rank was doing ``what``."""
+        cls, fields = self.__reduce__()
+        return cls(*fields[:4], what, *fields[5:])
 
     def _who(self) -> str:
         return f"rank {self.rank}" + (f" on {self.hosts[0]}" if self.hosts and self.hosts[0] else "")
@@ -47,8 +55,13 @@ class CommError(RuntimeError):
             f"{self.cause}; the peer probably crashed or left the group"
         )
 
+    def _last_argument(self) -> object:
+        """What the constructor takes after ``what``: the cause here."""
+        return self.cause
+
     def __reduce__(self) -> tuple[type, tuple[object, ...]]:
-        return type(self), (self.rank, self.peer, self.step, self.op, self.what, self.cause, self.hosts)
+        fields = (self.rank, self.peer, self.step, self.op, self.what, self._last_argument(), self.hosts)
+        return type(self), fields
 
 
 class CommTimeoutError(CommError):
@@ -73,11 +86,5 @@ class CommTimeoutError(CommError):
             f"the peer is slow, hung or dead"
         )
 
-    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
-        return type(self), (self.rank, self.peer, self.step, self.op, self.what, self.timeout_s, self.hosts)
-
-
-def _hosts(rank: int, peer: int) -> tuple[str, str] | None:
-    if not spans_hosts():
-        return None
-    return host_of(rank) or "", host_of(peer) or ""
+    def _last_argument(self) -> object:
+        return self.timeout_s

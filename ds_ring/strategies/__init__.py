@@ -4,7 +4,6 @@ Importing this package registers the built-in exchanges (``ring``, ``allgather``
 moves K/V blocks) and strategies (one line each: a new strategy is one module plus one line here).
 """
 
-from ds_ring.strategies.exchanges import allgather, ring  # noqa: F401  (exchange registration)
 from ds_ring.strategies.base import (
     AttentionCall,
     Bound,
@@ -16,6 +15,7 @@ from ds_ring.strategies.base import (
     register_strategy,
     strategy_names,
 )
+from ds_ring.strategies.exchanges import allgather, ring  # noqa: F401  (exchange registration)
 from ds_ring.strategies.hybrid import Hybrid
 from ds_ring.strategies.plan import ShardPlan, plan_shards
 from ds_ring.strategies.ring import SequenceShards

@@ -32,8 +32,8 @@ from ds_ring.comm.groups import group_rank
 from ds_ring.hooks import emit_attention, hooks_active
 from ds_ring.kernels.dilated import check_window_branches, dilated_attention
 from ds_ring.kernels.dilation import check_softcap, make_branches
+from ds_ring.parallel.order import ORDERS as LAYOUTS
 from ds_ring.strategies.base import AttentionCall, Bound, Degrees, Placement, Shape, Strategy
-from ds_ring.strategies.plan import LAYOUTS
 
 __all__ = [
     "Ulysses",

@@ -35,7 +35,7 @@ from ds_ring.integrations.hf.registration import (
     registration_for_group,
     unregister_from_transformers,
 )
-from ds_ring.topology import Topology
+from ds_ring.parallel.topology import Topology
 
 __all__ = ["UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter"]
 

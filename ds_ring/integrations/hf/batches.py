@@ -27,8 +27,9 @@ from ds_ring.integrations.hf.documents import (
     shift_labels,
 )
 from ds_ring.integrations.hf.registration import registration_for
-from ds_ring.sharding import layout_chunks, shard_sequence
-from ds_ring.topology import Topology
+from ds_ring.parallel.order import order_chunks as layout_chunks
+from ds_ring.parallel.order import shard_sequence
+from ds_ring.parallel.topology import Topology
 
 __all__ = ["shard_batch", "agree_on_batch", "gather_batches", "SequenceParallelDataLoader"]
 

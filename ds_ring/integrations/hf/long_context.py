@@ -32,8 +32,8 @@ from ds_ring.integrations.hf.compat import (
 )
 from ds_ring.integrations.hf.documents import IGNORE_INDEX
 from ds_ring.loss import sequence_parallel_mean
+from ds_ring.parallel.topology import Topology
 from ds_ring.tiles import gated_mlp_parts, make_store, offloaded_checkpoint, tiled_cross_entropy_sum, tiled_gated_mlp
-from ds_ring.topology import Topology
 
 __all__ = ["check_long_context", "apply_long_context"]
 

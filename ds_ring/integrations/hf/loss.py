@@ -25,7 +25,7 @@ import torch
 
 from ds_ring.integrations.hf.registration import registration_for
 from ds_ring.loss import sequence_parallel_cross_entropy
-from ds_ring.topology import Topology
+from ds_ring.parallel.topology import Topology
 
 __all__ = ["causal_lm_loss", "shard_loss"]
 

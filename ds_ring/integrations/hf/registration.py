@@ -22,7 +22,7 @@ from ds_ring.integrations.hf.audit import CallAudit, ModelWatch, refuse_sequence
 from ds_ring.integrations.hf.documents import refuse_padding
 from ds_ring.integrations.hf.long_context import apply_long_context, check_long_context
 from ds_ring.integrations.hf.masks import MaskSpec, mask_spec
-from ds_ring.topology import Topology
+from ds_ring.parallel.topology import Topology
 
 __all__ = [
     "Registration",

@@ -47,9 +47,10 @@ from ds_ring.integrations.hf.registration import (
     unregister_from_transformers,
 )
 from ds_ring.integrations.hf.router import add_router_aux_loss
+from ds_ring.parallel.groups import control_world
+from ds_ring.parallel.order import gather_sequence
+from ds_ring.parallel.topology import Topology
 from ds_ring.preemption import Preemption
-from ds_ring.sharding import gather_sequence
-from ds_ring.topology import Topology, control_world
 
 __all__ = ["SequenceParallelTrainer"]
 
