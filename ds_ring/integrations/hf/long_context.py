@@ -139,7 +139,6 @@ def apply_long_context(
         lm.forward = functools.partial(
             _forward, lm, lm.forward, section, topology, gradient_scale, store and offloaded_checkpoint(store)
         )
-        lm.ds_ring_checkpoint_store = store
         patched.append(lm)
 
     def undo() -> None:
@@ -147,7 +146,6 @@ def apply_long_context(
             del module.forward
         if store is None:
             return
-        del lm.ds_ring_checkpoint_store
         if not checkpointing_was_on:
             activation_checkpointing_disable(lm)
         for module, function in functions.items():  # the layers' own checkpointing functions back
