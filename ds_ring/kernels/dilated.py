@@ -80,15 +80,24 @@ def attend_into(
     causal: bool,
     scale: float | None,
     softcap: float | None = None,
+    window: int | None = None,
+    d: int = 0,
 ) -> None:
-    """Attend ``q`` over ``k``/``v`` and LSE-merge the result into ``out``/``lse`` in place.
+    """Attend ``q`` over ``k``/``v`` and LSE-merge the result into ``out``/``lse`` in place: one block, or with
+    ``window`` the band of a causal sliding window (:func:`~ds_ring.kernels.window.attend_band_into`).
 
     Args:
         q: ``[*lead, m, h, D]``; k: ``[*lead, n, h, D]``; v: ``[*lead, n, h, Dv]`` (heads already matched to ``q``).
         out: accumulator view ``[*lead, m, h, Dv]`` (fp32/fp64); lse: ``[*lead, m, h]``.
-        causal: diagonal block (``m == n``, same first position); otherwise unmasked.
+        causal: diagonal block (``m == n``, same first position); otherwise unmasked (ignored with ``window``,
+            which is causal).
         softcap: scores capped to ``softcap·tanh(s / softcap)`` (``None``: uncapped).
+        window: a causal sliding window (``None``: none); ``d``: how far the queries' positions are ahead of
+            the keys' (with ``window``).
     """
+    if window is not None:
+        attend_band_into(q, k, v, out, lse, d=d, window=window, scale=scale, softcap=softcap)
+        return
     lead = q.shape[:-3]
     block_out, block_lse = block_forward(
         _to_kernel(q), _to_kernel(k), _to_kernel(v), causal=causal, scale=scale, softcap=softcap
@@ -107,12 +116,17 @@ def attend_backward(
     causal: bool,
     scale: float | None,
     softcap: float | None = None,
+    window: int | None = None,
+    d: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradient share of one piece, in token layout; ``out``/``lse`` are the *final* merged values.
 
-    Shapes as in :func:`attend_into` (``dout`` like ``out``). Returns ``(dq, dk, dv)`` views shaped like
-    ``q``, ``k``, ``v`` (``[*lead, m|n, h, D|Dv]``).
+    Arguments and shapes as in :func:`attend_into` (``dout`` like ``out``). Returns ``(dq, dk, dv)`` shaped like
+    ``q``, ``k``, ``v`` (``[*lead, m|n, h, D|Dv]``): views, or with ``window`` in the accumulation dtype
+    (:func:`~ds_ring.kernels.window.attend_band_backward`).
     """
+    if window is not None:
+        return attend_band_backward(dout, q, k, v, out, lse, d=d, window=window, scale=scale, softcap=softcap)
     lead = q.shape[:-3]
     dq, dk, dv = block_backward(
         _to_kernel(dout),
@@ -180,12 +194,8 @@ def branch_forward_(
     for group, (qs, ks, vs, outs, lses) in _branch_pieces(q, k, branch, head_offset, (q, k, v, out, lse)):
         h, kv = group.q_heads, group.kv_heads
         kg, vg = select_heads(ks, kv), select_heads(vs, kv)
-        if window is None:
-            attend_into(qs[:, :, :, h], kg, vg, outs[:, :, :, h], lses[:, :, :, h], causal=causal, scale=scale,
-                        softcap=softcap)  # fmt: skip
-        else:
-            attend_band_into(qs[:, :, :, h], kg, vg, outs[:, :, :, h], lses[:, :, :, h], d=0, window=window,
-                             scale=scale, softcap=softcap)  # fmt: skip
+        attend_into(qs[:, :, :, h], kg, vg, outs[:, :, :, h], lses[:, :, :, h], causal=causal, scale=scale,
+                    softcap=softcap, window=window)  # fmt: skip
 
 
 def branch_backward_(
@@ -215,10 +225,9 @@ def branch_backward_(
         h, kv = group.q_heads, group.kv_heads
         args = (douts[:, :, :, h], qs[:, :, :, h], select_heads(ks, kv), select_heads(vs, kv), outs[:, :, :, h],
                 lses[:, :, :, h])  # fmt: skip
-        if window is None:
-            dq_piece, dk_piece, dv_piece = attend_backward(*args, causal=causal, scale=scale, softcap=softcap)
-        else:
-            dq_piece, dk_piece, dv_piece = attend_band_backward(*args, d=0, window=window, scale=scale, softcap=softcap)
+        dq_piece, dk_piece, dv_piece = attend_backward(
+            *args, causal=causal, scale=scale, softcap=softcap, window=window
+        )
         dqs[:, :, :, h] += dq_piece
         add_heads_(dks, kv, dk_piece)
         add_heads_(dvs, kv, dv_piece)
@@ -317,10 +326,7 @@ def regions_backward(
         return None
     region, run = whole
     views = (_segments(x, 0, run.length, run.count) for x in (dout, q, k, v, out, lse))
-    if window is None:
-        pieces = attend_backward(*views, causal=causal, scale=scale, softcap=softcap)
-    else:
-        pieces = attend_band_backward(*views, d=0, window=window, scale=scale, softcap=softcap)
+    pieces = attend_backward(*views, causal=causal, scale=scale, softcap=softcap, window=window)
     # The kernel's pieces are contiguous in token layout here, so these are views (a copy otherwise).
     dq, dk, dv = (piece.reshape(x.shape) for piece, x in zip(pieces, (q, k, v), strict=True))
     rest = [other for other in regions if other is not region]
