@@ -8,11 +8,9 @@ local or span ranks (:mod:`ds_ring.strategies.plan`), and the K/V rows of spanni
 
 from __future__ import annotations
 
-import torch
-
 from ds_ring.kernels.dilated import check_window_branches
 from ds_ring.kernels.dilation import check_softcap, make_branches
-from ds_ring.strategies.base import AttentionCall, Bound, Degrees, Placement, Shape, Strategy
+from ds_ring.strategies.base import AttentionCall, Bound, Degrees, Shape, Strategy, Target
 from ds_ring.strategies.blocks import Options
 from ds_ring.strategies.plan import plan_shards
 from ds_ring.strategies.sharded import CommSpec, get_exchange, sharded_attention
@@ -55,14 +53,8 @@ class SequenceShards(Strategy):
                 f"{list(call.segment_lengths)}; use layout='contiguous' (or strategy 'ulysses') for dilated attention"
             )
 
-    def prepare(
-        self,
-        call: AttentionCall,
-        shape: Shape,
-        placement: Placement,
-        device: torch.device,
-        documents: tuple[int, ...] | None,
-    ) -> Bound:
+    def prepare(self, call: AttentionCall, target: Target) -> Bound:
+        shape, placement, device, documents = target
         degrees = placement.degrees
         plan = plan_shards(
             shape.rows, shape.heads, shape.kv_heads, degrees.rank, degrees.sequence, _tuple(call.segment_lengths),
