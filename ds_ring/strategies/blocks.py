@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ds_ring.kernels.dilated import attend_backward, attend_into
+from ds_ring.kernels.dilated import Options, attend_backward, attend_into
 from ds_ring.kernels.dilation import add_heads_, head_groups, select_heads
 from ds_ring.kernels.merge import accum_dtype
 from ds_ring.strategies.plan import Run, SpanPlan, Travel, pieces
@@ -90,19 +90,6 @@ class Shard:
             self.q[:, :, q_heads], self.k[:, :, kv_heads], self.v[:, :, kv_heads],
             self.out[:, :, q_heads], self.lse[:, :, q_heads],
         )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Options:
-    """How the call computes: causal mask by global position, softmax scale (``None``: ``1/sqrt(D)``),
-    global index of local head 0, causal sliding window (``None``: none; dense attention), logit soft-cap
-    (``None``: uncapped scores)."""
-
-    causal: bool
-    scale: float | None
-    head_offset: int
-    window: int | None = None
-    softcap: float | None = None
 
 
 CHUNK_BYTES = {"cpu": 2 * 2**20, "cuda": 256 * 2**20}
@@ -270,8 +257,7 @@ def _visits(
 def _piece(query: Run, key: Run, diagonal: bool, opts: Options) -> dict:
     """The options of one piece's kernel call: the band of the window between the runs' positions, or a plain
     block (causal when it is a run meeting itself)."""
-    return dict(causal=diagonal, scale=opts.scale, softcap=opts.softcap, window=opts.window,
-                d=query.position - key.position)  # fmt: skip
+    return opts.piece(query.position - key.position, diagonal)
 
 
 def forward_block_(span: SpanPlan, member: int, kv: list[KV], shard: Shard, opts: Options) -> None:

@@ -8,10 +8,9 @@ local or span ranks (:mod:`ds_ring.strategies.plan`), and the K/V rows of spanni
 
 from __future__ import annotations
 
-from ds_ring.kernels.dilated import check_window_branches
+from ds_ring.kernels.dilated import Options, check_window_branches
 from ds_ring.kernels.dilation import check_softcap, make_branches
 from ds_ring.strategies.base import AttentionCall, Bound, Degrees, Shape, Strategy, Target
-from ds_ring.strategies.blocks import Options
 from ds_ring.strategies.plan import plan_shards
 from ds_ring.strategies.sharded import CommSpec, get_exchange, sharded_attention
 
