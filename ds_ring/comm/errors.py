@@ -19,6 +19,10 @@ class CommError(RuntimeError):
     ``"posting send to rank 2 / recv from rank 0"``; ``cause`` is the backend's message.
     """
 
+    _MESSAGE = "ds_ring: {who} failed {what} {where}: {cause}; the peer probably crashed or left the group"
+    _LAST = "cause"
+    """The constructor's argument after ``what`` (pickling passes it back)."""
+
     def __init__(
         self, rank: int, peer: int, step: int, op: str, what: str, cause: str, hosts: tuple[str, str] | None = None
     ) -> None:
@@ -50,22 +54,18 @@ class CommError(RuntimeError):
         return f"(op={self.op}, step={self.step}{peer_host})"
 
     def _describe(self) -> str:
-        return (
-            f"ds_ring: {self._who()} failed {self.what} {self._where()}: "
-            f"{self.cause}; the peer probably crashed or left the group"
-        )
-
-    def _last_argument(self) -> object:
-        """What the constructor takes after ``what``: the cause here."""
-        return self.cause
+        return self._MESSAGE.format(who=self._who(), where=self._where(), **vars(self))
 
     def __reduce__(self) -> tuple[type, tuple[object, ...]]:
-        fields = (self.rank, self.peer, self.step, self.op, self.what, self._last_argument(), self.hosts)
-        return type(self), fields
+        last = getattr(self, self._LAST)
+        return type(self), (self.rank, self.peer, self.step, self.op, self.what, last, self.hosts)
 
 
 class CommTimeoutError(CommError):
     """A transfer did not complete within ``timeout_s`` seconds."""
+
+    _MESSAGE = "ds_ring: {who} timed out after {timeout_s} s {what} {where}; the peer is slow, hung or dead"
+    _LAST = "timeout_s"
 
     def __init__(
         self,
@@ -79,12 +79,3 @@ class CommTimeoutError(CommError):
     ) -> None:
         self.timeout_s = float(timeout_s)
         super().__init__(rank, peer, step, op, what, f"no completion within {self.timeout_s} s", hosts)
-
-    def _describe(self) -> str:
-        return (
-            f"ds_ring: {self._who()} timed out after {self.timeout_s} s {self.what} {self._where()}; "
-            f"the peer is slow, hung or dead"
-        )
-
-    def _last_argument(self) -> object:
-        return self.timeout_s
