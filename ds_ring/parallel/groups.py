@@ -2,12 +2,15 @@
 
 Control traffic (agreements, metrics, guards, checkpoint tags: small CPU tensors) needs a backend that takes
 CPU tensors. Where the default backend takes none (plain NCCL), every group gets a *twin*: a gloo group of
-the same ranks. The twins are held by whoever made them (a :class:`~ds_ring.Topology`, or the caller of
-:func:`control_world`); nothing here is remembered between calls.
+the same ranks. A :class:`~ds_ring.Topology` holds the twins of its groups; the twin of the world (or of the
+group a Topology divides) is made once per process group by :func:`control_world`, for the callers that have
+no Topology yet (``ds_ring.initialize`` agreeing on its config, a checkpoint of an engine without one): made
+again on every call, each would leave a gloo group (and its connections) behind.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -30,15 +33,23 @@ def needs_control_twins(group: ProcessGroup | None = None) -> bool:
     return not takes_cpu(group)
 
 
+_world_twins: weakref.WeakKeyDictionary[ProcessGroup, ProcessGroup] = weakref.WeakKeyDictionary()
+"""The twin :func:`control_world` made for each process group (it goes with the group)."""
+
+
 def control_world(group: ProcessGroup | None = None, timeout_s: float | None = None) -> ProcessGroup | None:
-    """``group`` (``None``: the world) when its backend takes CPU tensors, else a new gloo group of the same
-    ranks with the timeout :func:`group_timeout` gives ``timeout_s`` (``None``: 300 s): the caller keeps it.
-    Collective when it makes a group: every rank calls it at the same point."""
+    """``group`` (``None``: the world) when its backend takes CPU tensors, else a gloo group of the same
+    ranks, made once per group with the timeout :func:`group_timeout` gives ``timeout_s`` (``None``: 300 s).
+    Collective on its first call: every rank calls it at the same point."""
     if not dist.is_initialized() or not needs_control_twins(group):
         return group
     world = dist.group.WORLD if group is None else group
-    timeout = group_timeout(resolve_timeout(timeout_s))
-    return dist.new_group(dist.get_process_group_ranks(world), backend="gloo", timeout=timeout)
+    twin = _world_twins.get(world)
+    if twin is None:
+        timeout = group_timeout(resolve_timeout(timeout_s))
+        twin = _world_twins[world] = dist.new_group(dist.get_process_group_ranks(world), backend="gloo",
+                                                    timeout=timeout)  # fmt: skip
+    return twin
 
 
 def group_timeout(timeout_s: float) -> timedelta:

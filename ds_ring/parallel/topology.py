@@ -134,7 +134,7 @@ class Topology(DeepSpeedMpu):
             )
         timeout_s = read_key(section, "timeout_s")
         degrees = {key: read_key(section, key) for key in DEGREE_KEYS}
-        agree(degrees, group=control_world(None, timeout_s), op="Topology.from_config", timeout_s=timeout_s,
+        agree(degrees, group=control_world(), op="Topology.from_config", timeout_s=timeout_s,
               fix=_SAME_DEGREES, cache=False)  # fmt: skip
         layout = RankLayout.from_config(section, world_size)
         placement = read_key(section, "ulysses_across_hosts") or "warn"
