@@ -15,9 +15,9 @@ from ds_ring.hooks import Event, register_hook
 from ds_ring.kernels import dilated_attention, merge
 from ds_ring.loss import sequence_parallel_cross_entropy
 from ds_ring.monitor import NumericsError, RingMonitor, run_main
+from ds_ring.parallel.order import gather_sequence, shard_sequence
+from ds_ring.parallel.topology import Topology
 from ds_ring.reference import dilated_attention_reference
-from ds_ring.sharding import gather_sequence, shard_sequence
-from ds_ring.topology import Topology
 
 _WITH_DEEPSPEED = {
     "load_config": "ds_ring.config",

@@ -25,8 +25,8 @@ from ds_ring.calls import attend, group_placement, topology_placement
 from ds_ring.comm.groups import group_size
 from ds_ring.kernels.dilated import check_window_branches
 from ds_ring.kernels.dilation import check_softcap, make_branches
+from ds_ring.parallel.topology import Topology
 from ds_ring.strategies import AttentionCall
-from ds_ring.topology import Topology
 from ds_ring.zero import require_marked
 
 __all__ = ["RingDilatedAttention", "MultiheadRingDilatedAttention"]

@@ -37,8 +37,8 @@ from ds_ring.comm.agree import agree
 from ds_ring.comm.groups import group_rank, group_size, takes_cpu
 from ds_ring.kernels.dilation import check_cu_seqlens, check_softcap, validate_qkv
 from ds_ring.kernels.sinks import check_sinks
-from ds_ring.strategies import AttentionCall, Bound, Degrees, Placement, Shape, get_strategy
-from ds_ring.topology import Topology
+from ds_ring.parallel.topology import Topology
+from ds_ring.strategies import AttentionCall, Bound, Degrees, Placement, Shape, Target, get_strategy
 
 __all__ = [
     "AttentionCall",
@@ -254,7 +254,8 @@ def _prepare(
     chosen.check(call, shape, placement.degrees)
     documents = check_cu_seqlens(documents, shape.rows * placement.degrees.sequence)
     # The bound function gets the sinks per call and the documents planned; it keeps no tensor of this call.
-    return chosen.prepare(dataclasses.replace(call, sinks=None, cu_seqlens=None), shape, placement, q.device, documents)
+    target = Target(shape, placement, q.device, documents)
+    return chosen.prepare(dataclasses.replace(call, sinks=None, cu_seqlens=None), target)
 
 
 def _resolved(call: AttentionCall, communication: str | None, timeout_s: float | None) -> AttentionCall:

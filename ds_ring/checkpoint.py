@@ -39,8 +39,8 @@ from typing import Any
 import torch.distributed as dist
 
 from ds_ring.comm.agree import agree
+from ds_ring.parallel.groups import control_world
 from ds_ring.shape import TrainingShape, how_to_load
-from ds_ring.topology import control_world
 from ds_ring.universal import convert_to_universal
 
 __all__ = ["COMPLETE", "LATEST", "Resumed", "save_checkpoint", "load_checkpoint", "checkpoint_files"]

@@ -39,8 +39,8 @@ from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from ds_ring.comm.wait import DEFAULT_TIMEOUT_S
+from ds_ring.parallel.layout import RankLayout
 from ds_ring.strategies import AttentionCall, Degrees, Shape, exchanges, get_strategy, strategy_names
-from ds_ring.topology import RankLayout
 
 __all__ = [
     "RingAttentionConfig", "MonitoringConfig", "LongContextConfig", "PreemptionConfig", "load_config", "read_ds_config",
@@ -433,7 +433,7 @@ class DsConfig:
         ``torch.distributed`` started. ``op``: the entry point, named in the error.
         """
         from ds_ring.comm.agree import agree
-        from ds_ring.topology import control_world
+        from ds_ring.parallel.groups import control_world
 
         fields: dict[str, Any] = {"seq_len": seq_len}
         for key, value in self.section.model_dump().items():

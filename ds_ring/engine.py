@@ -26,8 +26,8 @@ from ds_ring.comm.wait import DEFAULT_TIMEOUT_S, process_group_timeout_s
 from ds_ring.config import SECTION, MonitoringConfig, PreemptionConfig, RingAttentionConfig, read_section
 from ds_ring.launch_env import discover_launch_env
 from ds_ring.monitor import RingMonitor, at_clean_exit, flush_writer
+from ds_ring.parallel.topology import Topology
 from ds_ring.preemption import Preemption
-from ds_ring.topology import Topology
 from ds_ring.zero import engine_config, mark_parameters
 
 __all__ = [

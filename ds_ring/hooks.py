@@ -12,9 +12,10 @@ Hook points (``kind``; each observed region emits a ``phase="start"`` event befo
 - ``"ring_step"``: one posted step of a point-to-point ring (``RingComm.commit`` to ``wait``);
 - ``"all_gather"``, ``"reduce_scatter"``, ``"all_to_all"``, ``"all_reduce"``: one collective.
 
-Also emitted (end events only): ``"send"`` and ``"recv"`` per ring transfer, and ``"comm_error"``
-just before a communication error is raised (``extra["error"]``). A hook gets end events unless it
-asks for start events too (``register_hook(hook, phases=("start", "end"))``).
+Also emitted (end events only): ``"send"`` and ``"recv"`` per ring transfer, ``"comm_error"``
+just before a communication error is raised (``extra["error"]``), and ``"offload"`` when a disk store
+of checkpointed inputs takes (``op="disk_write"``) or lets go of (``op="disk_release"``) an entry. A
+hook gets end events unless it asks for start events too (``register_hook(hook, phases=("start", "end"))``).
 
 *Labels* are context the observed code does not know (which layer, which training step): a
 monitor sets them around a region (:func:`labelled`) and hooks read them (:func:`current_labels`).

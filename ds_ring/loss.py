@@ -13,7 +13,7 @@ from torch.distributed import ProcessGroup
 
 from ds_ring.comm.collectives import all_reduce
 from ds_ring.kernels.merge import accum_dtype
-from ds_ring.topology import Topology, sequence_group
+from ds_ring.parallel.topology import Topology, sequence_group
 
 __all__ = ["sequence_parallel_cross_entropy", "sequence_parallel_mean"]
 

@@ -59,14 +59,14 @@ def _spy(monkeypatch_targets: list, seen: list[tuple[str, object]]) -> None:
 
 
 def _rank(rank: int, world: int) -> list[str]:
-    from ds_ring import topology as topology_module
     from ds_ring.integrations.hf import register_with_transformers, shard_batch
     from ds_ring.integrations.hf.batches import gather_batches
+    from ds_ring.parallel import groups as groups_module
     from launch.model import TinyGPT
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
     log = CaseLog()
-    topology_module.needs_control_twins = lambda group=None: True
+    groups_module.needs_control_twins = lambda group=None: True
     restore: list = []
     seen: list[tuple[str, object]] = []
     with tempfile.TemporaryDirectory() as save_dir:

@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-import ds_ring.topology as topology_module
-from ds_ring.topology import ROLES, Topology
+import ds_ring.parallel.groups as groups_module
+from ds_ring.parallel.layout import ROLES
+from ds_ring.parallel.topology import Topology
 from tests.dist import CaseLog, assert_no_failures, run_distributed
 
 WORLD_TIMEOUT_S = 120.0  # run_distributed's: the world group's timeout
@@ -32,7 +33,7 @@ def _cases(rank: int, world_size: int) -> list[str]:
                 if group is not dist.group.WORLD:
                     assert _timeout_s(group) == 2 * timeout_s, (role, _timeout_s(group))
     with log.case("gloo twins for control traffic (a backend that takes no CPU tensors)"):
-        with mock.patch.object(topology_module, "needs_control_twins", return_value=True):
+        with mock.patch.object(groups_module, "needs_control_twins", return_value=True):
             topology = Topology(2, 1, 2, timeout_s=30.0)
         for role in ROLES:
             twin = topology.control_group(getattr(topology, f"{role}_group"))

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import ds_ring
+from ds_ring.hooks import Event, register_hook
 from ds_ring.integrations.hf import (
     causal_lm_loss,
     register_with_transformers,
@@ -103,16 +104,19 @@ def _check(model, batch, topology, strategy: dict, variant: dict, expected, offl
         session.apply_long_context(model)
         sharded = shard_batch(session, batch)
         model.zero_grad()
-        out = model(**sharded)
-        if variant.get("tiled_loss"):
-            assert out.logits is None, "the tiled loss returned logits"
-            loss = out.loss
-        else:
-            loss = causal_lm_loss(session, out.logits, sharded["shift_labels"])
-        loss.backward()
-        store = getattr(model, "ds_ring_checkpoint_store", None)
+        offloads: list[Event] = []
+        with register_hook(lambda event: offloads.append(event) if event.kind == "offload" else None):
+            out = model(**sharded)
+            if variant.get("tiled_loss"):
+                assert out.logits is None, "the tiled loss returned logits"
+                loss = out.loss
+            else:
+                loss = causal_lm_loss(session, out.logits, sharded["shift_labels"])
+            loss.backward()
         if variant.get("offload_checkpoints") == "disk":
-            assert store.stored == model.config.num_hidden_layers and store.live == 0, (store.stored, store.live)
+            written = sum(e.op == "disk_write" for e in offloads)
+            live = written - sum(e.op == "disk_release" for e in offloads)
+            assert written == model.config.num_hidden_layers and live == 0, (written, live)
         grads = _summed_grads(model, topology.sequence_parallel_group)
     finally:
         session.close()

@@ -11,9 +11,9 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-import ds_ring.topology as topology_module
+import ds_ring.parallel.groups as groups_module
 from ds_ring import engine
-from ds_ring.topology import Topology
+from ds_ring.parallel.topology import Topology
 from tests.dist import CaseLog, assert_no_failures, run_distributed
 
 
@@ -39,8 +39,8 @@ def _cases(rank: int, world_size: int) -> list[str]:
         mock.patch.object(torch.cuda, "is_available", return_value=True),
         mock.patch.object(torch.cuda, "current_device", return_value=0),
         mock.patch.object(dist, "new_group", new_group),
-        mock.patch.object(topology_module.torch, "zeros", zeros),
-        mock.patch.object(topology_module, "all_reduce", all_reduce),
+        mock.patch.object(groups_module.torch, "zeros", zeros),
+        mock.patch.object(groups_module, "all_reduce", all_reduce),
     ):
         topology = Topology(1, 2, 2, timeout_s=15.0)
     with log.case("every NCCL group is made with device_id (eager connect)"):
@@ -53,7 +53,7 @@ def _cases(rank: int, world_size: int) -> list[str]:
         assert all(op == "Topology warm-up" and timeout_s == 15.0 for _, op, timeout_s in warmed)
     made.clear(), warmed.clear()
     with log.case("gloo data (no NCCL): no device_id, no warm-up"), mock.patch.object(dist, "new_group", new_group):
-        with mock.patch.object(topology_module, "all_reduce", all_reduce):
+        with mock.patch.object(groups_module, "all_reduce", all_reduce):
             Topology(1, 2, 2, timeout_s=15.0)
         assert made and all(device is None for _, _, device in made) and not warmed
     return log.failures

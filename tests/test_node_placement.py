@@ -12,8 +12,10 @@ import pytest
 
 from ds_ring.comm import hosts as hosts_module
 from ds_ring.comm.errors import CommError, CommTimeoutError
-from ds_ring.placement import PlacementWarning, check_placement, ulysses_across_hosts
-from ds_ring.topology import RankLayout, Topology
+from ds_ring.comm.hosts import name_hosts
+from ds_ring.parallel.layout import RankLayout
+from ds_ring.parallel.topology import Topology
+from ds_ring.parallel.ulysses_hosts import PlacementWarning, check_placement, ulysses_across_hosts
 from tests.dist import CaseLog, assert_no_failures, run_distributed
 
 TWO_BY_TWO = ("node0", "node0", "node1", "node1")
@@ -45,11 +47,13 @@ def test_ulysses_across_hosts_warns_or_raises_naming_ranks_and_hosts():
 def test_errors_name_hosts_only_across_hosts(monkeypatch):
     error = CommTimeoutError(1, 2, 3, "ring_kv", "waiting for recv from rank 2", 10.0)
     assert error.hosts is None and " on " not in str(error)
+    assert name_hosts(error).hosts is None, "one host: nothing named"
     monkeypatch.setattr(hosts_module, "_hosts", TWO_BY_TWO)
-    error = CommTimeoutError(1, 2, 3, "ring_kv", "waiting for recv from rank 2", 10.0)
+    assert CommTimeoutError(1, 2, 3, "ring_kv", "waiting", 10.0).hosts is None, "an error reads no host table"
+    error = name_hosts(CommTimeoutError(1, 2, 3, "ring_kv", "waiting for recv from rank 2", 10.0))
     assert str(error).startswith("ds_ring: rank 1 on node0 timed out after 10.0 s waiting for recv from rank 2 ")
     assert "(op=ring_kv, step=3; rank 2 is on node1)" in str(error)
-    again = pickle.loads(pickle.dumps(CommError(3, 0, 1, "ring_kv", "waiting", "reset")))
+    again = pickle.loads(pickle.dumps(name_hosts(CommError(3, 0, 1, "ring_kv", "waiting", "reset"))))
     assert again.hosts == ("node1", "node0") and str(again).startswith("ds_ring: rank 3 on node1 failed")
 
 
@@ -60,7 +64,7 @@ def _topologies_on_fake_hosts(rank: int, world_size: int) -> list[str]:
         warnings.simplefilter("error")
         Topology(ulysses=2, ring=2, timeout_s=20)
         assert hosts_module._hosts == TWO_BY_TWO
-        message = str(CommError(rank, 3 - rank, 0, "op", "waiting", "reset"))
+        message = str(name_hosts(CommError(rank, 3 - rank, 0, "op", "waiting", "reset")))
         assert (
             f"rank {rank} on node{rank // 2}" in message and f"rank {3 - rank} is on node{(3 - rank) // 2}" in message
         )

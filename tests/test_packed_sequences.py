@@ -16,7 +16,7 @@ import torch
 import ds_ring
 from ds_ring.calls import sequence_parallel_attention
 from ds_ring.hooks import register_hook
-from ds_ring.topology import Topology
+from ds_ring.parallel.topology import Topology
 from tests.dist import CaseLog, assert_no_failures, run_distributed
 from tests.sharded_cases import ring_rank, run_cases
 

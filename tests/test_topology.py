@@ -5,7 +5,8 @@ import types
 
 import pytest
 
-from ds_ring.topology import ROLES, RankLayout, Topology, rank_layout
+from ds_ring.parallel.layout import ROLES, RankLayout, rank_layout
+from ds_ring.parallel.topology import Topology
 from tests.dist import CaseLog, assert_no_failures, run_distributed
 
 # 8 ranks as 2 data × 2 ring × 2 ulysses: rank = d·4 + r·2 + u.

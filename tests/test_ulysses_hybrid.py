@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from ds_ring.calls import sequence_parallel_attention
+from ds_ring.parallel.topology import Topology
 from ds_ring.strategies import get_strategy, strategy_names
-from ds_ring.topology import Topology
 from tests.dist import CaseLog, assert_no_failures, run_distributed
 from tests.sharded_cases import run_cases
 

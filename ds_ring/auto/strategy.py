@@ -30,7 +30,7 @@ from ds_ring.comm.hosts import host_of
 from ds_ring.comm.spans import group_members
 from ds_ring.kernels.dilated import check_window_branches
 from ds_ring.kernels.dilation import check_softcap, make_branches
-from ds_ring.strategies.base import AttentionCall, Bound, Degrees, Placement, Shape, Strategy, get_strategy
+from ds_ring.strategies.base import AttentionCall, Bound, Degrees, Shape, Strategy, Target, get_strategy
 from ds_ring.strategies.sharded import get_exchange
 
 __all__ = ["Auto", "decisions", "problem_of"]
@@ -99,35 +99,19 @@ class Auto(Strategy):
             reasons = "; ".join(f"{o.label}: {o.error}" for o in options) or "no candidate"
             raise ValueError(f"strategy 'auto' found no valid strategy for this call: {reasons}")
 
-    def prepare(
-        self,
-        call: AttentionCall,
-        shape: Shape,
-        placement: Placement,
-        device: torch.device,
-        documents: tuple[int, ...] | None,
-    ) -> Bound:
+    def prepare(self, call: AttentionCall, target: Target) -> Bound:
         bound: list[Bound] = []
 
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None):
             if not bound:  # the key's first run: every rank of the placement runs it at the same point
-                bound.append(self._bind(call, shape, placement, device, documents, q, k, v))
+                bound.append(self._bind(call, target, q, k, v))
             return bound[0](q, k, v, sinks)
 
         return run
 
-    def _bind(
-        self,
-        call: AttentionCall,
-        shape: Shape,
-        placement: Placement,
-        device: torch.device,
-        documents: tuple[int, ...] | None,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-    ) -> Bound:
+    def _bind(self, call: AttentionCall, target: Target, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Bound:
         """Probe (first call of the group), choose, log, and prepare the chosen strategy."""
+        shape, placement, device, documents = target
         link = probe_link(
             placement.sequence, device, control=placement.control(placement.sequence), timeout_s=call.timeout_s
         )
@@ -148,4 +132,4 @@ class Auto(Strategy):
         communication = chosen.communication if chosen.strategy != "ulysses" else None
         resolved = dataclasses.replace(call, communication=communication)
         strategy.check(resolved, shape, placement.degrees)
-        return strategy.prepare(resolved, shape, placement, device, documents)
+        return strategy.prepare(resolved, target)

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ds_ring.comm.collectives import all_gather
-from ds_ring.comm.errors import CommError, CommTimeoutError
+from ds_ring.comm.errors import CommError
 from ds_ring.comm.groups import group_rank, group_size
 from ds_ring.comm.spans import group_members
 
@@ -180,10 +180,8 @@ class _Exchange:
         group = self.group
         try:
             parts = all_gather(table.flatten(), group_members(group), group=group, op=self.op, timeout_s=self.timeout_s)
-        except CommTimeoutError as err:
-            raise CommTimeoutError(err.rank, err.peer, err.step, err.op, err.what + _WAIT_HINT, err.timeout_s) from err
         except CommError as err:
-            raise CommError(err.rank, err.peer, err.step, err.op, err.what + _WAIT_HINT, err.cause) from err
+            raise err.doing(err.what + _WAIT_HINT) from err
         return torch.cat([part.view(table.shape) for part in parts])
 
 

@@ -2,14 +2,12 @@
 
 Both name who was waiting (``rank``), on whom (``peer``, a global rank; ``-1`` for a whole
 collective) and where (``op``, ``step``), so a hang in a ring of many ranks points at one link.
-When the job spans several hosts (:mod:`ds_ring.comm.hosts`, known once a Topology is built) they
-also name the host of the rank and of the peer. After either error the process group is unusable:
+When the job spans several hosts they also name the host of the rank and of the peer, given to them
+(:func:`ds_ring.comm.hosts.name_hosts`). After either error the process group is unusable:
 tear it down rather than retry.
 """
 
 from __future__ import annotations
-
-from ds_ring.comm.hosts import host_of, spans_hosts
 
 __all__ = ["CommError", "CommTimeoutError"]
 
@@ -21,6 +19,10 @@ class CommError(RuntimeError):
     ``"posting send to rank 2 / recv from rank 0"``; ``cause`` is the backend's message.
     """
 
+    _MESSAGE = "ds_ring: {who} failed {what} {where}: {cause}; the peer probably crashed or left the group"
+    _LAST = "cause"
+    """The constructor's argument after ``what`` (pickling passes it back)."""
+
     def __init__(
         self, rank: int, peer: int, step: int, op: str, what: str, cause: str, hosts: tuple[str, str] | None = None
     ) -> None:
@@ -30,9 +32,19 @@ class CommError(RuntimeError):
         self.op = op
         self.what = what
         self.cause = cause
-        self.hosts = hosts if hosts is not None else _hosts(rank, peer)
+        self.hosts = hosts
         """``(this rank's host, the peer's host)`` when the job spans several hosts (``""``: unknown), else ``None``."""
         super().__init__(self._describe())
+
+    def on_hosts(self, hosts: tuple[str, str]) -> None:
+        """Name ``hosts`` (this rank's, the peer's) in the error from now on."""
+        self.hosts = hosts
+        self.args = (self._describe(),)
+
+    def doing(self, what: str) -> CommError:
+        """The same error (same class, hosts and cause), saying this rank was doing ``what``."""
+        cls, fields = self.__reduce__()
+        return cls(*fields[:4], what, *fields[5:])
 
     def _who(self) -> str:
         return f"rank {self.rank}" + (f" on {self.hosts[0]}" if self.hosts and self.hosts[0] else "")
@@ -42,17 +54,18 @@ class CommError(RuntimeError):
         return f"(op={self.op}, step={self.step}{peer_host})"
 
     def _describe(self) -> str:
-        return (
-            f"ds_ring: {self._who()} failed {self.what} {self._where()}: "
-            f"{self.cause}; the peer probably crashed or left the group"
-        )
+        return self._MESSAGE.format(who=self._who(), where=self._where(), **vars(self))
 
     def __reduce__(self) -> tuple[type, tuple[object, ...]]:
-        return type(self), (self.rank, self.peer, self.step, self.op, self.what, self.cause, self.hosts)
+        last = getattr(self, self._LAST)
+        return type(self), (self.rank, self.peer, self.step, self.op, self.what, last, self.hosts)
 
 
 class CommTimeoutError(CommError):
     """A transfer did not complete within ``timeout_s`` seconds."""
+
+    _MESSAGE = "ds_ring: {who} timed out after {timeout_s} s {what} {where}; the peer is slow, hung or dead"
+    _LAST = "timeout_s"
 
     def __init__(
         self,
@@ -66,18 +79,3 @@ class CommTimeoutError(CommError):
     ) -> None:
         self.timeout_s = float(timeout_s)
         super().__init__(rank, peer, step, op, what, f"no completion within {self.timeout_s} s", hosts)
-
-    def _describe(self) -> str:
-        return (
-            f"ds_ring: {self._who()} timed out after {self.timeout_s} s {self.what} {self._where()}; "
-            f"the peer is slow, hung or dead"
-        )
-
-    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
-        return type(self), (self.rank, self.peer, self.step, self.op, self.what, self.timeout_s, self.hosts)
-
-
-def _hosts(rank: int, peer: int) -> tuple[str, str] | None:
-    if not spans_hosts():
-        return None
-    return host_of(rank) or "", host_of(peer) or ""

@@ -1,20 +1,22 @@
-"""Which host every rank of the job runs on: gathered once when a :class:`~ds_ring.Topology` is built.
+"""Which host every rank of the job runs on: recorded once when a :class:`~ds_ring.Topology` is built.
 
-A rank's host is its ``socket.gethostname()``. The table is a fact of the job, not configuration: it is
-read by communication errors (which then name the host of the waiting rank and of its peer, when the
-job spans several hosts) and by the Topology's placement check (:mod:`ds_ring.placement`).
+A rank's host is its ``socket.gethostname()``. The table is a fact of the job, like the world size: the
+Topology gathers it (:func:`ds_ring.parallel.ulysses_hosts.gather_hosts`) and records it here, and
+:func:`name_hosts` adds the host of the waiting rank and of its peer to a communication error when the job
+spans several hosts. Errors themselves read nothing: their hosts are data given to them.
 """
 
 from __future__ import annotations
 
 import socket
+from collections.abc import Sequence
 
-import torch.distributed as dist
+from ds_ring.comm.errors import CommError
 
-__all__ = ["node_name", "gather_hosts", "host_of", "hosts_of", "spans_hosts"]
+__all__ = ["node_name", "record_hosts", "host_of", "hosts_of", "spans_hosts", "name_hosts"]
 
 _hosts: tuple[str, ...] = ()
-"""Host of every global rank, in rank order (empty before the first gather)."""
+"""The host of every global rank, in rank order (empty before a Topology recorded it)."""
 
 
 def node_name() -> str:
@@ -22,18 +24,14 @@ def node_name() -> str:
     return socket.gethostname()
 
 
-def gather_hosts(group: dist.ProcessGroup | None, timeout_s: float | None) -> tuple[str, ...]:
-    """Every rank's host in rank order (one all-gather over ``group``, a group of every rank whose backend
-    takes CPU tensors), remembered for :func:`host_of`. Collective: every rank calls it at the same point."""
+def record_hosts(hosts: Sequence[str]) -> None:
+    """Remember ``hosts`` (the host of every global rank, in rank order) as the job's."""
     global _hosts
-    from ds_ring.comm.agree import gather_texts  # agree imports the collectives, which import the errors
-
-    _hosts = tuple(row[0] for row in gather_texts([node_name()], group=group, op="Topology hosts", timeout_s=timeout_s))
-    return _hosts
+    _hosts = tuple(hosts)
 
 
 def spans_hosts() -> bool:
-    """Whether the job's ranks run on more than one host (as far as :func:`gather_hosts` has found)."""
+    """Whether the job's ranks run on more than one host (as far as :func:`record_hosts` was told)."""
     return len(set(_hosts)) > 1
 
 
@@ -51,3 +49,10 @@ def hosts_of(ranks: list[int] | tuple[int, ...]) -> str:
     for rank in ranks:
         by_host.setdefault(host_of(rank) or "an unknown host", []).append(rank)
     return "; ".join(f"{', '.join(map(str, members))} on {host}" for host, members in by_host.items())
+
+
+def name_hosts(error: CommError) -> CommError:
+    """``error``, naming the host of its rank and of its peer when the job spans several hosts."""
+    if error.hosts is None and spans_hosts():
+        error.on_hosts((host_of(error.rank) or "", host_of(error.peer) or ""))
+    return error

@@ -52,7 +52,8 @@ class _LiveBlocks:
     """Counts received blocks (the tensors received at one commit) that are still referenced.
 
     Measured with ``weakref.finalize`` on each received tensor object, so it reflects what the
-    caller actually keeps; a view kept after its base tensor is dropped is not counted.
+    caller actually keeps; a view kept after its base tensor is dropped is not counted. Only blocks
+    received while a hook listens are tracked (the count is for ``recv`` events).
     """
 
     def __init__(self) -> None:
@@ -96,8 +97,8 @@ class RingComm:
 
     Every transfer emits a ``send`` and a ``recv`` :class:`~ds_ring.hooks.Event` when hooks are
     registered; ``recv`` events carry ``extra["live_remote_blocks"]``: how many blocks received by
-    this ring (including the one just received) are still referenced anywhere, ``extra["recv_allocated"]``:
-    whether ``send_recv`` allocated the receive tensor (no ``recv_buffer`` given), and
+    this ring while a hook listened (including the one just received) are still referenced anywhere,
+    ``extra["recv_allocated"]``: whether ``send_recv`` allocated the receive tensor (no ``recv_buffer`` given), and
     ``extra["recv_storage"]``: the address of the receive tensor's storage (a reused buffer keeps it). Each step also
     emits a ``ring_step`` start event in ``commit`` (before posting) and a ``ring_step`` end event
     in ``wait``: ``nbytes`` sent, ``seconds`` in flight (commit to completion),
@@ -180,7 +181,7 @@ class RingComm:
                     f"{to_send.dtype}, got a receive of {tuple(recv.shape)} {recv.dtype}"
                 )
             recv.copy_(to_send)
-        else:
+        elif hooks_active():  # observation only: nothing per block while no hook listens
             self._live.add(self._commits, recv)
         self._queued.append(_Transfer(to_send, recv, recv_buffer is None))
         return recv

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ds_ring.comm.errors import CommTimeoutError
+from ds_ring.comm.hosts import name_hosts
 
 __all__ = ["StreamWatch", "WATCH", "POLL_S"]
 
@@ -83,7 +84,8 @@ class StreamWatch:
                 kept.append(item)
                 continue
             what = f"waiting (stream-ordered) for {item.pending.what}"
-            errors.append(CommTimeoutError(item.rank, item.pending.peer, item.step, item.op, what, item.timeout_s))
+            error = CommTimeoutError(item.rank, item.pending.peer, item.step, item.op, what, item.timeout_s)
+            errors.append(name_hosts(error))
         with self._lock:
             self._watched = kept + self._watched
             self._expired += errors

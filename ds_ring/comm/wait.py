@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from ds_ring.comm.backends import device_backend
 from ds_ring.comm.errors import CommError, CommTimeoutError
+from ds_ring.comm.hosts import name_hosts
 from ds_ring.comm.stream_watch import WATCH
 from ds_ring.hooks import Event, emit, hooks_active
 
@@ -148,8 +149,10 @@ def wait_all(
 
 
 def failed(error: CommError, since: float | None = None) -> CommError:
-    """``error``, after emitting a ``"comm_error"`` event for it (``seconds``: blocked since the
-    ``time.monotonic()`` value ``since``, when given; ``extra["error"]``: the error)."""
+    """``error``, naming the hosts when the job spans several (:func:`~ds_ring.comm.hosts.name_hosts`), after
+    emitting a ``"comm_error"`` event for it (``seconds``: blocked since the ``time.monotonic()`` value
+    ``since``, when given; ``extra["error"]``: the error)."""
+    name_hosts(error)
     if hooks_active():
         seconds = 0.0 if since is None else time.monotonic() - since
         emit(

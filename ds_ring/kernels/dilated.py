@@ -14,6 +14,7 @@ its own (multi-head latent attention): ``out``, ``dout`` and the output accumula
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -38,6 +39,7 @@ from ds_ring.kernels.sinks import add_sinks_, check_sinks, sinks_grad
 from ds_ring.kernels.window import attend_band_backward, attend_band_into, check_window
 
 __all__ = [
+    "Options",
     "dilated_attention",
     "attend_into",
     "attend_backward",
@@ -49,6 +51,25 @@ __all__ = [
     "new_accumulators",
     "check_window_branches",
 ]
+
+
+@dataclass(frozen=True)
+class Options:
+    """How a call computes: causal mask by (global) position, softmax scale (``None``: ``1/sqrt(D)``),
+    global index of local head 0, causal sliding window (``None``: none; dense attention), logit soft-cap
+    (``None``: uncapped scores)."""
+
+    causal: bool
+    scale: float | None
+    head_offset: int
+    window: int | None = None
+    softcap: float | None = None
+
+    def piece(self, d: int = 0, causal: bool | None = None) -> dict:
+        """The keyword arguments of :func:`attend_into` / :func:`attend_backward` for one piece: ``d``, how far
+        its queries' positions are ahead of its keys' (with a window); ``causal`` (default: the call's)."""
+        return dict(causal=self.causal if causal is None else causal, scale=self.scale, softcap=self.softcap,
+                    window=self.window, d=d)  # fmt: skip
 
 
 def _to_kernel(x: torch.Tensor) -> torch.Tensor:
@@ -80,15 +101,24 @@ def attend_into(
     causal: bool,
     scale: float | None,
     softcap: float | None = None,
+    window: int | None = None,
+    d: int = 0,
 ) -> None:
-    """Attend ``q`` over ``k``/``v`` and LSE-merge the result into ``out``/``lse`` in place.
+    """Attend ``q`` over ``k``/``v`` and LSE-merge the result into ``out``/``lse`` in place: one block, or with
+    ``window`` the band of a causal sliding window (:func:`~ds_ring.kernels.window.attend_band_into`).
 
     Args:
         q: ``[*lead, m, h, D]``; k: ``[*lead, n, h, D]``; v: ``[*lead, n, h, Dv]`` (heads already matched to ``q``).
         out: accumulator view ``[*lead, m, h, Dv]`` (fp32/fp64); lse: ``[*lead, m, h]``.
-        causal: diagonal block (``m == n``, same first position); otherwise unmasked.
+        causal: diagonal block (``m == n``, same first position); otherwise unmasked (ignored with ``window``,
+            which is causal).
         softcap: scores capped to ``softcap·tanh(s / softcap)`` (``None``: uncapped).
+        window: a causal sliding window (``None``: none); ``d``: how far the queries' positions are ahead of
+            the keys' (with ``window``).
     """
+    if window is not None:
+        attend_band_into(q, k, v, out, lse, d=d, window=window, scale=scale, softcap=softcap)
+        return
     lead = q.shape[:-3]
     block_out, block_lse = block_forward(
         _to_kernel(q), _to_kernel(k), _to_kernel(v), causal=causal, scale=scale, softcap=softcap
@@ -107,12 +137,17 @@ def attend_backward(
     causal: bool,
     scale: float | None,
     softcap: float | None = None,
+    window: int | None = None,
+    d: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradient share of one piece, in token layout; ``out``/``lse`` are the *final* merged values.
 
-    Shapes as in :func:`attend_into` (``dout`` like ``out``). Returns ``(dq, dk, dv)`` views shaped like
-    ``q``, ``k``, ``v`` (``[*lead, m|n, h, D|Dv]``).
+    Arguments and shapes as in :func:`attend_into` (``dout`` like ``out``). Returns ``(dq, dk, dv)`` shaped like
+    ``q``, ``k``, ``v`` (``[*lead, m|n, h, D|Dv]``): views, or with ``window`` in the accumulation dtype
+    (:func:`~ds_ring.kernels.window.attend_band_backward`).
     """
+    if window is not None:
+        return attend_band_backward(dout, q, k, v, out, lse, d=d, window=window, scale=scale, softcap=softcap)
     lead = q.shape[:-3]
     dq, dk, dv = block_backward(
         _to_kernel(dout),
@@ -173,12 +208,7 @@ def branch_forward_(
     branch: Branch,
     out: torch.Tensor,
     lse: torch.Tensor,
-    *,
-    causal: bool,
-    scale: float | None,
-    head_offset: int,
-    window: int | None = None,
-    softcap: float | None = None,
+    opts: Options,
 ) -> None:
     """Merge one branch of dilated attention over a whole local sequence into ``out``/``lse``.
 
@@ -186,15 +216,10 @@ def branch_forward_(
     ``out [B, S, H, Dv]`` and ``lse [B, S, H]`` are accumulators (see :func:`new_accumulators`).
     ``window``: a causal sliding window inside each segment (rate-1 branches). ``softcap``: capped scores.
     """
-    for group, (qs, ks, vs, outs, lses) in _branch_pieces(q, k, branch, head_offset, (q, k, v, out, lse)):
+    for group, (qs, ks, vs, outs, lses) in _branch_pieces(q, k, branch, opts.head_offset, (q, k, v, out, lse)):
         h, kv = group.q_heads, group.kv_heads
         kg, vg = select_heads(ks, kv), select_heads(vs, kv)
-        if window is None:
-            attend_into(qs[:, :, :, h], kg, vg, outs[:, :, :, h], lses[:, :, :, h], causal=causal, scale=scale,
-                        softcap=softcap)  # fmt: skip
-        else:
-            attend_band_into(qs[:, :, :, h], kg, vg, outs[:, :, :, h], lses[:, :, :, h], d=0, window=window,
-                             scale=scale, softcap=softcap)  # fmt: skip
+        attend_into(qs[:, :, :, h], kg, vg, outs[:, :, :, h], lses[:, :, :, h], **opts.piece())
 
 
 def branch_backward_(
@@ -208,26 +233,18 @@ def branch_backward_(
     dq: torch.Tensor,
     dk: torch.Tensor,
     dv: torch.Tensor,
-    *,
-    causal: bool,
-    scale: float | None,
-    head_offset: int,
-    window: int | None = None,
-    softcap: float | None = None,
+    opts: Options,
 ) -> None:
     """Accumulate one branch's gradients into ``dq [B, S, H, D]``, ``dk [B, S, Hkv, D]``, ``dv [B, S, Hkv, Dv]``.
 
     ``out``/``lse`` are the final merged output ``[B, S, H, Dv]`` and LSE ``[B, S, H]``.
     """
-    pieces = _branch_pieces(q, k, branch, head_offset, (dout, q, k, v, out, lse, dq, dk, dv))
+    pieces = _branch_pieces(q, k, branch, opts.head_offset, (dout, q, k, v, out, lse, dq, dk, dv))
     for group, (douts, qs, ks, vs, outs, lses, dqs, dks, dvs) in pieces:
         h, kv = group.q_heads, group.kv_heads
         args = (douts[:, :, :, h], qs[:, :, :, h], select_heads(ks, kv), select_heads(vs, kv), outs[:, :, :, h],
                 lses[:, :, :, h])  # fmt: skip
-        if window is None:
-            dq_piece, dk_piece, dv_piece = attend_backward(*args, causal=causal, scale=scale, softcap=softcap)
-        else:
-            dq_piece, dk_piece, dv_piece = attend_band_backward(*args, d=0, window=window, scale=scale, softcap=softcap)
+        dq_piece, dk_piece, dv_piece = attend_backward(*args, **opts.piece())
         dqs[:, :, :, h] += dq_piece
         add_heads_(dks, kv, dk_piece)
         add_heads_(dvs, kv, dv_piece)
@@ -240,20 +257,12 @@ def regions_forward_(
     regions: Sequence[Region],
     out: torch.Tensor,
     lse: torch.Tensor,
-    *,
-    causal: bool,
-    scale: float | None,
-    head_offset: int,
-    window: int | None = None,
-    softcap: float | None = None,
+    opts: Options,
 ) -> None:
     """Merge each region's branch over its rows of ``q [B, S, H, D]``, ``k``/``v`` into ``out``/``lse``."""
     for region in regions:
         rows = region.rows
-        branch_forward_(
-            q[:, rows], k[:, rows], v[:, rows], region.branch, out[:, rows], lse[:, rows],
-            causal=causal, scale=scale, head_offset=head_offset, window=window, softcap=softcap,
-        )  # fmt: skip
+        branch_forward_(q[:, rows], k[:, rows], v[:, rows], region.branch, out[:, rows], lse[:, rows], opts)
 
 
 def regions_backward_(
@@ -267,20 +276,13 @@ def regions_backward_(
     dq: torch.Tensor,
     dk: torch.Tensor,
     dv: torch.Tensor,
-    *,
-    causal: bool,
-    scale: float | None,
-    head_offset: int,
-    window: int | None = None,
-    softcap: float | None = None,
+    opts: Options,
 ) -> None:
     """Accumulate each region's gradients (shapes as in :func:`branch_backward_`)."""
     for region in regions:
         r = region.rows
-        branch_backward_(
-            dout[:, r], q[:, r], k[:, r], v[:, r], out[:, r], lse[:, r], region.branch, dq[:, r], dk[:, r], dv[:, r],
-            causal=causal, scale=scale, head_offset=head_offset, window=window, softcap=softcap,
-        )  # fmt: skip
+        tensors = (dout[:, r], q[:, r], k[:, r], v[:, r], out[:, r], lse[:, r])
+        branch_backward_(*tensors, region.branch, dq[:, r], dk[:, r], dv[:, r], opts)
 
 
 def _whole_call(regions: Sequence[Region], q: torch.Tensor, k: torch.Tensor) -> tuple[Region, SegmentRun] | None:
@@ -307,12 +309,7 @@ def regions_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     regions: Sequence[Region],
-    *,
-    causal: bool,
-    scale: float | None,
-    head_offset: int,
-    window: int | None = None,
-    softcap: float | None = None,
+    opts: Options,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Every region's gradients, when one region is a single kernel call over the whole tensors (with a
     ``window``: one band call, :func:`~ds_ring.kernels.window.attend_band_backward`).
@@ -326,17 +323,11 @@ def regions_backward(
         return None
     region, run = whole
     views = (_segments(x, 0, run.length, run.count) for x in (dout, q, k, v, out, lse))
-    if window is None:
-        pieces = attend_backward(*views, causal=causal, scale=scale, softcap=softcap)
-    else:
-        pieces = attend_band_backward(*views, d=0, window=window, scale=scale, softcap=softcap)
+    pieces = attend_backward(*views, **opts.piece())
     # The kernel's pieces are contiguous in token layout here, so these are views (a copy otherwise).
     dq, dk, dv = (piece.reshape(x.shape) for piece, x in zip(pieces, (q, k, v), strict=True))
     rest = [other for other in regions if other is not region]
-    regions_backward_(
-        dout, q, k, v, out, lse, rest, dq, dk, dv, causal=causal, scale=scale, head_offset=head_offset,
-        window=window, softcap=softcap,
-    )  # fmt: skip
+    regions_backward_(dout, q, k, v, out, lse, rest, dq, dk, dv, opts)
     return dq, dk, dv
 
 
@@ -344,35 +335,30 @@ class _DilatedAttention(torch.autograd.Function):
     """Forward: all regions merged (then the sinks); backward: per-piece flash backward with the final out/lse."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, regions, options: tuple):
+    def forward(ctx, q, k, v, sinks, regions, opts: Options):
         out_acc, lse = new_accumulators(q, v)
-        regions_forward_(q, k, v, regions, out_acc, lse, **_options(options))
+        regions_forward_(q, k, v, regions, out_acc, lse, opts)
         if sinks is not None:
             add_sinks_(out_acc, lse, sinks)
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.args = (regions, options)
+        ctx.args = (regions, opts)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        regions, options = ctx.args
+        regions, opts = ctx.args
         dout = dout.to(q.dtype)
-        grads = regions_backward(dout, q, k, v, out, lse, regions, **_options(options))
+        grads = regions_backward(dout, q, k, v, out, lse, regions, opts)
         if grads is None:
             acc = accum_dtype(q.dtype)
             grads = tuple(torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
-            regions_backward_(dout, q, k, v, out, lse, regions, *grads, **_options(options))
+            regions_backward_(dout, q, k, v, out, lse, regions, *grads, opts)
         dq, dk, dv = grads
         dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None
-
-
-def _options(options: tuple) -> dict:
-    causal, scale, head_offset, window, softcap = options
-    return dict(causal=causal, scale=scale, head_offset=head_offset, window=window, softcap=softcap)
 
 
 def check_window_branches(window: int | None, causal: bool, segment_lengths: Sequence[int] | None) -> None:
@@ -436,5 +422,5 @@ def dilated_attention(
     softcap = check_softcap(softcap)
     documents = check_cu_seqlens(cu_seqlens, q.shape[1])
     regions = document_regions(q.shape[1], segment_lengths, dilation_rates, documents)
-    out, lse = _DilatedAttention.apply(q, k, v, sinks, regions, (causal, scale, head_offset, window, softcap))
+    out, lse = _DilatedAttention.apply(q, k, v, sinks, regions, Options(causal, scale, head_offset, window, softcap))
     return (out, lse.transpose(1, 2)) if return_lse else out

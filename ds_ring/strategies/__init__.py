@@ -4,7 +4,6 @@ Importing this package registers the built-in exchanges (``ring``, ``allgather``
 moves K/V blocks) and strategies (one line each: a new strategy is one module plus one line here).
 """
 
-from ds_ring.strategies import allgather, ring  # noqa: F401  (exchange registration)
 from ds_ring.strategies.base import (
     AttentionCall,
     Bound,
@@ -12,13 +11,15 @@ from ds_ring.strategies.base import (
     Placement,
     Shape,
     Strategy,
+    Target,
     get_strategy,
     register_strategy,
     strategy_names,
 )
+from ds_ring.strategies.exchanges import allgather, ring  # noqa: F401  (exchange registration)
 from ds_ring.strategies.hybrid import Hybrid
 from ds_ring.strategies.plan import ShardPlan, plan_shards
-from ds_ring.strategies.sequence import SequenceShards
+from ds_ring.strategies.ring import SequenceShards
 from ds_ring.strategies.sharded import CommSpec, exchanges, get_exchange, register_exchange, sharded_attention
 from ds_ring.strategies.ulysses import Ulysses
 
@@ -40,6 +41,7 @@ __all__ = [
     "Shape",
     "ShardPlan",
     "Strategy",
+    "Target",
     "exchanges",
     "get_exchange",
     "get_strategy",

@@ -20,6 +20,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch.distributed import ProcessGroup
@@ -32,6 +33,7 @@ __all__ = [
     "Degrees",
     "Placement",
     "Bound",
+    "Target",
     "Strategy",
     "register_strategy",
     "get_strategy",
@@ -134,6 +136,16 @@ class AttentionCall:
     ``None``: uncapped."""
 
 
+class Target(NamedTuple):
+    """What a call is prepared for: this rank's shard ``shape``, the ``placement`` of its groups, the ``device``
+    of its tensors, and its ``documents`` (checked ``cu_seqlens`` over the global sequence; ``None``: one)."""
+
+    shape: Shape
+    placement: Placement
+    device: torch.device
+    documents: tuple[int, ...] | None
+
+
 class Strategy(ABC):
     """How attention over sequence shards is computed and how K/V (or heads) move between ranks."""
 
@@ -150,16 +162,8 @@ class Strategy(ABC):
         (a ds_config read before the run is known) only the rules that need neither are checked."""
 
     @abstractmethod
-    def prepare(
-        self,
-        call: AttentionCall,
-        shape: Shape,
-        placement: Placement,
-        device: torch.device,
-        documents: tuple[int, ...] | None,
-    ) -> Bound:
-        """Plan ``call`` (checked, its ranks agreed) once; return the function that runs it. ``documents``:
-        checked ``cu_seqlens`` over the global sequence."""
+    def prepare(self, call: AttentionCall, target: Target) -> Bound:
+        """Plan ``call`` (checked, its ranks agreed) once for ``target``; return the function that runs it."""
 
 
 _STRATEGIES: Registry[Strategy] = Registry("strategy")

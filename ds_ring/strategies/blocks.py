@@ -25,10 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ds_ring.kernels.dilated import attend_backward, attend_into
+from ds_ring.kernels.dilated import Options, attend_backward, attend_into
 from ds_ring.kernels.dilation import add_heads_, head_groups, select_heads
 from ds_ring.kernels.merge import accum_dtype
-from ds_ring.kernels.window import attend_band_backward, attend_band_into
 from ds_ring.strategies.plan import Run, SpanPlan, Travel, pieces
 
 __all__ = [
@@ -91,19 +90,6 @@ class Shard:
             self.q[:, :, q_heads], self.k[:, :, kv_heads], self.v[:, :, kv_heads],
             self.out[:, :, q_heads], self.lse[:, :, q_heads],
         )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Options:
-    """How the call computes: causal mask by global position, softmax scale (``None``: ``1/sqrt(D)``),
-    global index of local head 0, causal sliding window (``None``: none; dense attention), logit soft-cap
-    (``None``: uncapped scores)."""
-
-    causal: bool
-    scale: float | None
-    head_offset: int
-    window: int | None = None
-    softcap: float | None = None
 
 
 CHUNK_BYTES = {"cpu": 2 * 2**20, "cuda": 256 * 2**20}
@@ -268,47 +254,10 @@ def _visits(
                 yield g, group.q_heads, kg, vg, a, b
 
 
-def _attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    query: Run,
-    key: Run,
-    diagonal: bool,
-    opts: Options,
-) -> None:
-    """One piece merged into ``out``/``lse``: the band of the window between the runs' positions, or a plain
+def _piece(query: Run, key: Run, diagonal: bool, opts: Options) -> dict:
+    """The options of one piece's kernel call: the band of the window between the runs' positions, or a plain
     block (causal when it is a run meeting itself)."""
-    if opts.window is None:
-        attend_into(q, k, v, out, lse, causal=diagonal, scale=opts.scale, softcap=opts.softcap)
-    else:
-        attend_band_into(
-            q, k, v, out, lse, d=query.position - key.position, window=opts.window, scale=opts.scale,
-            softcap=opts.softcap,
-        )  # fmt: skip
-
-
-def _attend_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    query: Run,
-    key: Run,
-    diagonal: bool,
-    opts: Options,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of :func:`_attend`'s piece, with the final ``out``/``lse``."""
-    if opts.window is None:
-        return attend_backward(dout, q, k, v, out, lse, causal=diagonal, scale=opts.scale, softcap=opts.softcap)
-    d = query.position - key.position
-    return attend_band_backward(
-        dout, q, k, v, out, lse, d=d, window=opts.window, scale=opts.scale, softcap=opts.softcap
-    )
+    return opts.piece(query.position - key.position, diagonal)
 
 
 def forward_block_(span: SpanPlan, member: int, kv: list[KV], shard: Shard, opts: Options) -> None:
@@ -316,7 +265,7 @@ def forward_block_(span: SpanPlan, member: int, kv: list[KV], shard: Shard, opts
     q, out, lse = shard.q, shard.out, shard.lse
     for _, h, kg, vg, a, b in _visits(span, member, kv, opts):
         qs, ks = a.rows, b.packed
-        _attend(q[:, qs, h], kg[:, ks], vg[:, ks], out[:, qs, h], lse[:, qs, h], a, b, False, opts)
+        attend_into(q[:, qs, h], kg[:, ks], vg[:, ks], out[:, qs, h], lse[:, qs, h], **_piece(a, b, False, opts))
 
 
 def backward_block_(
@@ -333,8 +282,8 @@ def backward_block_(
     q, out, lse = shard.q, shard.out, shard.lse
     for g, h, kg, vg, a, b in _visits(span, member, kv, opts):
         qs, ks = a.rows, b.packed
-        dq_piece, dk_piece, dv_piece = _attend_backward(
-            dout[:, qs, h], q[:, qs, h], kg[:, ks], vg[:, ks], out[:, qs, h], lse[:, qs, h], a, b, False, opts
+        dq_piece, dk_piece, dv_piece = attend_backward(
+            dout[:, qs, h], q[:, qs, h], kg[:, ks], vg[:, ks], out[:, qs, h], lse[:, qs, h], **_piece(a, b, False, opts)
         )
         dq[:, qs, h] += dq_piece
         dkg, dvg = dkv[g]
@@ -353,9 +302,9 @@ def forward_own_(span: SpanPlan, shard: Shard, opts: Options) -> None:
     for g, group in enumerate(span.groups):
         h, kv_heads = group.q_heads, group.kv_heads
         for a, b, diagonal in pieces(span.queries[g], span.queries[g], opts.causal, opts.window):
-            _attend(
+            attend_into(
                 q[:, a.rows, h], select_heads(k[:, b.rows], kv_heads), select_heads(v[:, b.rows], kv_heads),
-                out[:, a.rows, h], lse[:, a.rows, h], a, b, diagonal, opts,
+                out[:, a.rows, h], lse[:, a.rows, h], **_piece(a, b, diagonal, opts),
             )  # fmt: skip
 
 
@@ -374,9 +323,9 @@ def backward_own_(
         h, kv_heads = group.q_heads, group.kv_heads
         for a, b, diagonal in pieces(span.queries[g], span.queries[g], opts.causal, opts.window):
             qs, ks = a.rows, b.rows
-            dq_piece, dk_piece, dv_piece = _attend_backward(
+            dq_piece, dk_piece, dv_piece = attend_backward(
                 dout[:, qs, h], q[:, qs, h], select_heads(k[:, ks], kv_heads), select_heads(v[:, ks], kv_heads),
-                out[:, qs, h], lse[:, qs, h], a, b, diagonal, opts,
+                out[:, qs, h], lse[:, qs, h], **_piece(a, b, diagonal, opts),
             )  # fmt: skip
             dq[:, qs, h] += dq_piece
             add_heads_(dk[:, ks], kv_heads, dk_piece)

@@ -18,7 +18,7 @@ import torch
 
 from ds_ring.kernels.dilated import check_window_branches
 from ds_ring.kernels.dilation import check_softcap, make_branches
-from ds_ring.strategies.base import AttentionCall, Bound, Degrees, Placement, Shape, Strategy
+from ds_ring.strategies.base import AttentionCall, Bound, Degrees, Shape, Strategy, Target
 from ds_ring.strategies.blocks import Options
 from ds_ring.strategies.plan import plan_shards
 from ds_ring.strategies.sharded import CommSpec, get_exchange, sharded_attention
@@ -70,14 +70,8 @@ class Hybrid(Strategy):
             _tuple(call.segment_lengths), _tuple(call.dilation_rates), layout=call.layout, causal=call.causal,
         )  # fmt: skip
 
-    def prepare(
-        self,
-        call: AttentionCall,
-        shape: Shape,
-        placement: Placement,
-        device: torch.device,
-        documents: tuple[int, ...] | None,
-    ) -> Bound:
+    def prepare(self, call: AttentionCall, target: Target) -> Bound:
+        shape, placement, device, documents = target
         degrees, timeout_s = placement.degrees, call.timeout_s
         split = split_heads(shape.heads, shape.kv_heads, degrees.ulysses, device)
         u, r = degrees.rank % degrees.ulysses, degrees.rank // degrees.ulysses

@@ -34,10 +34,9 @@ from itertools import pairwise
 import torch
 
 from ds_ring.kernels.dilation import Branch, HeadGroup, Region, head_groups, make_branches
+from ds_ring.parallel.order import check_order
 
-__all__ = ["Run", "Held", "Travel", "SpanPlan", "ShardPlan", "plan_shards", "pieces", "LAYOUTS"]
-
-LAYOUTS = ("contiguous", "zigzag")
+__all__ = ["Run", "Held", "Travel", "SpanPlan", "ShardPlan", "plan_shards", "pieces"]
 
 
 @dataclass(frozen=True)
@@ -319,8 +318,7 @@ def _plan(
     documents: tuple[int, ...] | None,
     window: int | None,
 ) -> ShardPlan:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    check_order(layout)
     seq_len = local_len * world_size
     specs = _branch_specs(seq_len, segment_lengths, dilation_rates)
     zigzag = layout == "zigzag" and world_size > 1

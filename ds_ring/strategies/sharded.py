@@ -27,11 +27,11 @@ from torch.distributed import ProcessGroup
 
 from ds_ring.comm.groups import group_rank
 from ds_ring.hooks import current_labels, emit_attention, hooks_active, labelled
-from ds_ring.kernels.dilated import new_accumulators, regions_backward, regions_backward_, regions_forward_
+from ds_ring.kernels.dilated import Options, new_accumulators, regions_backward, regions_backward_, regions_forward_
 from ds_ring.kernels.merge import accum_dtype
 from ds_ring.kernels.sinks import add_sinks_, sinks_grad
 from ds_ring.registry import Registry
-from ds_ring.strategies.blocks import Options, Shard, add_home_grads_, backward_own_, head_chunks, unpack_block
+from ds_ring.strategies.blocks import Shard, add_home_grads_, backward_own_, head_chunks, unpack_block
 from ds_ring.strategies.plan import ShardPlan, SpanPlan
 
 __all__ = [
@@ -162,10 +162,7 @@ class _ShardedAttention(torch.autograd.Function):
         out, lse = new_accumulators(q, v)
 
         def local_regions() -> None:
-            regions_forward_(
-                q, k, v, plan.local, out, lse, causal=opts.causal, scale=opts.scale, head_offset=opts.head_offset,
-                window=opts.window, softcap=opts.softcap,
-            )  # fmt: skip
+            regions_forward_(q, k, v, plan.local, out, lse, opts)
 
         overlap: Callable[[], None] | None = local_regions
         shard = Shard(q, k, v, out, lse)
@@ -199,11 +196,8 @@ class _ShardedAttention(torch.autograd.Function):
         if hooks_active("start"):
             _attention_event(exchange, "backward", "start")
         dout = dout.to(q.dtype)
-        options = dict(
-            causal=opts.causal, scale=opts.scale, head_offset=opts.head_offset, window=opts.window, softcap=opts.softcap
-        )
         # Shard-local work first when one kernel call covers the shard: its dQ/dK/dV become the gradients.
-        local = regions_backward(dout, q, k, v, out, lse, plan.local, **options)
+        local = regions_backward(dout, q, k, v, out, lse, plan.local, opts)
         if local is None:
             dq = torch.zeros(q.shape, dtype=accum_dtype(q.dtype), device=q.device)
             kv_grads = KVGrads(k, v)
@@ -215,7 +209,7 @@ class _ShardedAttention(torch.autograd.Function):
                 exchange.backward(chunk, shard.heads(h, kv), dout[:, :, h], dq[:, :, h], kv_grads.heads(kv), comm, opts)
         dk, dv = kv_grads()
         if local is None:
-            regions_backward_(dout, q, k, v, out, lse, plan.local, dq, dk, dv, **options)
+            regions_backward_(dout, q, k, v, out, lse, plan.local, dq, dk, dv, opts)
         dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
         if hooks_active():
             _attention_event(exchange, "backward", "end", started)

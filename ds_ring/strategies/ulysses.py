@@ -33,8 +33,8 @@ from ds_ring.comm.groups import group_rank
 from ds_ring.hooks import emit_attention, hooks_active
 from ds_ring.kernels.dilated import check_window_branches, dilated_attention
 from ds_ring.kernels.dilation import check_softcap, make_branches
-from ds_ring.strategies.base import AttentionCall, Bound, Degrees, Placement, Shape, Strategy
-from ds_ring.strategies.plan import LAYOUTS
+from ds_ring.parallel.order import ORDERS as LAYOUTS
+from ds_ring.strategies.base import AttentionCall, Bound, Degrees, Shape, Strategy, Target
 
 __all__ = [
     "Ulysses",
@@ -326,14 +326,8 @@ class Ulysses(Strategy):
             )
         check_layout(call.layout, shape.rows)
 
-    def prepare(
-        self,
-        call: AttentionCall,
-        shape: Shape,
-        placement: Placement,
-        device: torch.device,
-        documents: tuple[int, ...] | None,
-    ) -> Bound:
+    def prepare(self, call: AttentionCall, target: Target) -> Bound:
+        shape, placement, device, documents = target
         degree, group = placement.degrees.sequence, placement.sequence
         split = split_heads(shape.heads, shape.kv_heads, degree, device)
         first = placement.degrees.rank * split.heads

@@ -12,7 +12,8 @@ layer. :func:`offloaded_checkpoint` checkpoints a layer (reentrant: the input is
   memory on a CPU too.
 
 An entry lives until its layer's backward reads it, or until the graph holding it is freed (a forward
-without backward): nothing accumulates over steps (:attr:`live` counts the entries held).
+without backward): nothing accumulates over steps (each entry taken and let go emits an ``"offload"``
+event when hooks listen, :mod:`ds_ring.hooks`).
 """
 
 from __future__ import annotations
@@ -29,21 +30,17 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
+from ds_ring.comm.groups import group_rank
+from ds_ring.hooks import Event, emit, hooks_active
+
 __all__ = ["HostStore", "CudaCopies", "DiskStore", "offloaded_checkpoint", "make_store"]
 
 
-class _Counted:
-    """The entries a store holds (``live``) and has taken (``stored``): what tests read to see nothing leaks."""
-
-    def __init__(self) -> None:
-        self.live = 0
-        self.stored = 0
-        self._lock = threading.Lock()
-
-    def _add(self, n: int) -> None:
-        with self._lock:
-            self.live += n
-            self.stored += max(n, 0)
+def _observe(op: str, nbytes: int) -> None:
+    """Emit an ``"offload"`` event (``op``: ``"disk_write"`` when an entry is taken, ``"disk_release"`` when it
+    is let go) when hooks listen: what tests count to see that nothing leaks."""
+    if hooks_active():
+        emit(Event(kind="offload", rank=group_rank(None), op=op, nbytes=nbytes))
 
 
 class CudaCopies:
@@ -156,10 +153,10 @@ class _OnDisk:
     def __init__(self, store: DiskStore, tensor: torch.Tensor) -> None:
         fd, path = tempfile.mkstemp(dir=store.directory, prefix="ds_ring_checkpoint_")
         os.unlink(path)  # the open descriptor keeps the data; the name never outlives this line
-        self.fd, self.store = fd, store
+        self.fd, self.store = fd, store  # the store (its writer thread) lives as long as its entries
         self.shape, self.dtype, self.device = tensor.shape, tensor.dtype, tensor.device
         self.nbytes = tensor.numel() * tensor.element_size()
-        store._add(1)
+        _observe("disk_write", self.nbytes)
         tensor, copied = store._to_host(tensor.detach())
         self.written: Future = store._writer.submit(_write, fd, tensor, copied)
         self.written.add_done_callback(lambda _: store._slots.release())
@@ -179,7 +176,7 @@ class _OnDisk:
             self.written.result()
             os.close(self.fd)
             self.fd = None
-            self.store._add(-1)
+            _observe("disk_release", self.nbytes)
 
     def __del__(self) -> None:
         self.close()
@@ -195,12 +192,11 @@ def _write(fd: int, tensor: torch.Tensor, copied: Any = None) -> None:
         file.write(memoryview(data))
 
 
-class DiskStore(_Counted):
+class DiskStore:
     """Tensors written to unlinked files in ``directory`` by one writer thread, at most ``pending`` writes queued
     (a forward waits rather than hold more tensors in memory than that)."""
 
     def __init__(self, directory: str | os.PathLike, pending: int = 2, cuda: CudaCopies | None = None) -> None:
-        super().__init__()
         self.directory = os.fspath(directory)
         self.cuda = cuda or CudaCopies()
         self._streams: dict[torch.device, Any] = {}

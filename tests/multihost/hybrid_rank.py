@@ -20,8 +20,8 @@ import torch.distributed as dist  # noqa: E402
 
 from ds_ring.calls import sequence_parallel_attention  # noqa: E402
 from ds_ring.comm.hosts import host_of  # noqa: E402
-from ds_ring.placement import PlacementWarning  # noqa: E402
-from ds_ring.topology import Topology  # noqa: E402
+from ds_ring.parallel.topology import Topology  # noqa: E402
+from ds_ring.parallel.ulysses_hosts import PlacementWarning  # noqa: E402
 from tests.dist import CaseLog  # noqa: E402
 from tests.sharded_cases import run_cases  # noqa: E402
 

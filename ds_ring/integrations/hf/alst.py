@@ -34,7 +34,7 @@ from ds_ring.integrations.hf.batches import gather_batches, shard_batch
 from ds_ring.integrations.hf.documents import DOCUMENTS_KEY
 from ds_ring.integrations.hf.registration import register_with_transformers
 from ds_ring.integrations.hf.session import SequenceParallelSession, installed_sessions, require_session
-from ds_ring.topology import Topology
+from ds_ring.parallel.topology import Topology
 
 __all__ = ["UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter"]
 

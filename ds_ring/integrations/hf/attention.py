@@ -24,8 +24,8 @@ from ds_ring.config import SECTION, RingAttentionConfig
 from ds_ring.integrations.hf.audit import CallAudit, ModelWatch
 from ds_ring.integrations.hf.documents import DOCUMENTS_KEY, Documents, document_positions
 from ds_ring.integrations.hf.masks import MaskSpec, check_mask_tensor
-from ds_ring.sharding import shard_sequence
-from ds_ring.topology import Topology
+from ds_ring.parallel.order import shard_sequence
+from ds_ring.parallel.topology import Topology
 from ds_ring.zero import parameter_gradient_scale
 
 __all__ = ["SequenceParallelAttention"]

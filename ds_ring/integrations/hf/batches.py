@@ -26,8 +26,9 @@ from ds_ring.integrations.hf.documents import (
     shift_labels,
 )
 from ds_ring.integrations.hf.session import SequenceParallelSession, require_session
-from ds_ring.sharding import layout_chunks, shard_sequence
-from ds_ring.topology import Topology
+from ds_ring.parallel.order import order_chunks as layout_chunks
+from ds_ring.parallel.order import shard_sequence
+from ds_ring.parallel.topology import Topology
 
 __all__ = ["shard_batch", "agree_on_batch", "gather_batches", "SequenceParallelDataLoader"]
 

@@ -33,8 +33,8 @@ from ds_ring.integrations.hf.compat import (
 )
 from ds_ring.integrations.hf.documents import IGNORE_INDEX
 from ds_ring.loss import sequence_parallel_mean
+from ds_ring.parallel.topology import Topology
 from ds_ring.tiles import gated_mlp_parts, make_store, offloaded_checkpoint, tiled_cross_entropy_sum, tiled_gated_mlp
-from ds_ring.topology import Topology
 
 __all__ = ["check_long_context", "apply_long_context"]
 
@@ -140,7 +140,6 @@ def apply_long_context(
         lm.forward = functools.partial(
             _forward, lm, lm.forward, section, topology, gradient_scale, store and offloaded_checkpoint(store)
         )
-        lm.ds_ring_checkpoint_store = store
         patched.append(lm)
 
     def undo() -> None:
@@ -148,7 +147,6 @@ def apply_long_context(
             del module.forward
         if store is None:
             return
-        del lm.ds_ring_checkpoint_store
         if not checkpointing_was_on:
             activation_checkpointing_disable(lm)
         for module, function in functions.items():  # the layers' own checkpointing functions back

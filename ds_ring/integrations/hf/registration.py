@@ -24,7 +24,7 @@ from ds_ring.integrations.hf.documents import refuse_padding
 from ds_ring.integrations.hf.long_context import check_long_context
 from ds_ring.integrations.hf.masks import MaskSpec, mask_spec
 from ds_ring.integrations.hf.session import SequenceParallelSession, installed_sessions
-from ds_ring.topology import Topology
+from ds_ring.parallel.topology import Topology
 
 __all__ = [
     "register_with_transformers",

@@ -20,7 +20,7 @@ from torch import nn
 from ds_ring.config import RingAttentionConfig
 from ds_ring.integrations.hf.attention import SequenceParallelAttention
 from ds_ring.integrations.hf.long_context import apply_long_context, check_long_context
-from ds_ring.topology import Topology
+from ds_ring.parallel.topology import Topology
 
 __all__ = ["SequenceParallelSession", "installed_sessions", "require_session"]
 

@@ -44,9 +44,10 @@ from ds_ring.integrations.hf.loss import causal_lm_loss
 from ds_ring.integrations.hf.preemption import StopOnPreemption
 from ds_ring.integrations.hf.registration import register_with_transformers
 from ds_ring.integrations.hf.router import add_router_aux_loss
+from ds_ring.parallel.groups import control_world
+from ds_ring.parallel.order import gather_sequence
+from ds_ring.parallel.topology import Topology
 from ds_ring.preemption import Preemption
-from ds_ring.sharding import gather_sequence
-from ds_ring.topology import Topology, control_world
 from ds_ring.zero import mark_parameters
 
 __all__ = ["SequenceParallelTrainer"]

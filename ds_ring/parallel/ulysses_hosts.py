@@ -4,7 +4,7 @@ Ulysses runs two all-to-alls per attention layer over its group: inside one host
 local links, across hosts every layer waits on the network. The rank layout puts the Ulysses dimension
 innermost (consecutive ranks) and launchers give each host consecutive ranks, so Ulysses groups stay
 inside a host whenever ``ulysses_degree`` divides the ranks per host; :func:`check_placement` finds the
-groups that do not, from every rank's host (:func:`ds_ring.comm.hosts.gather_hosts`).
+groups that do not, from every rank's host (:func:`gather_hosts`).
 """
 
 from __future__ import annotations
@@ -12,12 +12,14 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from ds_ring.topology import RankLayout
+import torch.distributed as dist
 
-__all__ = ["PLACEMENT_MODES", "PlacementWarning", "ulysses_across_hosts", "check_placement"]
+from ds_ring.comm import hosts as job_hosts
+from ds_ring.comm.agree import gather_texts
+from ds_ring.parallel.layout import RankLayout
+
+__all__ = ["PLACEMENT_MODES", "PlacementWarning", "gather_hosts", "ulysses_across_hosts", "check_placement"]
 
 PLACEMENT_MODES = ("warn", "error", "allow")
 """What a Ulysses group spanning several hosts does: a :class:`PlacementWarning`, a ``ValueError``, nothing."""
@@ -25,6 +27,16 @@ PLACEMENT_MODES = ("warn", "error", "allow")
 
 class PlacementWarning(UserWarning):
     """A Ulysses group spans several hosts."""
+
+
+def gather_hosts(group: dist.ProcessGroup | None, timeout_s: float | None) -> tuple[str, ...]:
+    """Every rank's host in rank order (one all-gather over ``group``, a group of every rank whose backend
+    takes CPU tensors), recorded as the job's (:func:`ds_ring.comm.hosts.record_hosts`: communication errors
+    name them from then on). Collective: every rank calls it at the same point."""
+    rows = gather_texts([job_hosts.node_name()], group=group, op="Topology hosts", timeout_s=timeout_s)
+    names = tuple(row[0] for row in rows)
+    job_hosts.record_hosts(names)
+    return names
 
 
 def ulysses_across_hosts(layout: RankLayout, hosts: Sequence[str]) -> list[tuple[int, ...]]:

@@ -1,4 +1,7 @@
-"""Cut a sequence into per-rank shards and put it back together, for both layouts.
+"""The order of a sequence's shards over the ranks, and cutting / putting back a sequence in that order.
+
+The *order* is what the public ``layout=`` arguments choose (the rank layout is
+:class:`~ds_ring.parallel.layout.RankLayout`):
 
 ``contiguous``: rank ``r`` of ``p`` holds chunk ``r`` of ``p``.
 ``zigzag``: the sequence is cut into ``2p`` chunks and rank ``r`` holds chunks ``r`` and
@@ -12,24 +15,29 @@ from torch.distributed import ProcessGroup
 
 from ds_ring.comm.collectives import all_gather
 from ds_ring.comm.groups import global_ranks, group_rank, group_size
-from ds_ring.strategies.plan import LAYOUTS
-from ds_ring.topology import Topology, sequence_group
+from ds_ring.parallel.topology import Topology, sequence_group
 
-__all__ = ["layout_chunks", "shard_sequence", "gather_sequence"]
+__all__ = ["ORDERS", "check_order", "order_chunks", "shard_sequence", "gather_sequence"]
+
+ORDERS = ("contiguous", "zigzag")
+"""The orders of a sequence's shards over the ranks (the values of the ``layout=`` arguments)."""
 
 
-def layout_chunks(rank: int, world_size: int, layout: str) -> tuple[int, ...]:
+def check_order(order: str) -> None:
+    """``ValueError`` unless ``order`` is one of :data:`ORDERS` (named ``layout`` as the arguments are)."""
+    if order not in ORDERS:
+        raise ValueError(f"layout must be one of {ORDERS}, got {order!r}")
+
+
+def order_chunks(rank: int, world_size: int, order: str) -> tuple[int, ...]:
     """Indices of the chunks rank ``rank`` holds, the sequence cut into ``world_size`` (contiguous) or
     ``2·world_size`` (zigzag) equal chunks."""
-    if layout == "contiguous":
-        return (rank,)
-    if layout == "zigzag":
-        return (rank, 2 * world_size - 1 - rank)
-    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    check_order(order)
+    return (rank,) if order == "contiguous" else (rank, 2 * world_size - 1 - rank)
 
 
-def _num_chunks(world_size: int, layout: str) -> int:
-    return len(layout_chunks(0, world_size, layout)) * world_size
+def _num_chunks(world_size: int, order: str) -> int:
+    return len(order_chunks(0, world_size, order)) * world_size
 
 
 def shard_sequence(
@@ -50,7 +58,7 @@ def shard_sequence(
             f"ranks with layout={layout!r}; pad or trim the sequence to a multiple of {chunks}"
         )
     pieces = x.chunk(chunks, dim=dim)
-    return torch.cat([pieces[i] for i in layout_chunks(group_rank(group), world, layout)], dim=dim)
+    return torch.cat([pieces[i] for i in order_chunks(group_rank(group), world, layout)], dim=dim)
 
 
 def gather_sequence(
@@ -69,7 +77,7 @@ def gather_sequence(
     """
     group, timeout_s = sequence_group(group, timeout_s)
     world = group_size(group)
-    per_rank = len(layout_chunks(0, world, layout))
+    per_rank = len(order_chunks(0, world, layout))
     if x_local.shape[dim] % per_rank:
         raise ValueError(f"a {layout} shard must split into {per_rank} chunks along dim {dim}, got {x_local.shape}")
     if world == 1:
@@ -79,6 +87,6 @@ def gather_sequence(
     ordered: dict[int, torch.Tensor] = {}
     for rank, shard in enumerate(shards):
         parts = shard.view(x_local.shape).chunk(per_rank, dim=dim)
-        for index, part in zip(layout_chunks(rank, world, layout), parts, strict=True):
+        for index, part in zip(order_chunks(rank, world, layout), parts, strict=True):
             ordered[index] = part
     return torch.cat([ordered[i] for i in range(len(ordered))], dim=dim)
