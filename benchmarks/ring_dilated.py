@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import sys
 
-from benchmarks import driver, ring, strategies
-from benchmarks.driver import Case, Column, Row, Session, Target, compare, find, fmt_seq, ratio
+from benchmarks import ring, strategies
+from benchmarks.cases import Case
+from benchmarks.common import fmt_seq
+from benchmarks.driver import Benchmark, Session, main
+from benchmarks.rows import Column, Row, Target, compare, find, markdown_table, plot_rows, ratio
 
 
 def case_of(name: str, seq: int, p: int) -> Case:
@@ -56,7 +59,7 @@ def targets(session: Session) -> list[Target]:
 def report(session: Session) -> str:
     ref = lambda i: lambda r: refs(session.rows, r)[i]
     segs = lambda c: f"[{', '.join(map(fmt_seq, c.segment_lengths))}] / {list(c.dilation_rates)}"
-    return driver.markdown_table(session.rows, [
+    return markdown_table(session.rows, [
         *ring.COLUMNS, Column("w / r", lambda r: segs(r.case) if r.case.segment_lengths else "dense"),
         Column("mem ÷ p=1", lambda r: ratio(r, ref(0)(r), "peak_mib"), "{:.2f}"),
         Column("speed-up vs p=1", lambda r: ratio(ref(0)(r), r), "{:.2f}"),
@@ -66,14 +69,14 @@ def report(session: Session) -> str:
     ])  # fmt: skip
 
 
-BENCHMARK = driver.Benchmark(
+BENCHMARK = Benchmark(
     name="ring_dilated", module="benchmarks.ring_dilated", title="ring dilated attention (issue 4)",
     plan=plan, build=strategies.build, report=report, targets=targets, label=strategies.label,
-    plots=lambda s: driver.plot_rows(s, ring.by_world, "ring dilated attention (w=[2K,8K,S], r=[1,4,16]), causal, "
+    plots=lambda s: plot_rows(s, ring.by_world, "ring dilated attention (w=[2K,8K,S], r=[1,4,16]), causal, "
                                      "B1 H8 D64 fp32"),
     seqs=([32768, 65536, 131072, 262144], [8192, 16384]), worlds=[1, 2, 4],
     impls=["ring_dilated", "dense_ring", "single_1t", "single_2t"],
 )  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(driver.main(BENCHMARK))
+    sys.exit(main(BENCHMARK))
