@@ -86,7 +86,7 @@ def test_a_tiny_ring_run_end_to_end(tmp_path):
     assert driver.main(ring.BENCHMARK, [*argv, "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "ring.json").read_text())
     measured = [Row.from_json(r) for r in report["rows"]]
-    assert [(r.case.impl, r.case.world) for r in rows] == [("ring", 2), ("rap", 2)]
+    assert [(r.case.impl, r.case.world) for r in measured] == [("ring", 2), ("rap", 2)]
     for r in measured:
         if r.case.impl == "rap":  # a missing peer is skipped with the command that installs it, never an error
             assert r.fwdbwd_s is not None or "python -m benchmarks install-peers" in r.notes[0]
