@@ -1,12 +1,6 @@
 """Single-process dilated attention: ds_ring vs dense SDPA vs ``dilated-attention-pytorch`` (issue 2).
 
-``python -m benchmarks.dilated [--quick] [--out DIR]``: batch 1, 8 heads, head_dim 64, fp32, 2 threads, LongNet
-branches ``w = [2048, 4096, 8192]``, ``r = [1, 2, 4]``, sequence 8K..64K (``--quick``: 8K, 16K), causal and
-non-causal; each case in a fresh process that times the forward (``no_grad``) and the forward+backward within
-``--budget-s`` per phase, the first call of each phase being its warm-up and its memory measurement
-(``benchmarks/README.md``). ``ds_ring``: ``ds_ring.dilated_attention`` (every head computes every branch); ``dense``:
-SDPA over the whole sequence; ``dap``: dilated-attention-pytorch 0.2.0, which splits the heads among the branches
-(~1/3 of the work: the ``work ÷ dap`` column says how much).
+``python -m benchmarks.dilated [--quick] [--out DIR]``; what it measures and its columns: ``benchmarks/README.md``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Training a Hugging Face model sequence-parallel: ds_ring's strategies vs DeepSpeed's ALST (``benchmarks/SUITE.md``).
 
-``python -m benchmarks.hf [--quick] [--seqs 4096 8192 16384] [--impls ...] [--out DIR]``: the model and task of
-``launch/train_hf.py`` (a random-initialised ``LlamaForCausalLM``: hidden 64, 2 layers, 4 heads, 2 K/V heads, fp32;
-the recall task), batch 1, on 2 rank processes × 1 thread, ZeRO 0, AdamW, no gradient clipping. One timed call is one
-whole training step on this rank's shard: forward, loss, backward, optimizer step. The training set-up both ds_ring
-and ALST use (:func:`ds_ring_engine`, :func:`alst_engine`, :func:`train_rank`) serves :mod:`benchmarks.longctx` too.
+``python -m benchmarks.hf [--quick] [--seqs 4096 8192 16384] [--impls ...] [--out DIR]``. The training set-up both
+ds_ring and ALST use here (:func:`ds_ring_engine`, :func:`alst_engine`, :func:`train_rank`) serves
+:mod:`benchmarks.longctx` too.
 """
 
 from __future__ import annotations

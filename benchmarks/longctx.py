@@ -1,24 +1,7 @@
 """Whole-model long context (issue 22): step memory and tokens/s of a Llama-shaped model, ds_ring vs DeepSpeed ALST.
 
-``python -m benchmarks.longctx [--quick] [--seqs 2048 4096 8192] [--vocabs 32000 128256] [--impls ...]``: a
-random-initialised ``LlamaForCausalLM`` (vocab 32,000 or 128,256, hidden 256, SwiGLU 1,024, 4 layers, 8 heads / 4 K/V
-heads, fp32; the sequences of ``launch/train_hf.py``'s recall task with every token counted in the loss, as in
-pre-training), batch 1, 2 rank processes × 1 thread, ZeRO 0, AdamW. One timed call is one training step on this
-rank's shard: forward, loss, backward, optimizer step. The 128,256 vocab runs at half the lengths (4× the logits).
-Implementations:
-
-* ``plain``: ds_ring ring attention (zigzag), ``causal_lm_loss`` on the model's logits, no checkpointing;
-* ``long_context``: the same with ``ring_attention.long_context`` = tiled loss + tiled MLP (``TILE_TOKENS`` tokens
-  per tile) and ``model.gradient_checkpointing_enable()``;
-* ``long_context+disk``: and ``offload_checkpoints: "disk"`` (in the temp directory, on disk here);
-* ``alst``: DeepSpeed 0.19's ALST as its tutorial runs it (``UlyssesSPAttentionHF``, ``deepspeed.initialize(mpu=)``,
-  gradient checkpointing, per-rank mean losses all-gathered and weighted by token counts);
-* ``alst full``: ALST's full recipe on CPU: checkpointing, ``TiledMLP`` patched into ``LlamaMLP`` as its docstring
-  shows (``ceil(seq / hidden)`` shards), the loss through ``TiledFusedLogitsLoss`` on ``TILE_TOKENS``-token shards.
-
-step MiB/rank: each rank's peak RSS during the timed step above its RSS right before it (after one warm-up step, a
-fresh process per configuration); slope: MiB per 1K tokens per rank between the shortest and longest length; fits
-8 GiB: the longest sequence whose process RSS before the step plus the fitted step memory stays within 8 GiB per rank.
+``python -m benchmarks.longctx [--quick] [--seqs 2048 4096 8192] [--vocabs 32000 128256] [--impls ...]``; the model,
+the implementations and the derived figures (slope, fits 8 GiB): ``benchmarks/SUITE.md``.
 """
 
 from __future__ import annotations

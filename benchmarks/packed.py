@@ -1,14 +1,6 @@
 """Packed sequences: documents packed into one sequence cost what the documents cost (issue 12).
 
-``python -m benchmarks.packed [--quick] [--out DIR]``: 8 documents of ``seq / 8`` tokens packed into one sequence
-(``cu_seqlens``), batch 1, 8 heads × 64, fp32, causal:
-
-- single process (``--threads``, default 2): ``packed`` (one call with ``cu_seqlens``) vs ``one by one`` (the same
-  ``ds_ring.dilated_attention`` on each document in turn, outputs concatenated), dense and dilated (``w = [doc/4,
-  doc/2, doc]``, ``r = [1, 2, 4]``) — target packed ÷ one-by-one ≤ 1.10;
-- ring over ``--world`` ranks (default 4, 1 thread each): ``ring packed`` on the packed sequence vs ``ring
-  unpacked``, dense causal attention over the same sequence without documents — the speed-up from blocks that share
-  no document being skipped, and the K/V bytes that are not sent.
+``python -m benchmarks.packed [--quick] [--out DIR]``; what it measures: ``benchmarks/SUITE.md``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """Dense causal ring attention on CPU ranks: ring vs all-gather vs ``ring-attention-pytorch`` (issue 3).
 
-``python -m benchmarks.ring [--quick] [--out DIR]``: per-rank working memory and forward+backward time of dense
-causal attention (batch 1, 8 heads, head_dim 64, fp32), S = 16K..128K in total (``--quick``: 8K, 16K), p = 1, 2, 4
-rank processes × 1 thread. ``ring`` / ``ring_zigzag``: ds_ring's ring with contiguous / zigzag shards; ``allgather``;
-``rap``: ring-attention-pytorch 0.5.20's CPU ring path; ``torch_cp``: PyTorch ``context_parallel`` (fails on CPU; the
-row records the error). At p = 1 the ds_ring variants are one computation: one ``ring`` row stands for all of them.
+``python -m benchmarks.ring [--quick] [--out DIR]``; rows, columns and targets: ``benchmarks/SUITE.md``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
 """Ring dilated attention vs dense ring vs single-process dilated attention, on CPU ranks (issue 4).
 
-``python -m benchmarks.ring_dilated [--quick] [--out DIR]``: causal, batch 1, 8 heads, head_dim 64, fp32, S =
-32K..256K in total (``--quick``: 8K, 16K), p = 1, 2, 4 rank processes × 1 thread. LongNet branches scale with the
-sequence: ``w = [min(2048, S/16), min(8192, S/4), S]``, ``r = [1, 4, 16]``: with shards of S/p tokens the short
-branches stay on a rank and the S branch passes only every 16th K/V row around the ring (DESIGN §2). Rows: ring
-dilated (``ring_dilated_attention``, contiguous), dense ring (zigzag), and ``ds_ring.dilated_attention`` in one
-process with 1 and 2 threads. Dense ring beyond ``--max-call-s`` (256K: ~250 TFLOP useful per call) is recorded as
-skipped with the estimate.
+``python -m benchmarks.ring_dilated [--quick] [--out DIR]``; rows and columns: ``benchmarks/SUITE.md``.
 """
 
 from __future__ import annotations

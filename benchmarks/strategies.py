@@ -1,11 +1,6 @@
 """Sequence-parallel strategies at p = 4: ring vs all-gather vs Ulysses vs hybrid vs DeepSpeed's Ulysses.
 
-``python -m benchmarks.strategies [--quick] [--out DIR]``: four rank processes × 1 thread, topology Ulysses 2 × ring
-2 (``ring``, ``allgather`` and ``ulysses`` use the whole sequence-parallel group of 4; ``hybrid`` all-to-alls inside
-pairs and rings across), contiguous shards; batch 1, 8 heads, head_dim 64, fp32, S = 4K..16K (``--quick``: 2K); dense
-causal, dense non-causal and dilated causal (``w = [S/8, S/2, S]``, ``r = [1, 2, 4]``); forward (``no_grad``) and
-forward+backward, ``--calls`` each. ``deepspeed`` is DeepSpeed's ``DistributedAttention`` with SDPA inside (dense
-only). On 2 cores the 4 ranks time-share: compare strategies with each other.
+``python -m benchmarks.strategies [--quick] [--out DIR]``; what it measures: ``benchmarks/SUITE.md``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """The benchmark suite (issue 8): every figure of ds_ring's sequence parallelism in one run.
 
-``python -m benchmarks [--quick] [--out DIR]``: dense causal attention over S total tokens (full 32K, ``--quick``
-4K), batch 1, 8 heads, head_dim 64, fp32, rank processes × 1 thread (``benchmarks/SUITE.md`` has the details):
-
-1. **Scaling, overlap, strong scaling**: ring, all-gather, Ulysses and hybrid (Ulysses 2 × ring p/2) on p = 1, 2, 4,
-   8, zigzag shards; ``wall ÷ compute`` from the time blocked in ring waits.
-2. **Single process**: dense SDPA and ``ds_ring.dilated_attention`` (``w = S/16 · [1, 2, 4]``, ``r = [1, 2, 4]``)
-   with 1 and 2 threads, dilated-attention-pytorch on the same branches (2 threads).
-3. **Existing libraries** at p = 2: ring-attention-pytorch, DeepSpeed's ``DistributedAttention``, PyTorch
-   ``context_parallel``, next to ds_ring ring and Ulysses on the same contiguous shards.
-4. **Largest total length within a per-rank memory budget** (full 512 MiB, quick 96 MiB) at p = 4.
-5. **Targets**, reported, never asserted.
+``python -m benchmarks [--quick] [--out DIR]``: scaling, overlap and strong scaling of the four strategies; single
+process and existing libraries; the largest total length within a per-rank memory budget; targets, reported, never
+asserted. What each part measures and how to read it: ``benchmarks/SUITE.md``.
 """
 
 from __future__ import annotations
