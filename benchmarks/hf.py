@@ -23,7 +23,7 @@ from benchmarks.rows import Column, Figure, Row, Target, compare, find, markdown
 LABELS = {"ulysses": "ds_ring Ulysses", "ring": "ds_ring ring (zigzag)", "hybrid": "ds_ring hybrid U2×R1",
           "ring dilated": "ds_ring ring dilated", "alst": "DeepSpeed ALST (UlyssesSPAttentionHF)"}  # fmt: skip
 MODEL = SimpleNamespace(dim=64, layers=2, heads=4, kv_heads=2, init_std=0.2, seed=0)
-"""``launch/train_hf.py``'s default model."""
+"""``launch/train_hf.py``'s default model (with its default vocabulary, the task's)."""
 LR = 3e-3
 STEP_FIGURES: list[Figure] = [
     ("throughput", "tokens/s (whole job)", [("", lambda r: r.tokens_per_s, "-o")]),
@@ -94,10 +94,11 @@ def rank_env(case: Case, rank: int) -> None:
 def _model_and_batch(case: Case) -> tuple[Any, dict[str, Any]]:
     import torch
 
+    from launch.train import VOCAB
     from launch.train_hf import RecallDataset, build_model
 
     torch.manual_seed(MODEL.seed)
-    model = build_model(SimpleNamespace(**vars(MODEL), seq=case.seq))
+    model = build_model(SimpleNamespace(**vars(MODEL), vocab=VOCAB, seq=case.seq))
     items = [RecallDataset(case.batch, case.seq, MODEL.seed)[i] for i in range(case.batch)]
     return model, {key: torch.stack([item[key] for item in items]) for key in items[0]}
 
