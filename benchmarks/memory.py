@@ -37,7 +37,8 @@ class Call:
     """One attention call: its strategy, K/V exchange, layout and branches (fractions of the sequence)."""
 
     strategy: str
-    communication: str = "ring"
+    communication: str | None = None
+    """None: the strategy's own (ring for ring and hybrid; Ulysses has no ring dimension and refuses one)."""
     layout: str = "contiguous"
     segments: tuple[float, ...] | None = None
     rates: tuple[int, ...] | None = None
