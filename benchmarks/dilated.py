@@ -1,20 +1,16 @@
 """Single-process dilated attention: ds_ring vs dense SDPA vs ``dilated-attention-pytorch`` (issue 2).
 
-``python -m benchmarks.dilated [--quick] [--out DIR]``: batch 1, 8 heads, head_dim 64, fp32, 2 threads, LongNet
-branches ``w = [2048, 4096, 8192]``, ``r = [1, 2, 4]``, sequence 8K..64K (``--quick``: 8K, 16K), causal and
-non-causal; each case in a fresh process that times the forward (``no_grad``) and the forward+backward within
-``--budget-s`` per phase, the first call of each phase being its warm-up and its memory measurement
-(``benchmarks/README.md``). ``ds_ring``: ``ds_ring.dilated_attention`` (every head computes every branch); ``dense``:
-SDPA over the whole sequence; ``dap``: dilated-attention-pytorch 0.2.0, which splits the heads among the branches
-(~1/3 of the work: the ``work ÷ dap`` column says how much).
+``python -m benchmarks.dilated [--quick] [--out DIR]``; what it measures and its columns: ``benchmarks/README.md``.
 """
 
 from __future__ import annotations
 
 import sys
 
-from benchmarks import driver, peers
-from benchmarks.driver import Case, Column, Session, find, ratio
+from benchmarks import peers
+from benchmarks.cases import AttentionFn, Case
+from benchmarks.driver import Benchmark, Session, main
+from benchmarks.rows import Column, find, markdown_table, plot_rows, ratio
 
 SEGMENT_LENGTHS, DILATION_RATES = (2048, 4096, 8192), (1, 2, 4)
 LABELS = {"ds_ring": "ds_ring", "dense": "dense SDPA", "dap": "dilated-attention-pytorch 0.2.0"}
@@ -22,7 +18,7 @@ MATMUL_N = 4096
 """The ``% matmul`` ceiling: fp32 ``n×n`` matmul with the cases' threads, best of the start and end of the run."""
 
 
-def build(case: Case, rank: int, timeout_s: float) -> driver.AttentionFn:
+def build(case: Case, rank: int, timeout_s: float) -> AttentionFn:
     """``ds_ring``, ``dense`` or ``dap`` in this process (no process group); also the suite's single-process rows."""
     import ds_ring
 
@@ -62,7 +58,7 @@ def report(session: Session) -> str:
         Column("work ÷ dap", lambda r: ratio(r, peer("dap")(r), "useful_gflop"), "{:.2f}"), "other load %", "notes",
     ]  # fmt: skip
     head = f"{session.args.threads} threads, fp32 matmul {MATMUL_N}²: {ceiling:.1f} GFLOP/s."
-    return head + "\n\n" + driver.markdown_table(rows, columns)
+    return head + "\n\n" + markdown_table(rows, columns)
 
 
 def plots(session: Session) -> None:
@@ -72,10 +68,10 @@ def plots(session: Session) -> None:
                                                                   lambda r: r.fwd_first_extra_mib))]  # fmt: skip
     branches = f"w={list(SEGMENT_LENGTHS)} r={list(DILATION_RATES)}"
     title = f"dilated attention, B1 H8 D64 fp32, {session.args.threads} threads, {branches}"
-    driver.plot_rows(session, lambda r: "causal" if r.case.causal else "non-causal", title, figures)
+    plot_rows(session, lambda r: "causal" if r.case.causal else "non-causal", title, figures)
 
 
-BENCHMARK = driver.Benchmark(
+BENCHMARK = Benchmark(
     name="dilated", module="benchmarks.dilated", title="single-process dilated attention (issue 2)",
     plan=plan, build=build, report=report, plots=plots, threads=2, label=lambda case: LABELS[case.impl],
     seqs=([8192, 16384, 32768, 65536], [8192, 16384]), impls=list(LABELS), flop=peers.flop,
@@ -85,4 +81,4 @@ BENCHMARK = driver.Benchmark(
 )  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(driver.main(BENCHMARK))
+    sys.exit(main(BENCHMARK))

@@ -1,41 +1,24 @@
 """Whole-model long context (issue 22): step memory and tokens/s of a Llama-shaped model, ds_ring vs DeepSpeed ALST.
 
-``python -m benchmarks.longctx [--quick] [--seqs 2048 4096 8192] [--vocabs 32000 128256] [--impls ...]``: a
-random-initialised ``LlamaForCausalLM`` (vocab 32,000 or 128,256, hidden 256, SwiGLU 1,024, 4 layers, 8 heads / 4 K/V
-heads, fp32; the sequences of ``launch/train_hf.py``'s recall task with every token counted in the loss, as in
-pre-training), batch 1, 2 rank processes × 1 thread, ZeRO 0, AdamW. One timed call is one training step on this
-rank's shard: forward, loss, backward, optimizer step. The 128,256 vocab runs at half the lengths (4× the logits).
-Implementations:
-
-* ``plain``: ds_ring ring attention (zigzag), ``causal_lm_loss`` on the model's logits, no checkpointing;
-* ``long_context``: the same with ``ring_attention.long_context`` = tiled loss + tiled MLP (``TILE_TOKENS`` tokens
-  per tile) and ``model.gradient_checkpointing_enable()``;
-* ``long_context+disk``: and ``offload_checkpoints: "disk"`` (in the temp directory, on disk here);
-* ``alst``: DeepSpeed 0.19's ALST as its tutorial runs it (``UlyssesSPAttentionHF``, ``deepspeed.initialize(mpu=)``,
-  gradient checkpointing, per-rank mean losses all-gathered and weighted by token counts);
-* ``alst full``: ALST's full recipe on CPU: checkpointing, ``TiledMLP`` patched into ``LlamaMLP`` as its docstring
-  shows (``ceil(seq / hidden)`` shards), the loss through ``TiledFusedLogitsLoss`` on ``TILE_TOKENS``-token shards.
-
-step MiB/rank: each rank's peak RSS during the timed step above its RSS right before it (after one warm-up step, a
-fresh process per configuration); slope: MiB per 1K tokens per rank between the shortest and longest length; fits
-8 GiB: the longest sequence whose process RSS before the step plus the fitted step memory stays within 8 GiB per rank.
+``python -m benchmarks.longctx [--quick] [--seqs 2048 4096 8192] [--vocabs 32000 128256] [--impls ...]``; the model,
+the implementations and the derived figures (slope, fits 8 GiB): ``benchmarks/SUITE.md``.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import sys
 import tempfile
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
-from benchmarks import driver
-from benchmarks.driver import Case, Column, Row, Session, Target, compare, find, fmt_seq, ratio
-from benchmarks.hf import train_rank
+from benchmarks.cases import Case, useful_gflop
+from benchmarks.common import fmt_seq
+from benchmarks.driver import Benchmark, Session, main
+from benchmarks.hf import STEP_FIGURES, alst_engine, ds_ring_engine, rank_env, step_columns, train_rank
+from benchmarks.rows import Column, Row, Target, compare, find, markdown_table, plot_rows
 
-IMPLS = ("plain", "long_context", "long_context+disk", "alst", "alst full")
 LABELS = {"plain": "ds_ring ring", "long_context": "ds_ring long_context",
           "long_context+disk": "ds_ring long_context + disk", "alst": "ALST tutorial (checkpointing)",
           "alst full": "ALST full recipe"}  # fmt: skip
@@ -72,30 +55,17 @@ def _model_and_batch(case: Case) -> tuple[Any, dict[str, Any]]:
     return LlamaForCausalLM(config), {"input_ids": input_ids, "labels": input_ids}  # every token counted
 
 
-def _zero0(case: Case) -> dict[str, Any]:
-    return {"train_micro_batch_size_per_gpu": case.batch, "gradient_clipping": 0.0, "zero_optimization": {"stage": 0},
-            "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}  # fmt: skip
-
-
 def _ds_ring_step(case: Case) -> Callable[[], None]:
-    import torch
-
-    import ds_ring
-    from ds_ring.integrations.hf import causal_lm_loss, register_with_transformers, shard_batch
+    from ds_ring.integrations.hf import causal_lm_loss
 
     model, batch = _model_and_batch(case)
-    section: dict[str, Any] = {"strategy": "ring", "layout": case.layout, "timeout_s": 600}
+    section: dict[str, Any] = {"strategy": "ring"}
     if case.impl != "plain":
         section["long_context"] = {"tiled_loss": True, "tiled_mlp": True, "tile_tokens": TILE_TOKENS}
         model.gradient_checkpointing_enable()
     if case.impl == "long_context+disk":
         section["long_context"].update(offload_checkpoints="disk", offload_dir=tempfile.gettempdir())
-    config = {**_zero0(case), "ring_attention": section}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    engine, *_ = ds_ring.initialize(model=model, optimizer=optimizer, config=config, seq_len=case.seq)
-    session = register_with_transformers(model, config=config, topology=engine.mpu)
-    session.apply_long_context(model)
-    inputs = shard_batch(session, batch)
+    engine, session, inputs = ds_ring_engine(case, model, batch, section, LR)
 
     def step() -> None:
         out = engine(**inputs)
@@ -117,11 +87,9 @@ def _tiled_mlp_forward(self: Any, x: Any) -> Any:
 
 
 def _alst_step(case: Case, rank: int) -> Callable[[], None]:
-    import deepspeed
-    import torch
     import torch.distributed.nn.functional as dist_nn
     import torch.nn.functional as F
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, UlyssesSPAttentionHF
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
     from transformers.models.llama import modeling_llama
 
     full = case.impl == "alst full"
@@ -129,18 +97,7 @@ def _alst_step(case: Case, rank: int) -> Callable[[], None]:
         modeling_llama.LlamaMLP.forward = _tiled_mlp_forward
     model, batch = _model_and_batch(case)
     model.gradient_checkpointing_enable()
-    deepspeed.init_distributed(dist_backend="gloo")
-    mpu = UlyssesSPAttentionHF.register_with_transformers(
-        model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=case.world,
-        micro_batch_size=case.batch, seq_length=case.seq, seq_length_is_variable=True,
-    )  # fmt: skip
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=_zero0(case), mpu=mpu)
-    group, sp = mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_world_size()
-    labels = F.pad(batch["labels"], (0, 1), value=-100)[:, 1:]  # the adapter's shift_labels
-    positions = torch.arange(case.seq).expand(case.batch, -1)
-    shard = slice(rank * case.seq // sp, (rank + 1) * case.seq // sp)
-    input_ids, position_ids, shift_labels = (x[:, shard] for x in (batch["input_ids"], positions, labels))
+    engine, group, sp, input_ids, position_ids, shift_labels = alst_engine(case, rank, model, batch, LR)
     vocab, lm = _vocab(case), engine.module
 
     def summed_loss(head: Any, hidden: Any, targets: Any) -> Any:
@@ -166,8 +123,7 @@ def _alst_step(case: Case, rank: int) -> Callable[[], None]:
 
 def build(case: Case, rank: int, timeout_s: float) -> Callable[[], None]:
     """One training step of ``case`` on this rank (the model, optimizer and shard built once here)."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(case.world), MASTER_ADDR="127.0.0.1")
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    rank_env(case, rank)
     return _alst_step(case, rank) if case.impl.startswith("alst") else _ds_ring_step(case)
 
 
@@ -179,31 +135,21 @@ def plan(session: Session) -> None:
                 session.run(_case(impl, seq, vocab))
 
 
-def _series(rows: list[Row], impl: str, vocab: int) -> list[Row]:
-    return sorted(
-        (r for r in rows if r.case.impl == impl and _vocab(r.case) == vocab and r.peak_mib), key=lambda r: r.case.seq
-    )
-
-
-def slope_mib_per_1k(rows: list[Row], impl: str, vocab: int) -> float | None:
-    """Step MiB per 1K tokens per rank between the shortest and the longest length measured."""
-    series = _series(rows, impl, vocab)
+def slope_and_fit(rows: list[Row], impl: str, vocab: int) -> tuple[float | None, int | None]:
+    """Step MiB per 1K tokens per rank between the shortest and the longest length measured, and the longest
+    sequence (total tokens, 2 ranks) whose RSS before the step + the fitted step MiB fit ``BUDGET_MIB``."""
+    series = sorted((r for r in rows if r.case.impl == impl and _vocab(r.case) == vocab and r.peak_mib),
+                    key=lambda r: r.case.seq)  # fmt: skip
     if len(series) < 2:
-        return None
+        return None, None
     first, last = series[0], series[-1]
-    per_rank = lambda r: r.case.seq / r.case.world / 1000
-    return (last.peak_mib - first.peak_mib) / (per_rank(last) - per_rank(first))
-
-
-def fits_tokens(rows: list[Row], impl: str, vocab: int) -> int | None:
-    """The longest sequence (total tokens, 2 ranks) whose RSS before the step + fitted step MiB fit ``BUDGET_MIB``."""
-    series, slope = _series(rows, impl, vocab), slope_mib_per_1k(rows, impl, vocab)
-    if not series or not slope or slope <= 0:
-        return None
-    last = series[-1]
+    per_rank_k = lambda r: r.case.seq / r.case.world / 1000
+    slope = (last.peak_mib - first.peak_mib) / (per_rank_k(last) - per_rank_k(first))
+    if slope <= 0:
+        return slope, None
     before = last.largest("rss_before_inputs_mib") or 0.0
-    per_rank_k = last.case.seq / last.case.world / 1000 + (BUDGET_MIB - before - last.peak_mib) / slope
-    return int(per_rank_k * 1000 * last.case.world) if per_rank_k > 0 else 0
+    fit_k = per_rank_k(last) + (BUDGET_MIB - before - last.peak_mib) / slope
+    return slope, int(fit_k * 1000 * last.case.world) if fit_k > 0 else 0
 
 
 def targets(session: Session) -> list[Target]:
@@ -221,43 +167,31 @@ def targets(session: Session) -> list[Target]:
 
 
 def report(session: Session) -> str:
-    rows = session.rows
+    args, rows = session.args, session.rows
     alst = lambda r: find(rows, impl="alst full", seq=r.case.seq, tag=r.case.tag)
-    table = driver.markdown_table(rows, [
-        Column("vocab", lambda r: r.case.tag, "{}"), "impl", "seq", Column("step s", lambda r: r.fwdbwd_s, "{:.2f}"),
-        "tokens/s", Column("tokens/s ÷ ALST full", lambda r: ratio(alst(r), r), "{:.2f}"),
-        Column("step MiB/rank", lambda r: r.peak_mib, "{:.0f}"),
-        Column("step MiB ÷ ALST full", lambda r: ratio(r, alst(r), "peak_mib"), "{:.2f}"),
+    table = markdown_table(rows, [
+        Column("vocab", lambda r: r.case.tag), "impl", "seq", *step_columns(alst, "ALST full", "{:.2f}", "{:.0f}"),
         Column("RSS before step MiB", lambda r: r.largest("rss_before_inputs_mib"), "{:.0f}"), "other load %", "notes",
     ])  # fmt: skip
-    lines = ["| vocab | impl | slope MiB per 1K tokens/rank | fits 8 GiB/rank (tokens, 2 ranks) |", "|---|---|---|---|"]
-    for vocab in session.args.vocabs:
-        for impl in session.args.impls:
-            slope, fits = slope_mib_per_1k(rows, impl, vocab), fits_tokens(rows, impl, vocab)
-            if slope is not None:
-                lines.append(f"| {vocab} | {LABELS[impl]} | {slope:.1f} | {fits:,} |" if fits is not None else
-                             f"| {vocab} | {LABELS[impl]} | {slope:.1f} | — |")  # fmt: skip
-    session.extra["slopes"] = {f"{v} {i}": [slope_mib_per_1k(rows, i, v), fits_tokens(rows, i, v)]
-                               for v in session.args.vocabs for i in session.args.impls}  # fmt: skip
-    return table + "\n\n" + "\n".join(lines)
+    session.extra["slopes"] = {f"{v} {i}": list(slope_and_fit(rows, i, v)) for v in args.vocabs for i in args.impls}
+    slopes = [(key.split(" ", 1), *fit) for key, fit in session.extra["slopes"].items() if fit[0] is not None]
+    return table + "\n\n" + markdown_table(slopes, [
+        Column("vocab", lambda s: s[0][0]), Column("impl", lambda s: LABELS[s[0][1]]),
+        Column("slope MiB per 1K tokens/rank", lambda s: s[1], "{:.1f}"),
+        Column("fits 8 GiB/rank (tokens, 2 ranks)", lambda s: s[2], "{:,}"),
+    ])  # fmt: skip
 
 
-def _add_args(parser: Any) -> None:
-    parser.add_argument("--vocabs", type=int, nargs="+", default=list(VOCABS), help="vocabulary sizes")
-
-
-BENCHMARK = driver.Benchmark(
+BENCHMARK = Benchmark(
     name="longctx", module="benchmarks.longctx",
     title="Whole-model long context: Llama 4 layers, hidden 256, 2 ranks — ds_ring vs DeepSpeed ALST",
-    plan=plan, build=build, report=report, targets=targets, add_args=_add_args,
-    label=lambda case: f"{LABELS[case.impl]}, vocab {case.tag}",
-    seqs=([2048, 4096, 8192], [1024, 2048]), impls=list(IMPLS),
-    plots=lambda s: driver.plot_rows(s, lambda r: f"vocab {r.case.tag}", "Llama 4×256 step, 2 ranks × 1 thread", [
-        ("memory", "step memory per rank (MiB)", [("", lambda r: r.peak_mib, "-o")]),
-        ("throughput", "tokens/s (whole job)", [("", lambda r: r.tokens_per_s, "-o")])], logy=False),
-    flop=lambda case: MODEL.layers * driver.useful_gflop(case), packages=("deepspeed", "transformers"), calls=1,
-    rank=train_rank,
+    plan=plan, build=build, report=report, targets=targets, label=lambda case: f"{LABELS[case.impl]}, vocab {case.tag}",
+    add_args=lambda p: p.add_argument("--vocabs", type=int, nargs="+", default=list(VOCABS), help="vocabulary sizes"),
+    seqs=([2048, 4096, 8192], [1024, 2048]), impls=list(LABELS), calls=1, rank=train_rank,
+    plots=lambda s: plot_rows(s, lambda r: f"vocab {r.case.tag}", "Llama 4×256 step, 2 ranks × 1 thread",
+                              STEP_FIGURES, logy=False),
+    flop=lambda case: MODEL.layers * useful_gflop(case), packages=("deepspeed", "transformers"),
 )  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(driver.main(BENCHMARK))
+    sys.exit(main(BENCHMARK))

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import driver
+from benchmarks.common import MIB, Series, current_rss_bytes, plot_panels, proc_mib, release_free_memory, write_json
 from ds_ring.testing import rank_results, spawn_ranks
 
 HEADS, HEAD_DIM = 8, 64
@@ -37,7 +37,8 @@ class Call:
     """One attention call: its strategy, K/V exchange, layout and branches (fractions of the sequence)."""
 
     strategy: str
-    communication: str = "ring"
+    communication: str | None = None
+    """None: the strategy's own (ring for ring and hybrid; Ulysses has no ring dimension and refuses one)."""
     layout: str = "contiguous"
     segments: tuple[float, ...] | None = None
     rates: tuple[int, ...] | None = None
@@ -71,13 +72,13 @@ def _measure(rank: int, world: int, call: Call, local_len: int, device: str) -> 
     q, k, v, dout = (torch.randn((1, local_len, HEADS, HEAD_DIM), generator=g).to(device) for _ in range(4))
     for x in (q, k, v):
         x.requires_grad_()
-    driver.release_free_memory()  # gc, and (CPU) freed heap back to the OS before the baseline
+    release_free_memory()  # gc, and (CPU) freed heap back to the OS before the baseline
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated() / driver.MIB
+        base = torch.cuda.memory_allocated() / MIB
     else:
-        base = driver.current_rss_bytes() / driver.MIB
+        base = current_rss_bytes() / MIB
         Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     start = time.perf_counter()
     out = ds_ring.sequence_parallel_attention(
@@ -88,10 +89,10 @@ def _measure(rank: int, world: int, call: Call, local_len: int, device: str) -> 
     seconds = time.perf_counter() - start
     if device == "cuda":
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() / driver.MIB
+        peak = torch.cuda.max_memory_allocated() / MIB
     else:
-        peak = driver.proc_mib("VmHWM", "/proc/self/status")
-    return {"extra_mib": peak - base, "seconds": seconds, "q_shard_mib": q.numel() * q.element_size() / driver.MIB}
+        peak = proc_mib("VmHWM", "/proc/self/status")
+    return {"extra_mib": peak - base, "seconds": seconds, "q_shard_mib": q.numel() * q.element_size() / MIB}
 
 
 def measure(name: str, world: int, device: str, timeout_s: float) -> dict[str, Any]:
@@ -117,8 +118,8 @@ def plot(results: dict[str, list[dict]], path: Path, labels: tuple[str, ...] = (
             mine = [r for r in results[label] if r["call"] == name]
             ranks, style = [r["ranks"] for r in mine], "--o" if label == "before" else "-o"
             for key, series in panels.items():
-                series.append(driver.Series(f"{name} ({label})", ranks, [r[key] for r in mine], style))
-    driver.plot_panels(
+                series.append(Series(f"{name} ({label})", ranks, [r[key] for r in mine], style))
+    plot_panels(
         path, [("activation memory slope", panels["slope_q_shards"]), ("fixed cost", panels["fixed_mib"])],
         xlabel="ranks", ylabel=["slope (q-shards per rank)", "fixed MiB per rank"], xticks=[1, 2, 4, 8], logy=False,
         title="activation memory per rank of one fwd+bwd, fp32, 8 heads × 64, causal",
@@ -147,7 +148,7 @@ def main() -> None:
             print(f"{name:18s} p={world}  slope {r['slope_q_shards']:5.2f} q-shards  fixed {r['fixed_mib']:6.1f} MiB  "
                   f"extra {e1:.0f}/{e2:.0f} MiB  time {t1:.2f}/{t2:.2f} s", flush=True)  # fmt: skip
             results[args.label] = rows = [*rows, r]
-            driver.write_json(path, results)
+            write_json(path, results)
     plot(results, args.out / "memory.png")
 
 

@@ -1,14 +1,6 @@
 """Packed sequences: documents packed into one sequence cost what the documents cost (issue 12).
 
-``python -m benchmarks.packed [--quick] [--out DIR]``: 8 documents of ``seq / 8`` tokens packed into one sequence
-(``cu_seqlens``), batch 1, 8 heads × 64, fp32, causal:
-
-- single process (``--threads``, default 2): ``packed`` (one call with ``cu_seqlens``) vs ``one by one`` (the same
-  ``ds_ring.dilated_attention`` on each document in turn, outputs concatenated), dense and dilated (``w = [doc/4,
-  doc/2, doc]``, ``r = [1, 2, 4]``) — target packed ÷ one-by-one ≤ 1.10;
-- ring over ``--world`` ranks (default 4, 1 thread each): ``ring packed`` on the packed sequence vs ``ring
-  unpacked``, dense causal attention over the same sequence without documents — the speed-up from blocks that share
-  no document being skipped, and the K/V bytes that are not sent.
+``python -m benchmarks.packed [--quick] [--out DIR]``; what it measures: ``benchmarks/SUITE.md``.
 """
 
 from __future__ import annotations
@@ -16,8 +8,10 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
-from benchmarks import driver
-from benchmarks.driver import Case, Column, Row, Session, Target, compare, find, fmt_seq, ratio, useful_gflop
+from benchmarks.cases import AttentionFn, Case, case_pairs, useful_gflop
+from benchmarks.common import MIB, fmt_seq
+from benchmarks.driver import Benchmark, Session, main
+from benchmarks.rows import TIME, Column, Row, Target, compare, find, markdown_table, plot_rows, ratio
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -26,7 +20,7 @@ DOCUMENTS = 8
 RATES = (1, 2, 4)
 
 
-def build(case: Case, rank: int, timeout_s: float) -> driver.AttentionFn:
+def build(case: Case, rank: int, timeout_s: float) -> AttentionFn:
     """The case's attention on local shards; documents are ``DOCUMENTS`` equal parts of the global sequence."""
     import torch
 
@@ -54,7 +48,7 @@ def flop(case: Case) -> float:
     """Useful GFLOP: the documents' work for packed rows, the whole sequence's for ``ring unpacked``."""
     if case.impl == "ring_unpacked":
         return useful_gflop(case)
-    return useful_gflop(case, DOCUMENTS * driver.case_pairs(case, case.seq // DOCUMENTS))
+    return useful_gflop(case, DOCUMENTS * case_pairs(case, case.seq // DOCUMENTS))
 
 
 def plan(session: Session) -> None:
@@ -79,7 +73,7 @@ def peer(rows: list[Row], r: Row) -> Row | None:
 def sent_mib(r: Row) -> float | None:
     """MiB of K/V (and gradients) the largest rank sent around the ring."""
     sent = r.largest("ring_bytes_sent")
-    return None if sent is None else sent / driver.MIB
+    return None if sent is None else sent / MIB
 
 
 def targets(session: Session) -> list[Target]:
@@ -97,7 +91,7 @@ def targets(session: Session) -> list[Target]:
 
 def report(session: Session) -> str:
     rows = session.rows
-    return driver.markdown_table(rows, [
+    return markdown_table(rows, [
         "impl", Column("attention", lambda r: r.case.tag), "seq",
         Column("ranks", lambda r: r.case.world if r.case.group else 1), "fwd+bwd s",
         Column("time ÷ peer", lambda r: ratio(r, peer(rows, r)), "{:.3f}"), "useful GFLOP/s",
@@ -106,16 +100,16 @@ def report(session: Session) -> str:
     ])  # fmt: skip
 
 
-BENCHMARK = driver.Benchmark(
+BENCHMARK = Benchmark(
     name="packed", module="benchmarks.packed", title="packed sequences (issue 12)", plan=plan, build=build,
     report=report, targets=targets, seqs=([8192, 32768], [8192]), threads=2,
     add_args=lambda p: p.add_argument("--world", type=int, default=4, help="ranks of the ring rows (default 4)"),
-    plots=lambda s: driver.plot_rows(s, lambda r: r.case.tag, f"packed: {DOCUMENTS} documents, B1 H8 D64 fp32, causal",
-                                     [driver.TIME]),
+    plots=lambda s: plot_rows(s, lambda r: r.case.tag, f"packed: {DOCUMENTS} documents, B1 H8 D64 fp32, causal",
+                                     [TIME]),
     label=lambda case: case.impl.replace("_", " "), flop=flop, calls=2, max_call_s=(300.0, 120.0),
     config=lambda args: {"documents": DOCUMENTS, "batch": 1, "heads": 8, "head_dim": 64, "dtype": "float32",
                          "causal": True, "threads": args.threads, "world": args.world, "rates": RATES},
 )  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(driver.main(BENCHMARK))
+    sys.exit(main(BENCHMARK))

@@ -14,7 +14,7 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
-from benchmarks.driver import AttentionFn, Case, Skip, causal_pairs, kept_positions, useful_gflop
+from benchmarks.cases import AttentionFn, Case, Skip, causal_pairs, kept_positions, useful_gflop
 
 if TYPE_CHECKING:
     from torch import Tensor

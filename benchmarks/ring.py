@@ -1,18 +1,17 @@
 """Dense causal ring attention on CPU ranks: ring vs all-gather vs ``ring-attention-pytorch`` (issue 3).
 
-``python -m benchmarks.ring [--quick] [--out DIR]``: per-rank working memory and forward+backward time of dense
-causal attention (batch 1, 8 heads, head_dim 64, fp32), S = 16K..128K in total (``--quick``: 8K, 16K), p = 1, 2, 4
-rank processes × 1 thread. ``ring`` / ``ring_zigzag``: ds_ring's ring with contiguous / zigzag shards; ``allgather``;
-``rap``: ring-attention-pytorch 0.5.20's CPU ring path; ``torch_cp``: PyTorch ``context_parallel`` (fails on CPU; the
-row records the error). At p = 1 the ds_ring variants are one computation: one ``ring`` row stands for all of them.
+``python -m benchmarks.ring [--quick] [--out DIR]``; rows, columns and targets: ``benchmarks/SUITE.md``.
 """
 
 from __future__ import annotations
 
 import sys
 
-from benchmarks import driver, peers, strategies
-from benchmarks.driver import Case, Column, Row, Session, Target, compare, find, fmt_seq, ratio
+from benchmarks import peers, strategies
+from benchmarks.cases import Case
+from benchmarks.common import fmt_seq
+from benchmarks.driver import Benchmark, Session, main
+from benchmarks.rows import Column, Row, Target, compare, find, markdown_table, plot_rows, ratio
 
 IMPLS = {"ring": ("ring", "contiguous"), "ring_zigzag": ("ring", "zigzag"), "allgather": ("allgather", "contiguous"),
          "rap": ("rap", "contiguous"), "torch_cp": ("torch_cp", "contiguous")}  # fmt: skip
@@ -20,7 +19,7 @@ IMPLS = {"ring": ("ring", "contiguous"), "ring_zigzag": ("ring", "zigzag"), "all
 COLUMNS = ["impl", "seq", "procs × threads", "fwd+bwd s", "tokens/s", "useful GFLOP/s", "peak MiB/rank",
            "inputs MiB/rank"]  # fmt: skip
 TAIL = ["wall ÷ compute", "warm-up err", "other load %", "notes"]
-"""Columns every multi-rank table starts and ends with (:data:`driver.COLUMNS`)."""
+"""Columns every multi-rank table starts and ends with (:data:`benchmarks.rows.COLUMNS`)."""
 
 
 def plan(session: Session) -> None:
@@ -65,7 +64,7 @@ def targets(session: Session) -> list[Target]:
 
 def report(session: Session) -> str:
     rows = session.rows
-    return driver.markdown_table(rows, [
+    return markdown_table(rows, [
         *COLUMNS, Column("mem ÷ p=1", lambda r: ratio(r, p1(rows, r), "peak_mib"), "{:.2f}"),
         Column("speed-up vs p=1", lambda r: ratio(p1(rows, r), r), "{:.2f}"),
         Column("× faster than rap", lambda r: ratio(rap(rows, r), r), "{:.1f}"), *TAIL,
@@ -77,14 +76,14 @@ def by_world(r: Row) -> str:
     return f"p = {r.case.world} rank{'s' if r.case.world > 1 else ''} × 1 thread"
 
 
-BENCHMARK = driver.Benchmark(
+BENCHMARK = Benchmark(
     name="ring", module="benchmarks.ring", title="dense causal ring attention (issue 3)",
     plan=plan, build=strategies.build, report=report, targets=targets,
     label=strategies.label,
-    plots=lambda s: driver.plot_rows(s, by_world, "dense causal ring attention, B1 H8 D64 fp32, 1 thread per rank"),
+    plots=lambda s: plot_rows(s, by_world, "dense causal ring attention, B1 H8 D64 fp32, 1 thread per rank"),
     seqs=([16384, 32768, 65536, 131072], [8192, 16384]), worlds=[1, 2, 4], impls=list(IMPLS),
     efficiency=peers.EFFICIENCY, packages=("ring-attention-pytorch", "deepspeed"),
 )  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(driver.main(BENCHMARK))
+    sys.exit(main(BENCHMARK))

@@ -1,20 +1,17 @@
 """Ring dilated attention vs dense ring vs single-process dilated attention, on CPU ranks (issue 4).
 
-``python -m benchmarks.ring_dilated [--quick] [--out DIR]``: causal, batch 1, 8 heads, head_dim 64, fp32, S =
-32K..256K in total (``--quick``: 8K, 16K), p = 1, 2, 4 rank processes × 1 thread. LongNet branches scale with the
-sequence: ``w = [min(2048, S/16), min(8192, S/4), S]``, ``r = [1, 4, 16]``: with shards of S/p tokens the short
-branches stay local, the S branch sends 1 K/V row in 16 on the ring (docs/design.md §Sharding across ranks). Rows: ring
-dilated (``ring_dilated_attention``, contiguous), dense ring (zigzag), and ``ds_ring.dilated_attention`` in one
-process with 1 and 2 threads. Dense ring beyond ``--max-call-s`` (256K: ~250 TFLOP useful per call) is recorded as
-skipped with the estimate.
+``python -m benchmarks.ring_dilated [--quick] [--out DIR]``; rows and columns: ``benchmarks/SUITE.md``.
 """
 
 from __future__ import annotations
 
 import sys
 
-from benchmarks import driver, ring, strategies
-from benchmarks.driver import Case, Column, Row, Session, Target, compare, find, fmt_seq, ratio
+from benchmarks import ring, strategies
+from benchmarks.cases import Case
+from benchmarks.common import fmt_seq
+from benchmarks.driver import Benchmark, Session, main
+from benchmarks.rows import Column, Row, Target, compare, find, markdown_table, plot_rows, ratio
 
 
 def case_of(name: str, seq: int, p: int) -> Case:
@@ -56,7 +53,7 @@ def targets(session: Session) -> list[Target]:
 def report(session: Session) -> str:
     ref = lambda i: lambda r: refs(session.rows, r)[i]
     segs = lambda c: f"[{', '.join(map(fmt_seq, c.segment_lengths))}] / {list(c.dilation_rates)}"
-    return driver.markdown_table(session.rows, [
+    return markdown_table(session.rows, [
         *ring.COLUMNS, Column("w / r", lambda r: segs(r.case) if r.case.segment_lengths else "dense"),
         Column("mem ÷ p=1", lambda r: ratio(r, ref(0)(r), "peak_mib"), "{:.2f}"),
         Column("speed-up vs p=1", lambda r: ratio(ref(0)(r), r), "{:.2f}"),
@@ -66,14 +63,14 @@ def report(session: Session) -> str:
     ])  # fmt: skip
 
 
-BENCHMARK = driver.Benchmark(
+BENCHMARK = Benchmark(
     name="ring_dilated", module="benchmarks.ring_dilated", title="ring dilated attention (issue 4)",
     plan=plan, build=strategies.build, report=report, targets=targets, label=strategies.label,
-    plots=lambda s: driver.plot_rows(s, ring.by_world, "ring dilated attention (w=[2K,8K,S], r=[1,4,16]), causal, "
+    plots=lambda s: plot_rows(s, ring.by_world, "ring dilated attention (w=[2K,8K,S], r=[1,4,16]), causal, "
                                      "B1 H8 D64 fp32"),
     seqs=([32768, 65536, 131072, 262144], [8192, 16384]), worlds=[1, 2, 4],
     impls=["ring_dilated", "dense_ring", "single_1t", "single_2t"],
 )  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(driver.main(BENCHMARK))
+    sys.exit(main(BENCHMARK))

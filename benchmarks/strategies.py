@@ -1,11 +1,6 @@
 """Sequence-parallel strategies at p = 4: ring vs all-gather vs Ulysses vs hybrid vs DeepSpeed's Ulysses.
 
-``python -m benchmarks.strategies [--quick] [--out DIR]``: four rank processes × 1 thread, topology Ulysses 2 × ring
-2 (``ring``, ``allgather`` and ``ulysses`` use the whole sequence-parallel group of 4; ``hybrid`` all-to-alls inside
-pairs and rings across), contiguous shards; batch 1, 8 heads, head_dim 64, fp32, S = 4K..16K (``--quick``: 2K); dense
-causal, dense non-causal and dilated causal (``w = [S/8, S/2, S]``, ``r = [1, 2, 4]``); forward (``no_grad``) and
-forward+backward, ``--calls`` each. ``deepspeed`` is DeepSpeed's ``DistributedAttention`` with SDPA inside (dense
-only). On 2 cores the 4 ranks time-share: compare strategies with each other.
+``python -m benchmarks.strategies [--quick] [--out DIR]``; what it measures: ``benchmarks/SUITE.md``.
 """
 
 from __future__ import annotations
@@ -14,8 +9,10 @@ import functools
 import sys
 from typing import Any
 
-from benchmarks import dilated, driver, peers
-from benchmarks.driver import Case, Column, Session, find, ratio
+from benchmarks import dilated, peers
+from benchmarks.cases import AttentionFn, Case
+from benchmarks.driver import Benchmark, Session, main
+from benchmarks.rows import Column, find, markdown_table, plot_rows, ratio
 
 STRATEGIES = ["ring", "allgather", "ulysses", "hybrid"]
 NAMES = {"ring": "ring", "allgather": "all-gather", "ulysses": "Ulysses", "hybrid": "hybrid", "dense": "dense SDPA",
@@ -34,7 +31,7 @@ def label(case: Case) -> str:
     return name if case.group else f"{name}, 1 process × {case.threads} thread{'s' if case.threads > 1 else ''}"
 
 
-def build(case: Case, rank: int, timeout_s: float) -> driver.AttentionFn:
+def build(case: Case, rank: int, timeout_s: float) -> AttentionFn:
     """``ds_ring.sequence_parallel_attention`` with strategy ``case.impl`` over a Topology of ``case.ulysses``
     × ``world / ulysses`` ranks; DeepSpeed's Ulysses over that sequence-parallel group; ring-attention-pytorch
     or ``context_parallel`` (:mod:`benchmarks.peers`); one process (``case.group`` False): :func:`dilated.build`."""
@@ -64,7 +61,7 @@ def report(session: Session) -> str:
     def versus(impl: str) -> Any:
         return lambda r: ratio(r, find(session.rows, impl=impl, seq=r.case.seq, tag=r.case.tag, causal=r.case.causal))
 
-    return driver.markdown_table(session.rows, [
+    return markdown_table(session.rows, [
         "impl", "seq", Column("attention", lambda r: r.case.tag), "causal", "procs × threads", "fwd s", "fwd+bwd s",
         Column("fwd peak MiB/rank", lambda r: r.fwd_peak_mib, "{:.1f}"),
         Column("fwd+bwd peak MiB/rank", lambda r: r.peak_mib, "{:.1f}"),
@@ -73,13 +70,13 @@ def report(session: Session) -> str:
     ])  # fmt: skip
 
 
-BENCHMARK = driver.Benchmark(
+BENCHMARK = Benchmark(
     name="strategies", module="benchmarks.strategies", title="sequence-parallel strategies, p = 4, Ulysses 2 × ring 2",
     plan=plan, build=build, report=report, label=label, packages=("deepspeed",), calls=3,
     seqs=([4096, 8192, 16384], [2048]), impls=[*STRATEGIES, "deepspeed"],
-    plots=lambda s: driver.plot_rows(s, lambda r: f"{r.case.tag}, {'causal' if r.case.causal else 'non-causal'}",
+    plots=lambda s: plot_rows(s, lambda r: f"{r.case.tag}, {'causal' if r.case.causal else 'non-causal'}",
                                      "p=4 (4 processes × 1 thread), U2×R2, B1 H8 D64 fp32", logy=False),
 )  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(driver.main(BENCHMARK))
+    sys.exit(main(BENCHMARK))

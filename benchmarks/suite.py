@@ -1,16 +1,8 @@
 """The benchmark suite (issue 8): every figure of ds_ring's sequence parallelism in one run.
 
-``python -m benchmarks [--quick] [--out DIR]``: dense causal attention over S total tokens (full 32K, ``--quick``
-4K), batch 1, 8 heads, head_dim 64, fp32, rank processes × 1 thread (``benchmarks/SUITE.md`` has the details):
-
-1. **Scaling, overlap, strong scaling**: ring, all-gather, Ulysses and hybrid (Ulysses 2 × ring p/2) on p = 1, 2, 4,
-   8, zigzag shards; ``wall ÷ compute`` from the time blocked in ring waits.
-2. **Single process**: dense SDPA and ``ds_ring.dilated_attention`` (``w = S/16 · [1, 2, 4]``, ``r = [1, 2, 4]``)
-   with 1 and 2 threads, dilated-attention-pytorch on the same branches (2 threads).
-3. **Existing libraries** at p = 2: ring-attention-pytorch, DeepSpeed's ``DistributedAttention``, PyTorch
-   ``context_parallel``, next to ds_ring ring and Ulysses on the same contiguous shards.
-4. **Largest total length within a per-rank memory budget** (full 512 MiB, quick 96 MiB) at p = 4.
-5. **Targets**, reported, never asserted.
+``python -m benchmarks [--quick] [--out DIR]``: scaling, overlap and strong scaling of the four strategies; single
+process and existing libraries; the largest total length within a per-rank memory budget; targets, reported, never
+asserted. What each part measures and how to read it: ``benchmarks/SUITE.md``.
 """
 
 from __future__ import annotations
@@ -18,8 +10,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from benchmarks import driver, peers, ring, strategies
-from benchmarks.driver import Case, Column, Row, Session, Target, compare, find, fmt_seq, ratio
+from benchmarks import peers, ring, strategies
+from benchmarks.cases import Case, pairs_dilated
+from benchmarks.common import Series, fmt_seq, plot_panels
+from benchmarks.driver import Benchmark, Session
+from benchmarks.rows import Column, Row, Target, compare, find, markdown_table, ratio
 from benchmarks.strategies import NAMES, STRATEGIES, label
 
 RATES = (1, 2, 4)
@@ -129,7 +124,7 @@ def targets(session: Session) -> list[Target]:
     out += compare(f"2 ranks on 2 cores ≥ 1.7× faster than 1 rank on 1 core, {at}", ring1, ring2,
                    met=lambda x: x >= 1.7 if cores >= 2 else None, note=f"; other load {load:.0f}%")  # fmt: skip
     segs = [seq // 16, seq // 8, seq // 4]
-    pairs = driver.pairs_dilated(seq, 8, segs, RATES, True)
+    pairs = pairs_dilated(seq, 8, segs, RATES, True)
     note = (
         f"; the useful-work ratio caps it at {seq * (seq + 1) // 2 * 8 / pairs:.1f}× (every head computes every "
         f"branch: {pairs / (8 * seq):.0f} key pairs per query vs {(seq + 1) / 2:.0f} dense)"
@@ -180,13 +175,13 @@ def report(session: Session) -> str:
     mem_vs = Column("mem ÷ p=1", lambda r: ratio(r, ref, "peak_mib"), "{:.2f}")
     return "\n\n".join([
         f"**Scaling, overlap, strong scaling**: dense causal, S = {seq} total tokens, zigzag shards:",
-        driver.markdown_table(scaling, [*first, "peak MiB/rank", mem_vs, speed, *ring.TAIL]),
+        markdown_table(scaling, [*first, "peak MiB/rank", mem_vs, speed, *ring.TAIL]),
         f"**Single process and existing libraries**: S = {seq}, same shapes:",
-        driver.markdown_table([r for r in rows if r.case.tag != "scaling"],
+        markdown_table([r for r in rows if r.case.tag != "scaling"],
                               [*first, "useful GFLOP/s", "peak MiB/rank", speed, *ring.TAIL[1:]]),
         f"**Largest total length within {m['budget_mib']:.0f} MiB of working memory per rank**, p = {FIT_WORLD}, "
         f"dense causal (multiples of {m['fit_step']} tokens):",
-        driver.markdown_table(session.extra["fit"], fits),
+        markdown_table(session.extra["fit"], fits),
     ])  # fmt: skip
 
 
@@ -208,13 +203,13 @@ def plots(session: Session) -> None:
         for impl in STRATEGIES:
             points = {r.case.world: getattr(r, attr) for r in scaling if (r.case.impl == impl or r is ref)}
             if points := {p: v for p, v in points.items() if v}:
-                series.append(driver.Series(f"ds_ring {NAMES[impl]}", list(points), list(points.values())))
+                series.append(Series(f"ds_ring {NAMES[impl]}", list(points), list(points.values())))
         if ref and getattr(ref, attr):
             ideal = [getattr(ref, attr) / p for p in m["worlds"]]
-            series.append(driver.Series("ideal: p=1 value ÷ p", m["worlds"], ideal, "--", {"color": "gray"}))
+            series.append(Series("ideal: p=1 value ÷ p", m["worlds"], ideal, "--", {"color": "gray"}))
         if series:
             path = session.out / f"suite_{name}.png"
-            driver.plot_panels(path, [("", series)], xlabel="ranks p", ylabel=ylabel, title=title, xticks=m["worlds"])
+            plot_panels(path, [("", series)], xlabel="ranks p", ylabel=ylabel, title=title, xticks=m["worlds"])
     timed = [r for r in session.rows if r.tokens_per_s and r.case.tag != "fit"]
     fits = [f for f in session.extra["fit"] if f["fit"]]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 0.35 * max(len(timed), 6) + 1.5))
@@ -235,7 +230,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-mib", type=float, help="per-rank memory budget of the fit search (MiB)")
 
 
-BENCHMARK = driver.Benchmark(
+BENCHMARK = Benchmark(
     name="suite", module="benchmarks", title="ds_ring benchmark suite", plan=plan, build=strategies.build,
     report=report, targets=targets, plots=plots, add_args=add_args, label=label, flop=peers.flop,
     efficiency=peers.EFFICIENCY, packages=("ring-attention-pytorch", "dilated-attention-pytorch", "deepspeed"),

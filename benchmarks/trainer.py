@@ -20,7 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.common import RESULTS, ROOT, write_json
+
 JOBS = {
     "hand-written loop": ("launch/train_hf.py", "ds_configs/hf_ring.json", r"rank 0:\s+(\d+) tokens/s"),
     "SequenceParallelTrainer": ("launch/train_trainer.py", "ds_configs/hf_trainer.json", r"\((\d+) tokens/s\)"),
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     rounds = []
     for r in range(args.rounds):
@@ -61,9 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     ratios = [row["SequenceParallelTrainer"] / row["hand-written loop"] for row in rounds]
     summary = {name: statistics.median(row[name] for row in rounds) for name in JOBS}
     summary["median ratio Trainer / loop"] = statistics.median(ratios)
-    args.out.mkdir(parents=True, exist_ok=True)
     result = {"settings": vars(args) | {"out": str(args.out)}, "rounds": rounds, "ratios": ratios, "summary": summary}
-    (args.out / "trainer.json").write_text(json.dumps(result, indent=1))
+    write_json(args.out / "trainer.json", result)
     _plot(rounds, args.out / "trainer_tokens.png")
     print(json.dumps(summary, indent=1))
     return 0

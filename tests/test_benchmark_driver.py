@@ -8,8 +8,9 @@ import time
 
 import pytest
 
-from benchmarks import driver, peers, ring, suite
-from benchmarks.driver import Case, Column, Row
+from benchmarks import cases, common, driver, peers, ring, rows, suite
+from benchmarks.cases import Case
+from benchmarks.rows import Column, Row
 
 
 def _brute_pairs(seq: int, heads: int, segs, rates, causal: bool, split_heads: bool = False) -> int:
@@ -28,40 +29,40 @@ def _brute_pairs(seq: int, heads: int, segs, rates, causal: bool, split_heads: b
 def test_useful_work_counts_every_computed_pair(causal):
     segs, rates = (8, 16, 32), (1, 2, 4)
     case = Case("ds_ring", 96, causal=causal, heads=5, head_dim=4, segment_lengths=segs, dilation_rates=rates)
-    assert driver.pairs_dilated(96, 5, segs, rates, causal) == _brute_pairs(96, 5, segs, rates, causal)
-    assert driver.useful_gflop(case) == pytest.approx(3.5 * 4 * 4 * _brute_pairs(96, 5, segs, rates, causal) / 1e9)
+    assert cases.pairs_dilated(96, 5, segs, rates, causal) == _brute_pairs(96, 5, segs, rates, causal)
+    assert cases.useful_gflop(case) == pytest.approx(3.5 * 4 * 4 * _brute_pairs(96, 5, segs, rates, causal) / 1e9)
     dap = Case("dap", 96, causal=causal, heads=5, head_dim=4, segment_lengths=segs, dilation_rates=rates)
     assert peers.flop(dap) == pytest.approx(3.5 * 4 * 4 * _brute_pairs(96, 5, segs, rates, causal, True) / 1e9)
     dense = Case("dense", 96, causal=causal, heads=5, head_dim=4)
-    assert driver.useful_gflop(dense) == pytest.approx(3.5 * 4 * 4 * 5 * (96 * 97 // 2 if causal else 96 * 96) / 1e9)
+    assert cases.useful_gflop(dense) == pytest.approx(3.5 * 4 * 4 * 5 * (96 * 97 // 2 if causal else 96 * 96) / 1e9)
 
 
 def test_fixed_calls_and_time_budget():
     calls = []
-    fixed = driver.measure(lambda: calls.append(1), calls=3)
+    fixed = common.measure(lambda: calls.append(1), calls=3)
     assert len(calls) == len(fixed.times_s) == 3 and not fixed.warm
-    slow = driver.measure(lambda: time.sleep(0.06), calls=3, budget_s=0.1)  # first call over half the budget
+    slow = common.measure(lambda: time.sleep(0.06), calls=3, budget_s=0.1)  # first call over half the budget
     assert len(slow.times_s) == 1 and not slow.warm
-    quick = driver.measure(lambda: None, calls=3, budget_s=10.0)  # warm-up, then 3 timed calls
+    quick = common.measure(lambda: None, calls=3, budget_s=10.0)  # warm-up, then 3 timed calls
     assert len(quick.times_s) == 3 and quick.warm
-    grow = driver.measure(lambda: bytearray(64 * 2**20), calls=1)
+    grow = common.measure(lambda: bytearray(64 * 2**20), calls=1)
     assert grow.first_extra_mib >= 32 and grow.peak_extra_mib >= grow.first_extra_mib
 
 
 def test_tables_find_and_ratios():
     a = Row(Case("ring", 1024, 2), "ring", "2×1", 1.0, fwdbwd_s=2.0, peak_mib=10.0)
     b = Row(Case("rap", 1024, 2), "rap", "2×1", 1.0, fwdbwd_s=8.0)
-    assert driver.find([a, b], impl="rap", world=2) is b and driver.find([a, b], world=4) is None
-    assert driver.ratio(b, a) == 4.0 and driver.ratio(a, None) is None
-    table = driver.markdown_table(
+    assert rows.find([a, b], impl="rap", world=2) is b and rows.find([a, b], world=4) is None
+    assert rows.ratio(b, a) == 4.0 and rows.ratio(a, None) is None
+    table = rows.markdown_table(
         [a, b], [Column("impl", lambda r: r.label), Column("MiB", lambda r: r.peak_mib, "{:.1f}")]
     )
     assert table.splitlines() == ["| impl | MiB |", "|---|---|", "| ring | 10.0 |", "| rap | — |"]
-    shared = driver.markdown_table([a], ["impl", "fwd+bwd s", Column("p", lambda r: r.case.world)])
-    assert shared.splitlines()[2] == "| ring | 2.000 | 2 |"  # a plain header names one of driver.COLUMNS
-    (target,) = driver.compare("ring ≥ 2× faster than rap", b, a, met=lambda x: x >= 2.0, note="; quiet")
+    shared = rows.markdown_table([a], ["impl", "fwd+bwd s", Column("p", lambda r: r.case.world)])
+    assert shared.splitlines()[2] == "| ring | 2.000 | 2 |"  # a plain header names one of rows.COLUMNS
+    (target,) = rows.compare("ring ≥ 2× faster than rap", b, a, met=lambda x: x >= 2.0, note="; quiet")
     assert (target.value, target.met, target.detail) == (4.0, True, "8.00 s vs 2.00 s; quiet")
-    assert driver.compare("no rap row", None, a) == []
+    assert rows.compare("no rap row", None, a) == []
 
 
 def test_estimates_come_from_the_measured_rate():
@@ -84,14 +85,14 @@ def test_a_tiny_ring_run_end_to_end(tmp_path):
     argv = ["--seqs", "512", "--worlds", "2", "--impls", "ring", "rap", "--calls", "1"]
     assert driver.main(ring.BENCHMARK, [*argv, "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "ring.json").read_text())
-    rows = [Row.from_json(r) for r in report["rows"]]
-    assert [(r.case.impl, r.case.world) for r in rows] == [("ring", 2), ("rap", 2)]
-    for r in rows:
+    measured = [Row.from_json(r) for r in report["rows"]]
+    assert [(r.case.impl, r.case.world) for r in measured] == [("ring", 2), ("rap", 2)]
+    for r in measured:
         if r.case.impl == "rap":  # a missing peer is skipped with the command that installs it, never an error
             assert r.fwdbwd_s is not None or "python -m benchmarks install-peers" in r.notes[0]
             continue
         assert r.fwdbwd_s > 0 and r.peak_mib > 0 and len(r.raw) == r.case.world, r.notes
         assert r.warmup_max_abs_err < 1e-5
-    assert rows[0].overlap_ratio is not None and len(rows[0].blocked_s_per_rank) == 2
+    assert measured[0].overlap_ratio is not None and len(measured[0].blocked_s_per_rank) == 2
     assert "| ds_ring ring (contiguous) | 512 | 2×1 |" in report["report"]
     assert (tmp_path / "ring_time.png").stat().st_size > 0 and (tmp_path / "ring_memory.png").stat().st_size > 0

@@ -1,0 +1,212 @@
+"""What runs inside a benchmark's rank processes: the :class:`Case` they measure, its useful work, and the rank
+functions (:func:`attention_rank`: warm-up, then timed calls with their peak memory and ring waits)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from benchmarks.common import MIB, Timing, current_rss_bytes, measure, release_free_memory
+
+BWD_FLOP_FACTOR = 2.5
+"""Backward flop = 2.5 × forward flop (the FlashAttention convention): forward+backward = 3.5 × forward."""
+
+AttentionFn = Callable[..., Any]
+"""What a benchmark's ``build`` returns: ``attn(q, k, v, segment_lengths, dilation_rates) -> out`` on this
+rank's shards ``[batch, seq/p, heads, head_dim]``; the branches are None for dense attention."""
+
+
+class Skip(Exception):
+    """Raised by a ``build`` when a case cannot run here (a peer library not installed): recorded, not an error."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """One configuration: which attention, on what shapes, on how many rank processes.
+
+    impl: the implementation's key, read by the benchmark's ``build``. seq: total tokens.
+    world: rank processes; threads: torch threads per rank. segment_lengths / dilation_rates:
+    LongNet branches over the global sequence (None: dense). layout: how the sequence is sharded.
+    ulysses: Ulysses degree of the topology (ring degree = world / ulysses). group: join a gloo
+    group (False: one process without ``torch.distributed``). fwd: also time forward-only calls.
+    warmup_seq: the untimed warm-up call uses the case's branches at this length (None: dense
+    attention over max(1024, 256·world) tokens, checked against ``ds_ring.ring_dilated_attention``).
+    tag: the benchmark's grouping of rows (table section, attention kind).
+    """
+
+    impl: str
+    seq: int
+    world: int = 1
+    threads: int = 1
+    causal: bool = True
+    segment_lengths: tuple[int, ...] | None = None
+    dilation_rates: tuple[int, ...] | None = None
+    layout: str = "contiguous"
+    ulysses: int = 1
+    group: bool = True
+    fwd: bool = False
+    warmup_seq: int | None = None
+    tag: str = ""
+    batch: int = 1
+    heads: int = 8
+    head_dim: int = 64
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Case:
+        branches = {k: tuple(data[k]) if data[k] is not None else None for k in ("segment_lengths", "dilation_rates")}
+        return cls(**{**data, **branches})
+
+
+def kept_positions(seg_len: int, offset: int, rate: int) -> int:
+    """Positions ``offset, offset + rate, ...`` inside a segment of ``seg_len``."""
+    return 0 if seg_len <= offset else (seg_len - offset + rate - 1) // rate
+
+
+def causal_pairs(m: int, causal: bool) -> int:
+    """(query, key) pairs of an m×m block: all, or the m(m+1)/2 unmasked ones if causal."""
+    return m * (m + 1) // 2 if causal else m * m
+
+
+def pairs_dilated(seq: int, heads: int, segs: Sequence[int], rates: Sequence[int], causal: bool) -> int:
+    """Pairs of LongNet dilated attention where every head runs every branch (ds_ring).
+
+    Head ``h`` uses offset ``h % r``; segments of length ``w``, the last one possibly shorter.
+    """
+    total = 0
+    for w, r in zip(segs, rates, strict=True):
+        lens = [w] * (seq // w) + ([seq % w] if seq % w else [])
+        total += sum(causal_pairs(kept_positions(n, h % r, r), causal) for h in range(heads) for n in lens)
+    return total
+
+
+def case_pairs(case: Case, seq: int) -> int:
+    """Pairs of ``case``'s attention over ``seq`` positions: dense (every head), or every head running every
+    branch of ``case``."""
+    if case.segment_lengths is None:
+        return case.heads * causal_pairs(seq, case.causal)
+    return pairs_dilated(seq, case.heads, case.segment_lengths, case.dilation_rates or (), case.causal)
+
+
+def useful_gflop(case: Case, pairs: int | None = None) -> float:
+    """Useful forward+backward GFLOP of one call: 4·head_dim flop per computed unmasked (query, key)
+    pair (QKᵀ and PV) × batch, × 3.5 for forward + backward. ``pairs`` defaults to dense or every
+    head computing every branch; work a kernel wastes on masked blocks is not counted."""
+    pairs = case_pairs(case, case.seq) if pairs is None else pairs
+    return (1.0 + BWD_FLOP_FACTOR) * 4.0 * case.head_dim * case.batch * pairs / 1e9
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """What every rank of a launch does: ``calls`` timed calls per phase after a small warm-up call, or
+    ``budget_s`` per phase (one process only, no separate warm-up); ``timeout_s`` bounds every communication wait."""
+
+    calls: int
+    budget_s: float | None
+    timeout_s: float
+
+
+@dataclass
+class RankResult:
+    """One rank's measurements (:func:`attention_rank`). MiB are RSS of the rank's own process.
+
+    ``rss_before_inputs_mib``: RSS right before the shards q, k, v, grad_out were allocated (after
+    imports, process group and warm-up); ``inputs_mib``: what they added. Ring fields (seconds
+    blocked in / in flight of ring waits, steps, bytes sent) sum ds_ring's ``ring_step`` events.
+    """
+
+    threads: int
+    skipped: str | None = None
+    warmup_s: float | None = None
+    warmup_max_abs_err: float | None = None
+    rss_before_inputs_mib: float = 0.0
+    inputs_mib: float | None = None
+    fwd: Timing | None = None
+    fwdbwd: Timing | None = None
+    blocked_s: float = 0.0
+    in_flight_s: float = 0.0
+    ring_steps: int = 0
+    ring_bytes_sent: int = 0
+
+    def working_mib(self, timing: Timing) -> float:
+        """Peak RSS of a phase above the RSS before the shards existed: inputs, activations, gradients,
+        communication buffers and kernel workspace; not the interpreter, torch or gloo's fixed buffers."""
+        return timing.baseline_rss_mib + timing.peak_extra_mib - self.rss_before_inputs_mib
+
+    def __call__(self, event: Any) -> None:
+        """Hook on ds_ring's events: sum this rank's ring waits."""
+        if event.kind == "ring_step":
+            self.blocked_s += float(event.extra.get("wait_s", 0.0))
+            self.in_flight_s += event.seconds
+            self.ring_steps += 1
+            self.ring_bytes_sent += event.nbytes
+
+
+def attention_rank(
+    rank: int, world: int, case: Case, build: Callable[[Case, int, float], AttentionFn], protocol: Protocol
+) -> RankResult:
+    """Rank function: build the attention, warm up, then time ``fwd`` (optional, ``no_grad``) and
+    forward+backward calls on this rank's random shards ``[batch, seq/world, heads, head_dim]``."""
+    import torch
+
+    import ds_ring
+
+    result = RankResult(threads=torch.get_num_threads())
+    try:
+        attn = build(case, rank, protocol.timeout_s)
+    except Skip as exc:
+        result.skipped = str(exc)
+        return result
+    gen = torch.Generator().manual_seed(1000 + rank)
+
+    def shards(total: int) -> list[torch.Tensor]:
+        shape = (case.batch, total // world, case.heads, case.head_dim)
+        return [torch.randn(shape, generator=gen) for _ in range(4)]
+
+    segs, rates = case.segment_lengths, case.dilation_rates
+    if protocol.budget_s is None:
+        dense = case.warmup_seq is None
+        q, k, v, grad_out = (
+            t.requires_grad_(i < 3) for i, t in enumerate(shards(case.warmup_seq or max(1024, 256 * world)))
+        )
+        t0 = time.perf_counter()
+        out = attn(q, k, v, None if dense else segs, None if dense else rates)
+        out.backward(grad_out)
+        result.warmup_s = time.perf_counter() - t0
+        if dense and case.group:
+            with torch.no_grad():
+                ref = ds_ring.ring_dilated_attention(
+                    q, k, v, causal=case.causal, layout=case.layout, timeout_s=protocol.timeout_s
+                )
+            result.warmup_max_abs_err = float((out.detach() - ref).abs().max())
+        del q, k, v, grad_out, out
+    release_free_memory()
+    rss0 = current_rss_bytes()
+    q, k, v, grad_out = shards(case.seq)
+    result.rss_before_inputs_mib, result.inputs_mib = rss0 / MIB, (current_rss_bytes() - rss0) / MIB
+    if case.fwd:
+        with torch.no_grad():
+            result.fwd = measure(lambda: attn(q, k, v, segs, rates), calls=protocol.calls, budget_s=protocol.budget_s)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+
+    def clear_grads() -> None:
+        q.grad = k.grad = v.grad = None
+
+    with ds_ring.register_hook(result):
+        step = lambda: attn(q, k, v, segs, rates).backward(grad_out)
+        result.fwdbwd = measure(step, calls=protocol.calls, setup=clear_grads, budget_s=protocol.budget_s)
+    return result
+
+
+def matmul_rank(rank: int, world: int, n: int) -> float:
+    """Rank function: best fp32 ``n×n @ n×n`` GFLOP/s (2·n³ flop) of 5 timed calls after one warm-up."""
+    import torch
+
+    a, b, c, times = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n), []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        torch.mm(a, b, out=c)
+        times.append(time.perf_counter() - t0)
+    return 2.0 * n**3 / min(times[1:]) / 1e9

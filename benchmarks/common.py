@@ -1,0 +1,255 @@
+"""What every benchmark shares: a process's memory (RSS, its peak over a region), timed calls, the machine it
+ran on, the CPU time others used, and the JSON and PNG it writes. MiB = 2**20 bytes, seconds, GFLOP = 1e9 flop."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+MIB = float(2**20)
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+"""Where every benchmark writes its JSON and PNGs unless ``--out`` says otherwise."""
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def current_rss_bytes() -> int:
+    """Current resident set size of this process (``/proc/self/statm``), bytes."""
+    return int(Path("/proc/self/statm").read_bytes().split()[1]) * _PAGE
+
+
+def max_rss_bytes() -> int:
+    """RSS high-water mark of this process (``ru_maxrss``, KiB on Linux), bytes."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def proc_mib(key: str, path: str = "/proc/meminfo") -> float | None:
+    """A ``key: N kB`` field of ``path`` (``/proc/meminfo``, ``/proc/self/status``) in MiB, or None."""
+    with contextlib.suppress(OSError), open(path) as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    return None
+
+
+def release_free_memory() -> None:
+    """Collect garbage and return freed heap pages to the OS (glibc ``malloc_trim``) before a baseline."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+class RssSampler:
+    """Context manager: the peak RSS above the RSS at entry, sampled every ``interval_s`` (5 ms) by a
+    thread and checked against the ``ru_maxrss`` high-water mark (which catches spikes between
+    samples, but only counts if it rose during the region). Bytes: ``baseline``, ``peak``."""
+
+    def __init__(self, interval_s: float = 0.005) -> None:
+        self.interval_s, self.samples, self._stop = interval_s, 0, threading.Event()
+        self._fd = os.open("/proc/self/statm", os.O_RDONLY)
+        self._thread = threading.Thread(target=self._loop, name="rss-sampler", daemon=True)
+
+    def _read(self) -> int:
+        return int(os.pread(self._fd, 128, 0).split()[1]) * _PAGE
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak, self.samples = max(self.peak, self._read()), self.samples + 1
+
+    def __enter__(self) -> RssSampler:
+        self.baseline = self.peak = self._read()
+        self.maxrss_before = self.maxrss_after = max_rss_bytes()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak, self.maxrss_after = max(self.peak, self._read()), max_rss_bytes()
+        os.close(self._fd)
+
+    def extra(self) -> tuple[int, int]:
+        """(sampled, high-water-mark) peak above the baseline so far (or, after exit, in the region), bytes."""
+        running = self._thread.is_alive()
+        peak, maxrss = (max(self.peak, self._read()), max_rss_bytes()) if running else (self.peak, self.maxrss_after)
+        return max(0, peak - self.baseline), max(0, maxrss - self.baseline) if maxrss > self.maxrss_before else 0
+
+
+@dataclass
+class Timing:
+    """One phase's calls: times (s) and the peak RSS they added above ``baseline_rss_mib`` (MiB).
+
+    ``first_extra_mib`` covers the first call only: over later calls glibc keeps freed heap pages
+    resident (its mmap threshold rises after large frees), so a peak over all calls grows with the
+    number of calls. ``peak_extra_mib`` covers every call (the larger of ``sampled_extra_mib`` and
+    ``maxrss_extra_mib``). ``warm``: the timed calls followed a warm-up call.
+    """
+
+    times_s: list[float]
+    first_call_s: float
+    warm: bool
+    baseline_rss_mib: float
+    first_extra_mib: float
+    peak_extra_mib: float
+    sampled_extra_mib: float
+    maxrss_extra_mib: float
+    rss_samples: int
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.times_s)
+
+
+def measure(
+    fn: Callable[[], object], *, calls: int, setup: Callable[[], object] | None = None, budget_s: float | None = None
+) -> Timing:
+    """Time calls of ``fn()`` and measure the peak RSS they add above the RSS right before the first.
+
+    Without ``budget_s``: exactly ``calls`` timed calls, so every rank of a launch makes the same
+    calls. With it: the first call is a warm-up, then up to ``calls`` timed calls while the time so
+    far plus one more call fits in ``budget_s``; a first call over half the budget is the only
+    sample (``warm`` False). ``setup()`` runs untimed before every call.
+    """
+
+    def timed() -> float:
+        (setup or (lambda: None))()
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    release_free_memory()
+    with RssSampler() as rss:
+        start = time.perf_counter()
+        first = timed()
+        first_extra = max(rss.extra())
+        times = [first] if budget_s is None else []
+        if budget_s is None or first <= budget_s / 2:
+            while len(times) < calls and (
+                budget_s is None or time.perf_counter() - start + (times or [first])[-1] <= budget_s
+            ):
+                times.append(timed())
+    sampled, maxrss = rss.extra()
+    return Timing(
+        times or [first], first, budget_s is not None and bool(times), rss.baseline / MIB, first_extra / MIB,
+        max(sampled, maxrss) / MIB, sampled / MIB, maxrss / MIB, rss.samples,
+    )  # fmt: skip
+
+
+def cpu_jiffies() -> tuple[int, int]:
+    """(busy, total) clock ticks of all CPUs since boot, from the first line of ``/proc/stat``."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest is inside user)
+    return total - fields[3] - fields[4], total  # busy: all but idle and iowait
+
+
+def wait_for_idle(max_busy: float, timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` until the CPUs are at most ``max_busy`` (0..1) busy over 1 s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        b0, t0 = cpu_jiffies()
+        time.sleep(1.0)
+        b1, t1 = cpu_jiffies()
+        if t1 <= t0 or (b1 - b0) / (t1 - t0) <= max_busy:
+            return
+
+
+def source_digest() -> str:
+    """Short SHA-256 over ds_ring's ``*.py`` files (paths and contents): the exact library code measured."""
+    h = hashlib.sha256()
+    for f in sorted((ROOT / "ds_ring").rglob("*.py")):
+        h.update(str(f.relative_to(ROOT)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def machine_info(packages: Iterable[str]) -> dict[str, Any]:
+    """Date, CPU, cores, memory, load, Python, platform, versions of torch and ``packages``, commit, ds_ring digest."""
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), "")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    versions = {}
+    for pkg in ("torch", *packages):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[pkg] = importlib.metadata.version(pkg)
+    return {
+        "date_utc": datetime.now(UTC).isoformat(timespec="seconds"), "cpu_model": cpu or platform.processor(),
+        "usable_cpus": len(os.sched_getaffinity(0)), "mem_total_gib": (proc_mib("MemTotal") or 0.0) / 1024,
+        "loadavg_1m": os.getloadavg()[0], "python": platform.python_version(), "platform": platform.platform(),
+        "versions": versions, "git_commit": commit.stdout.strip() or None, "ds_ring_source_sha256": source_digest(),
+    }  # fmt: skip
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write ``data`` to ``path`` atomically (a temporary file renamed over it), creating its directory."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    tmp.replace(path)
+
+
+def fmt_seq(n: int) -> str:
+    """Sequence length for display: 8192 -> '8K', 1536 -> '1536'."""
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+@dataclass
+class Series:
+    """One line of a plot: x values, y values and a matplotlib format."""
+
+    label: str
+    x: list[float] = field(default_factory=list)
+    y: list[float] = field(default_factory=list)
+    style: str = "-o"
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def plot_panels(
+    path: Path, panels: Sequence[tuple[str, Sequence[Series]]], *, xlabel: str, ylabel: str | Sequence[str],
+    title: str, xticks: Sequence[int], logy: bool = True,
+) -> None:  # fmt: skip
+    """Side-by-side panels (title, series), x on a log2 axis with ticks labelled by :func:`fmt_seq`; a PNG.
+    ``ylabel``: of the y axis the panels share, or one per panel (each its own y axis). A panel whose lines are
+    those of the panel before it gets no legend of its own."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullLocator
+
+    shared = isinstance(ylabel, str)
+    ylabels = [ylabel] + [""] * (len(panels) - 1) if shared else ylabel
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), sharey=shared, squeeze=False)
+    legend: list[str] = []
+    for ax, (panel_title, series), axis_label in zip(axes[0], panels, ylabels, strict=True):
+        for s in series:
+            xs, ys = zip(*sorted(zip(s.x, s.y, strict=True)), strict=True)
+            ax.plot(xs, ys, s.style, label=s.label, **s.kwargs)
+        ax.set_xscale("log", base=2)
+        if logy:
+            ax.set_yscale("log")
+        ax.set_xticks(list(xticks), [fmt_seq(int(t)) for t in xticks])
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set(title=panel_title, xlabel=xlabel, ylabel=axis_label)
+        ax.grid(True, which="both", alpha=0.3)
+        if legend != (legend := [s.label for s in series]):
+            ax.legend(fontsize=8 if len(legend) <= 8 else 6)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
