@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DESIGN = ROOT / "docs" / "design.md"
+DESIGN_PAGE = ROOT / "docs" / "design.md"
 BEGIN, END = "<!-- layout: begin (python -m tests.test_docs_layout) -->", "<!-- layout: end -->"
 
 
@@ -35,7 +35,7 @@ def layout() -> str:
 
 
 def _listed() -> str:
-    text = DESIGN.read_text()
+    text = DESIGN_PAGE.read_text()
     return text[text.index(BEGIN) + len(BEGIN) : text.index(END)].strip("\n")
 
 
@@ -53,6 +53,6 @@ def test_relative_links_in_the_docs_resolve() -> None:
 
 
 if __name__ == "__main__":
-    text = DESIGN.read_text()
-    DESIGN.write_text(text[: text.index(BEGIN) + len(BEGIN)] + "\n" + layout() + "\n" + text[text.index(END) :])
-    print(f"{DESIGN.relative_to(ROOT)}: layout rewritten", file=sys.stderr)
+    text = DESIGN_PAGE.read_text()
+    DESIGN_PAGE.write_text(text[: text.index(BEGIN) + len(BEGIN)] + "\n" + layout() + "\n" + text[text.index(END) :])
+    print(f"{DESIGN_PAGE.relative_to(ROOT)}: layout rewritten", file=sys.stderr)

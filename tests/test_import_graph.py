@@ -108,12 +108,8 @@ def test_no_import_cycles() -> None:
     assert cycles(import_graph()) == []
 
 
-KNOWN_DEFERRED = [["ds_ring.integrations.hf.loss", "ds_ring.integrations.hf.registration"]]
-"""A cycle through a deferred import that the Hugging Face integration's rework removes."""
-
-
 def test_no_cycles_through_deferred_imports() -> None:
-    assert [c for c in cycles(import_graph(everywhere=True)) if c not in KNOWN_DEFERRED] == []
+    assert cycles(import_graph(everywhere=True)) == []
 
 
 def test_lower_layers_never_import_strategies_or_integrations() -> None:
