@@ -22,6 +22,7 @@ from ds_ring.integrations.hf.audit import CallAudit, ModelWatch, refuse_sequence
 from ds_ring.integrations.hf.documents import refuse_padding
 from ds_ring.integrations.hf.long_context import apply_long_context, check_long_context
 from ds_ring.integrations.hf.masks import MaskSpec, mask_spec
+from ds_ring.integrations.hf.recurrent import install_recurrent, sequence_parallel_mixers
 from ds_ring.topology import Topology
 
 __all__ = [
@@ -142,7 +143,8 @@ def register_with_transformers(
         _check_implementation(core_attn_implementation, ALL_ATTENTION_FUNCTIONS)
     model_config = _model_config(model_name_or_path, core_attn_implementation)
     if model_config is not None and section.enabled:
-        refuse_sequence_mixers(_module_tree(model_name_or_path, model_config), position_wise)
+        handled = sequence_parallel_mixers(model_name_or_path)
+        refuse_sequence_mixers(_module_tree(model_name_or_path, model_config), position_wise, handled)
     check_long_context(model_name_or_path, section.long_context)
     if topology is None and not dist.is_initialized():
         from ds_ring.engine import init_distributed
@@ -189,8 +191,20 @@ def register_with_transformers(
             table[OWN_NAME] = _no_mask
     scale = (lambda: 1) if attention is None else (lambda: attention.gradient_scale or 1)
     restore = apply_long_context(model_name_or_path, section.long_context, topology, scale)
+    if section.enabled:  # state-space / short-convolution layers: their state carried across shards
+        restore = _then(
+            restore, install_recurrent(model_name_or_path, topology, section.layout, disable_in_eval=disable_in_eval)
+        )
     _active = Registration(section, topology, attention, tuple(replaced), restore)
     return topology
+
+
+def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
+    def both() -> None:
+        second()
+        first()
+
+    return both
 
 
 def registration_for(topology: Topology) -> Registration | None:
