@@ -109,3 +109,42 @@ def _cases(rank: int, world: int, families: list[str]) -> list[str]:
 @pytest.mark.timeout(900)
 def test_hybrid_models_equal_the_whole_model_sequence_parallel(world: int) -> None:
     assert_no_failures(run_distributed(_cases, world, timeout=900, families=list(FAMILIES)))
+
+
+def _bytes_per_layer(rank: int, world: int, lengths: list[int]) -> dict[int, dict[str, float]]:
+    """Bytes this rank receives per recurrent layer and exchange (forward and backward) at each length."""
+    import transformers
+
+    import ds_ring
+    from ds_ring.hooks import register_hook
+    from ds_ring.integrations.hf.recurrent import sequence_parallel_mixers
+
+    transformers.logging.set_verbosity_error()
+    warnings.simplefilter("ignore")
+    model = build("mamba2")
+    layers = len(sequence_parallel_mixers(model))
+    section = {"strategy": "ring"}
+    topology = ds_ring.Topology(*ds_ring.load_config({"ring_attention": section}).degrees(world))
+    measured = {}
+    for length in lengths:
+        ids = torch.randint(3, 128, (BATCH, length), generator=torch.Generator().manual_seed(length))
+        moved: dict[str, int] = {}
+
+        def count(event: Any, moved: dict[str, int] = moved) -> None:
+            if event.op.startswith("recurrent"):
+                moved[event.op] = moved.get(event.op, 0) + event.nbytes
+
+        with register_hook(count):
+            sequence_parallel(model, {"input_ids": ids, "labels": ids}, section, topology)
+        measured[length] = {op: n / layers for op, n in sorted(moved.items())}
+    return measured
+
+
+def test_recurrent_exchange_bytes_do_not_grow_with_the_sequence() -> None:
+    measured = run_distributed(_bytes_per_layer, 2, timeout=600, lengths=[SEQ, 4 * SEQ])
+    for per_rank in measured:
+        short, long = per_rank.values()
+        assert short == long and set(short) == {
+            "recurrent_halo", "recurrent_halo_grad", "recurrent_ssd", "recurrent_ssd_grad"
+        }, per_rank  # fmt: skip
+    print(f"\nbytes received per rank per Mamba2 layer, by exchange, at lengths {list(measured[0])}: {measured[0]}")

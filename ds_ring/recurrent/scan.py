@@ -59,24 +59,24 @@ def carry_states(
 
     Args:
         pieces: this rank's chunks.
-        decays: per chunk of this rank, ``A`` (broadcastable to its final state; 0 where a document starts in it).
+        decays: per chunk of this rank, ``A`` (broadcastable to its final state; 0 where a document starts in it),
+            one shape for every chunk and rank (sent as it is: a per-head decay stays one number per head).
         finals: per chunk, its end state from a zero initial state; one shape for every chunk and rank.
     Returns:
         per chunk of this rank, ``h_in = Σ_{j < c} (∏_{j < i < c} A_i) ⊙ h_end⁰_j`` (global chunk order), shaped like
         ``finals[0]``, in the summaries' dtype (the states' promoted to at least float32).
     """
-    shape = finals[0].shape
+    shape, decay_shape = finals[0].shape, decays[0].shape
     dtype = _summary_dtype(finals[0].dtype)
-    decays = [d.to(dtype).expand(shape) for d in decays]
-    flat = torch.cat([t.reshape(-1) for pair in zip(decays, finals, strict=True) for t in pair]).to(dtype)
-    gathered = gather_summaries(flat, group, op=op, timeout_s=timeout_s)  # [world, held · 2 · numel]
-    numel = finals[0].numel()
+    flat = torch.cat([t.reshape(-1).to(dtype) for pair in zip(decays, finals, strict=True) for t in pair])
+    gathered = gather_summaries(flat, group, op=op, timeout_s=timeout_s)  # [world, held · (|A| + |h|)]
+    sizes = (decays[0].numel(), finals[0].numel())
     summary: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for rank, held in enumerate(pieces.order):
-        row = gathered[rank].view(len(held), 2, *shape)
+        row = gathered[rank].view(len(held), sum(sizes))
         for slot, index in enumerate(held):
-            summary[index] = (row[slot, 0], row[slot, 1])
-    assert gathered.shape[1] == len(pieces.chunks) * 2 * numel
+            decay, final = row[slot].split(sizes)
+            summary[index] = (decay.view(decay_shape), final.view(shape))
     state = torch.zeros(shape, dtype=dtype, device=flat.device)
     entering = {}
     for index in range(pieces.chunk_count):
