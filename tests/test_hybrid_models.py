@@ -34,6 +34,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "falcon_h1": {**SSD, "mamba_d_ssm": 128},
     "mamba": {"state_size": 8, "expand": 2},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "mamba_d_state": 8},
+    "minimax": {"layer_types": ["linear_attention", "full_attention"], "block_size": 8},
 }
 """Family → fields set on its tiny config (:func:`tests.zoo.tiny_config`)."""
 
@@ -75,6 +76,7 @@ def reference(
 
 
 def _cases(rank: int, world: int, families: list[str]) -> list[str]:
+    """Every family × strategy × packed or not, on this rank: the failures."""
     import transformers
 
     import ds_ring

@@ -138,6 +138,11 @@ class CallAudit:
 
     def _enter(self, module: nn.Module, _args: Any) -> None:
         if id(module) not in self._audited and _ATTENTION.search(type(module).__name__):
+            from ds_ring.integrations.hf.recurrent import supported_mixer
+
+            if supported_mixer(module):  # a recurrence named attention, run sequence-parallel by ds_ring itself
+                self._audited.add(id(module))
+                return
             self._open.append((id(module), self.calls))
 
     def _leave(self, module: nn.Module, _args: Any, _out: Any) -> None:

@@ -40,7 +40,8 @@ _SELECTIVE = ("causal_conv1d_fn", "mamba_selective_scan", "mamba_inner_fn")
 
 @dataclass(frozen=True)
 class Family:
-    """A modeling file whose mixer classes ``mixers`` mix the sequence only through its functions ``functions``."""
+    """A modeling file whose mixer classes ``mixers`` mix the sequence only through its functions ``functions`` (none:
+    the mixer's own forward is wrapped, :func:`_lightning`)."""
 
     module: str
     mixers: tuple[str, ...]
@@ -59,6 +60,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("mamba", ("MambaMixer",), _SELECTIVE),
     Family("falcon_mamba", ("FalconMambaMixer",), _SELECTIVE),
     Family("jamba", ("JambaMambaMixer",), _SELECTIVE),
+    Family("minimax", ("MiniMaxLightningAttention",), ()),
 )
 """Families whose sequence mixers ds_ring runs sequence-parallel (``transformers.models.<module>``)."""
 
@@ -216,12 +218,74 @@ def install_recurrent(
             undo.append((modeling, name, originals[name]))
             setattr(modeling, name, replacement)
 
+    wrapped = [m for m in mixers if not _family_of(m).functions]
+    for mixer in wrapped:
+        mixer.forward = _lightning(mixer, mixer.forward, shards)
+
     def restore() -> None:
         for modeling, name, original in reversed(undo):
             setattr(modeling, name, original)
+        for mixer in wrapped:
+            del mixer.forward  # the class's forward again
         shards.remove()
 
     return restore
+
+
+class _CarriedState:
+    """What MiniMax's lightning attention asks its cache for: the state entering the shard (it then runs its own
+    token-by-token recurrence from it); what it stores is dropped."""
+
+    def __init__(self, state: torch.Tensor) -> None:
+        self.state = state
+
+    def get_linear_cache(self, _layer_idx: int) -> torch.Tensor:
+        return self.state
+
+    def set_linear_cache(self, _layer_idx: int, _state: torch.Tensor) -> None:
+        pass
+
+
+def _lightning(module: nn.Module, forward: Callable[..., Any], shards: _Shards) -> Callable[..., Any]:
+    """MiniMax's lightning attention (``h_t = e^{-s} h_{t-1} + k_tᵀ v_t``, ``y_t = q_t h_t`` per head, then a norm
+    and a gate) over this rank's shard: each segment runs from a zero state for its end state; the carried states
+    (:func:`~ds_ring.recurrent.scan.carry_states`, decay ``e^{-s·len}``) then enter the segments that continue a
+    document, which run again from them through the layer's own cached path (the norm after the recurrence makes
+    the carried state's part not additive)."""
+
+    def sequence_parallel(hidden_states: torch.Tensor, *args: Any, cache: Any = None, **kwargs: Any) -> Any:
+        if not shards.active:
+            return forward(hidden_states, *args, cache=cache, **kwargs)
+        if cache is not None:
+            raise _refuse_state("MiniMax's lightning attention given a cache")
+        from ds_ring.recurrent.exchange import tie
+        from ds_ring.recurrent.scan import carry_states
+
+        batch = hidden_states.shape[0]
+        pieces = shards.pieces(hidden_states.shape[1])
+        runs = [
+            [forward(hidden_states[:, s.start : s.stop], *args, **kwargs) for s in c.segments] for c in pieces.chunks
+        ]
+        size = pieces.chunks[0].end - pieces.chunks[0].begin
+        decay = torch.exp(-module.slope_rate * size).expand(batch, -1, 1, 1)  # [b, heads, 1, 1]
+        decays = [decay if c.passes_state else torch.zeros_like(decay) for c in pieces.chunks]
+        finals = [outs[-1][1] for outs in runs]
+        entering = carry_states(
+            pieces, decays, finals, shards.group, op="recurrent_lightning", timeout_s=shards.timeout_s
+        )
+        outputs = []
+        for chunk, outs, h_in in zip(pieces.chunks, runs, entering, strict=True):
+            for segment, (out, _) in zip(chunk.segments, outs, strict=True):
+                if segment is chunk.segments[0]:
+                    if segment.continues:
+                        carried = _CarriedState(h_in.to(finals[0].dtype))
+                        out, _ = forward(hidden_states[:, segment.start : segment.stop], *args, cache=carried, **kwargs)
+                    else:
+                        out = tie(out, h_in)
+                outputs.append(out)
+        return torch.cat(outputs, dim=1), None
+
+    return sequence_parallel
 
 
 def describe(mixers: Iterable[nn.Module]) -> str:
