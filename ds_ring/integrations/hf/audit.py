@@ -6,7 +6,9 @@ the sequence must see the whole of it. Two checks, both naming the module class,
 * :func:`refuse_sequence_mixers`, at registration, from the module tree alone: state-space / Mamba mixers,
   convolutions over time, linear / lightning / delta-rule attention, recurrent blocks and RNNs, recognised by
   their class names (the model family's prefix removed) and by their torch types. A type the user knows to be
-  position-wise is let through with ``position_wise=("ClassName", ...)``.
+  position-wise is let through with ``position_wise=("ClassName", ...)``. The state-space, short-convolution and
+  lightning-attention layers of :mod:`ds_ring.integrations.hf.recurrent` pass when registration is given the model
+  instance: ds_ring runs them sequence-parallel, their state carried across shards.
 * :class:`CallAudit`, while registered: the first forward of every attention module must call ds_ring's
   attention (itself or through a child). One that runs without calling it (its own
   ``F.scaled_dot_product_attention`` or eager code: it attended within the shard) is refused right after that
