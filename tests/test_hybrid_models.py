@@ -75,8 +75,9 @@ def reference(
     return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _cases(rank: int, world: int, families: list[str]) -> list[str]:
-    """Every family × strategy × packed or not, on this rank: the failures."""
+def _cases(rank: int, world: int, families: list[str], checkpointing: bool = False) -> list[str]:
+    """Every family × strategy × packed or not, on this rank: the failures. ``checkpointing``: with activation
+    checkpointing (the layers run again in the backward, outside the model's forward)."""
     import transformers
 
     import ds_ring
@@ -90,6 +91,8 @@ def _cases(rank: int, world: int, families: list[str]) -> list[str]:
     log = CaseLog()
     for family in families:
         model = build(family)
+        if checkpointing:
+            model.gradient_checkpointing_enable()
         for packed in (False, True):
             full = batch()
             documents = DOCUMENTS if packed else (0, SEQ)
@@ -98,7 +101,7 @@ def _cases(rank: int, world: int, families: list[str]) -> list[str]:
                     [torch.arange(b - a) for a, b in zip(documents[:-1], documents[1:], strict=True)]
                 )[None].expand(BATCH, SEQ)
             loss, grads = reference(model, full, documents)
-            for name, section in sections.items():
+            for name, section in list(sections.items())[: 1 if checkpointing else None]:
                 with log.case(f"{family} {name} packed={packed} world={world}"):
                     topology = ds_ring.Topology(*ds_ring.load_config({"ring_attention": section}).degrees(world))
                     got_loss, got_grads = sequence_parallel(model, full, section, topology)
@@ -111,6 +114,10 @@ def _cases(rank: int, world: int, families: list[str]) -> list[str]:
 @pytest.mark.timeout(900)
 def test_hybrid_models_equal_the_whole_model_sequence_parallel(world: int) -> None:
     assert_no_failures(run_distributed(_cases, world, timeout=900, families=list(FAMILIES)))
+
+
+def test_activation_checkpointing_runs_the_recurrent_layers_again_alike() -> None:
+    assert_no_failures(run_distributed(_cases, 2, timeout=600, families=["bamba"], checkpointing=True))
 
 
 def _bytes_per_layer(rank: int, world: int, lengths: list[int]) -> dict[int, dict[str, float]]:

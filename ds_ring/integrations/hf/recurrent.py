@@ -120,6 +120,8 @@ class _Shards:
         self.positions = kwargs.get("position_ids")
 
     def _leave(self, *_: Any) -> None:
+        if self.model.training and torch.is_grad_enabled():
+            return  # kept for the backward: activation checkpointing runs the layers again, outside this forward
         self.active, self.documents, self.positions = False, None, None
 
     def pieces(self, shard_len: int) -> ShardPieces:
