@@ -6,7 +6,9 @@ the sequence must see the whole of it. Two checks, both naming the module class,
 * :func:`refuse_sequence_mixers`, at registration, from the module tree alone: state-space / Mamba mixers,
   convolutions over time, linear / lightning / delta-rule attention, recurrent blocks and RNNs, recognised by
   their class names (the model family's prefix removed) and by their torch types. A type the user knows to be
-  position-wise is let through with ``position_wise=("ClassName", ...)``.
+  position-wise is let through with ``position_wise=("ClassName", ...)``. The state-space, short-convolution and
+  lightning-attention layers of :mod:`ds_ring.integrations.hf.recurrent` pass when registration is given the model
+  instance: ds_ring runs them sequence-parallel, their state carried across shards.
 * :class:`CallAudit`, while registered: the first forward of every attention module must call ds_ring's
   attention (itself or through a child). One that runs without calling it (its own
   ``F.scaled_dot_product_attention`` or eager code: it attended within the shard) is refused right after that
@@ -59,18 +61,25 @@ def _mixes_over_time(module: nn.Module) -> bool:
     return isinstance(module, nn.Conv1d | nn.Conv2d | nn.Conv3d) and max(module.kernel_size) > 1
 
 
-def refuse_sequence_mixers(model: nn.Module, position_wise: Iterable[str] = ()) -> None:
+def refuse_sequence_mixers(
+    model: nn.Module, position_wise: Iterable[str] = (), handled: Iterable[nn.Module] = ()
+) -> None:
     """``ValueError`` naming the first module that mixes along the sequence other than through attention.
 
     Args:
         model: the model (its module tree is read; nothing runs).
         position_wise: class names the user declares position-wise (mixing nothing along the sequence).
+        handled: modules ds_ring runs sequence-parallel itself (:mod:`ds_ring.integrations.hf.recurrent`): they and
+            their children pass.
     """
+    from ds_ring.integrations.hf.recurrent import supported_mixer
+
     allowed = set(position_wise)
     prefix = _family_prefix(model)
+    inside = {id(m) for mixer in handled for m in mixer.modules()}
     for path, module in model.named_modules():
         cls = type(module).__name__
-        if cls in allowed or module is model:
+        if cls in allowed or module is model or id(module) in inside:
             continue
         short = _short_name(module, prefix)
         mixer_named = bool(_MIXER.search(short)) and not any(
@@ -88,6 +97,14 @@ def refuse_sequence_mixers(model: nn.Module, position_wise: Iterable[str] = ()) 
                 f"without sequence parallelism"
             )
         if named or _mixes_over_time(module):
+            owner = next((m for p, m in model.named_modules() if path.startswith(f"{p}.") and supported_mixer(m)), None)
+            if supported_mixer(module) or owner is not None:
+                mixer = type(owner if owner is not None else module).__name__
+                raise ValueError(
+                    f"{mixer} (at {path}) mixes information along the sequence other than through attention; ds_ring "
+                    f"runs it sequence-parallel only when register_with_transformers is given the model instance "
+                    f"(it was given a config or a name): pass the model"
+                )
             raise ValueError(
                 f"{cls} (at {path or 'the model'}) mixes information along the sequence other than through "
                 f"attention (a state-space / recurrent / convolution / linear-attention layer): run on one rank's "
@@ -123,6 +140,11 @@ class CallAudit:
 
     def _enter(self, module: nn.Module, _args: Any) -> None:
         if id(module) not in self._audited and _ATTENTION.search(type(module).__name__):
+            from ds_ring.integrations.hf.recurrent import supported_mixer
+
+            if supported_mixer(module):  # a recurrence named attention, run sequence-parallel by ds_ring itself
+                self._audited.add(id(module))
+                return
             self._open.append((id(module), self.calls))
 
     def _leave(self, module: nn.Module, _args: Any, _out: Any) -> None:

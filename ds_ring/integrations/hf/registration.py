@@ -23,6 +23,7 @@ from ds_ring.integrations.hf.audit import CallAudit, ModelWatch, refuse_sequence
 from ds_ring.integrations.hf.documents import refuse_padding
 from ds_ring.integrations.hf.long_context import check_long_context
 from ds_ring.integrations.hf.masks import MaskSpec, mask_spec
+from ds_ring.integrations.hf.recurrent import install_recurrent, sequence_parallel_mixers
 from ds_ring.integrations.hf.session import SequenceParallelSession, installed_sessions
 from ds_ring.parallel.topology import Topology
 
@@ -127,7 +128,8 @@ def register_with_transformers(
         _check_implementation(core_attn_implementation, ALL_ATTENTION_FUNCTIONS)
     model_config = _model_config(model_name_or_path, core_attn_implementation)
     if model_config is not None and section.enabled:
-        refuse_sequence_mixers(_module_tree(model_name_or_path, model_config), position_wise)
+        handled = sequence_parallel_mixers(model_name_or_path)
+        refuse_sequence_mixers(_module_tree(model_name_or_path, model_config), position_wise, handled)
     if isinstance(model_name_or_path, torch.nn.Module):
         check_long_context(model_name_or_path, section.long_context)
     if topology is None and not dist.is_initialized():
@@ -174,6 +176,8 @@ def register_with_transformers(
         replaced.append((table, OWN_NAME, OWN_NAME in table, table.get(OWN_NAME)))
         table[OWN_NAME] = _no_mask
     session.on_close(functools.partial(_put_back, tuple(replaced), attention))
+    # state-space / short-convolution layers of the model instance: their state carried across shards
+    session.on_close(install_recurrent(model_name_or_path, topology, section.layout, disable_in_eval=disable_in_eval))
     return session
 
 
