@@ -1,9 +1,10 @@
-"""Fine-tune a Hugging Face Llama with ds_ring sequence parallelism on a long-range recall task.
+"""Fine-tune a Hugging Face Llama (or a hybrid) with ds_ring sequence parallelism on a long-range recall task.
 
 The model is a small ``LlamaForCausalLM`` built from a ``LlamaConfig`` with random weights (nothing
-is downloaded), its attention the transformers ``sdpa`` entry that ``register_with_transformers``
-replaces with ds_ring's strategy from the ds_config's ``ring_attention`` section. Every sequence
-starts with a key (one of 16 tokens, repeated over the first 64 positions) and ends with query
+is downloaded; ``--model-type bamba`` / ``lfm2``: a hybrid of Mamba2 mixers / short convolutions and attention,
+whose recurrent layers carry their state across shards), its attention the transformers ``sdpa`` entry that
+``register_with_transformers`` replaces with ds_ring's strategy from the ds_config's ``ring_attention`` section.
+Every sequence starts with a key (one of 16 tokens, repeated over the first 64 positions) and ends with query
 markers whose next-token target is the key: the key lives on the first rank's shard and the queries
 on the last rank's, so the loss can only fall below ln(16) = 2.77 through attention across shards.
 
@@ -90,22 +91,40 @@ class RecallDataset(Dataset):
         return {"input_ids": input_ids, "labels": labels}
 
 
-def build_model(args: argparse.Namespace) -> torch.nn.Module:
-    """A random-initialised ``LlamaForCausalLM`` with GQA, attention implementation ``sdpa``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+MODEL_TYPES = ("llama", "bamba", "lfm2")
+"""``--model-type``: Llama (attention only), Bamba (Mamba2 state-space mixers + attention: a hybrid), LFM2 (short
+causal convolutions + attention). The recurrent layers run sequence-parallel with their state carried across shards
+(docs/recurrent.md)."""
 
-    config = LlamaConfig(
+
+def build_model(args: argparse.Namespace) -> torch.nn.Module:
+    """A random-initialised ``--model-type`` causal LM with GQA, attention implementation ``sdpa``."""
+    import transformers
+
+    common = dict(
         vocab_size=args.vocab, hidden_size=args.dim, intermediate_size=4 * args.dim, num_hidden_layers=args.layers,
         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq,
-        attn_implementation="sdpa", use_cache=False, initializer_range=args.init_std,
+        use_cache=False, initializer_range=args.init_std,
     )  # fmt: skip
-    return LlamaForCausalLM(config)
+    if args.model_type == "bamba":  # every second layer attention, the others Mamba2 (8 heads of 2·dim/8 channels)
+        extra = dict(
+            attn_layer_indices=list(range(1, args.layers, 2)), mamba_n_heads=8, mamba_d_head=2 * args.dim // 8,
+            mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=64, mamba_expand=2,
+        )  # fmt: skip
+        config = transformers.BambaConfig(**common, **extra)
+    elif args.model_type == "lfm2":  # every second layer attention, the others short convolutions (width 3)
+        layer_types = ["conv" if i % 2 == 0 else "full_attention" for i in range(args.layers)]
+        config = transformers.Lfm2Config(**common, layer_types=layer_types, conv_L_cache=3)
+    else:
+        config = transformers.LlamaConfig(**common)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """What :func:`build_model` reads beyond :func:`launch.train.add_training_arguments`."""
     p.add_argument("--init-std", type=float, default=0.2, help="weight init std (HF's 0.02 learns this task slowly)")
     p.add_argument("--vocab", type=int, default=VOCAB, help=f"vocabulary size (the task uses {VOCAB} tokens)")
+    p.add_argument("--model-type", choices=MODEL_TYPES, default="llama", help="llama, or a hybrid: bamba, lfm2")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -8,7 +8,7 @@ by :meth:`ds_ring.integrations.hf.session.SequenceParallelSession.apply_long_con
   (and no ``labels``), returns ``loss`` = the sequence-group mean computed tile by tile
   (:func:`ds_ring.tiles.tiled_cross_entropy_sum`) and ``logits=None``. Any other call runs the model's own
   forward (logits included).
-* ``tiled_mlp``: every ``*.mlp`` runs :func:`ds_ring.tiles.tiled_gated_mlp`.
+* ``tiled_mlp``: every ``*.mlp`` (``*.feed_forward``: Bamba, Jamba and kin) runs :func:`ds_ring.tiles.tiled_gated_mlp`.
 * ``offload_checkpoints``: gradient checkpointing on, with :func:`ds_ring.tiles.offloaded_checkpoint` as each
   layer's checkpointing function (set again at every forward, so a later ``gradient_checkpointing_enable``
   keeps it).
@@ -91,7 +91,9 @@ def check_long_context(model: Any, section: LongContextConfig) -> None:
     if section.tiled_mlp:
         mlps = _mlps(lm)
         if not mlps:
-            raise ValueError(f"{_WHERE}.tiled_mlp: {name} has no '*.mlp' modules to tile; set tiled_mlp to false")
+            raise ValueError(
+                f"{_WHERE}.tiled_mlp: {name} has no '*.mlp' or '*.feed_forward' modules to tile; set tiled_mlp to false"
+            )
         for path, mlp in mlps:
             if gated_mlp_parts(mlp) is None:
                 raise ValueError(
@@ -107,7 +109,7 @@ def check_long_context(model: Any, section: LongContextConfig) -> None:
 
 
 def _mlps(lm: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(path, module) for path, module in lm.named_modules() if path.endswith(".mlp")]
+    return [(path, module) for path, module in lm.named_modules() if path.endswith((".mlp", ".feed_forward"))]
 
 
 def apply_long_context(
