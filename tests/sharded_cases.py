@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 import ds_ring
+from ds_ring.calls import sequence_parallel_attention
 from ds_ring.reference import dilated_attention_reference
 from tests.dist import CaseLog
 
@@ -123,6 +124,20 @@ def ring_rank(rank: int, world: int, cases: list[dict[str, Any]]) -> list[str]:
     for case in cases:
         attention = functools.partial(ds_ring.ring_dilated_attention, communication=case["communication"])
         failures += run_cases([case], attention)
+    return failures
+
+
+def strategy_rank(rank: int, world: int, ulysses: int, ring: int, cases: list[dict[str, Any]]) -> list[str]:
+    """Rank function: every case through ``sequence_parallel_attention`` over a ``ulysses × ring`` topology, with
+    the case's strategy and communication (absent: the strategy's default)."""
+    topology = ds_ring.Topology(ulysses=ulysses, ring=ring)
+    failures = []
+    for case in cases:
+        attention = functools.partial(
+            sequence_parallel_attention, topology=topology, strategy=case["strategy"],
+            communication=case.get("communication"),
+        )  # fmt: skip
+        failures += run_cases([case], attention, group=topology.sequence_parallel_group)
     return failures
 
 
