@@ -17,8 +17,7 @@ import pytest
 import torch
 
 import ds_ring
-from tests.dist import assert_no_failures, run_distributed
-from tests.sharded_cases import check_case, ring_rank, seeded, strategy_rank
+from tests.sharded_cases import EveryStrategy, check_case, seeded
 
 L = 6  # rows per rank
 
@@ -42,12 +41,6 @@ def _ring_cases(world: int) -> list[dict]:
     return seeded(cases, batch=2, seq=seq, head_dim=8)
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_ring_and_allgather_windows_and_sinks(world):
-    assert_no_failures(run_distributed(ring_rank, world, timeout=200, cases=_ring_cases(world)))
-
-
 def _strategy_cases(world: int, ring: int) -> list[dict]:
     seq = world * L
     cases = []
@@ -59,11 +52,11 @@ def _strategy_cases(world: int, ring: int) -> list[dict]:
     return seeded(cases, batch=1, seq=seq, head_dim=8)
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize(("world", "ulysses", "ring"), [(2, 2, 1), (4, 2, 2)], ids=["ulysses2", "hybrid2x2"])
-def test_ulysses_and_hybrid_windows_and_sinks(world, ulysses, ring):
-    cases = _strategy_cases(world, ring)
-    assert_no_failures(run_distributed(strategy_rank, world, timeout=200, ulysses=ulysses, ring=ring, cases=cases))
+class TestEveryStrategy(EveryStrategy):
+    """Windows and sinks on ring and all-gather over 1-4 ranks, Ulysses over 2 and hybrid 2 × 2."""
+
+    ring_cases = staticmethod(_ring_cases)
+    strategy_cases = staticmethod(_strategy_cases)
 
 
 def _one_process(q, k, v, segments, rates, *, layout, **options):
