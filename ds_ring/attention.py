@@ -23,8 +23,6 @@ from torch.distributed import ProcessGroup
 
 from ds_ring.calls import attend, group_placement, topology_placement
 from ds_ring.comm.groups import group_size
-from ds_ring.kernels.dilated import check_window_branches
-from ds_ring.kernels.dilation import check_softcap, make_branches
 from ds_ring.parallel.topology import Topology
 from ds_ring.strategies import AttentionCall
 from ds_ring.zero import require_marked
@@ -150,9 +148,7 @@ class RingDilatedAttention(nn.Module):
 def _validated(call: AttentionCall) -> AttentionCall:
     """``call`` with its branch lists as lists, once they are valid (checked at build time, so a typo fails
     before the first forward; ``seq_len`` at its maximum clamps nothing)."""
-    make_branches(2**62, call.segment_lengths, call.dilation_rates)
-    check_window_branches(call.window, call.causal, call.segment_lengths)
-    check_softcap(call.softcap)
+    call.check_options()
     segs, rates = call.segment_lengths, call.dilation_rates
     return dataclasses.replace(
         call,

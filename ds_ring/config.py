@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
@@ -63,8 +63,23 @@ def _refuse_unknown_keys(data: Any, known: Mapping[str, Any], where: str) -> Non
         raise ValueError(f"{where}: unknown key(s) {', '.join(hints)}; known keys: {', '.join(known)}")
 
 
-class MonitoringConfig(DeepSpeedConfigModel):
+class _Section(DeepSpeedConfigModel):
+    """An object of the ds_config whose unknown keys are refused, each with the closest known key."""
+
+    _WHERE: ClassVar[str] = SECTION
+    """Where the object sits in the ds_config, as errors name it (e.g. ``"ring_attention.monitoring"``)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _suggest_for_unknown_keys(cls, data: Any) -> Any:
+        _refuse_unknown_keys(data, cls.model_fields, cls._WHERE)
+        return data
+
+
+class MonitoringConfig(_Section):
     """Built-in monitoring hooks (the ``"monitoring"`` object inside ``"ring_attention"``)."""
+
+    _WHERE = f"{SECTION}.monitoring"
 
     metrics: bool = False
     """Per training step, write attention compute time, communication time, the share of
@@ -86,19 +101,15 @@ class MonitoringConfig(DeepSpeedConfigModel):
     (``raise``), or a warning and the step skipped on every rank (``skip_step``, when the training
     loop asks ``engine.ring_monitor.skip_step()``)."""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _suggest_for_unknown_keys(cls, data: Any) -> Any:
-        _refuse_unknown_keys(data, cls.model_fields, f"{SECTION}.monitoring")
-        return data
 
-
-class PreemptionConfig(DeepSpeedConfigModel):
+class PreemptionConfig(_Section):
     """What a preemption signal does (the ``"preemption"`` object inside ``"ring_attention"``;
     :mod:`ds_ring.preemption`)::
 
         "preemption": {"enabled": true, "signals": ["SIGTERM", "SIGUSR1"], "grace_s": 25}
     """
+
+    _WHERE = f"{SECTION}.preemption"
 
     enabled: bool = True
     """Catch ``signals``: the ranks stop together at the end of the current step, save it and exit 0. Only once the
@@ -119,12 +130,6 @@ class PreemptionConfig(DeepSpeedConfigModel):
     """A signal within this many seconds of the first is the same preemption delivered twice (a launcher forwarding
     what its process group also received) and is ignored; a later one ends the process at once (code 128 + signal)."""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _suggest_for_unknown_keys(cls, data: Any) -> Any:
-        _refuse_unknown_keys(data, cls.model_fields, f"{SECTION}.preemption")
-        return data
-
     @field_validator("signals")
     @classmethod
     def _known_signals(cls, names: list[str]) -> list[str]:
@@ -137,13 +142,15 @@ class PreemptionConfig(DeepSpeedConfigModel):
         return names
 
 
-class LongContextConfig(DeepSpeedConfigModel):
+class LongContextConfig(_Section):
     """What keeps the rest of a Hugging Face model O(seq/p) per rank (the ``"long_context"`` object inside
     ``"ring_attention"``), applied by ``session.apply_long_context(model)`` (the session ``register_with_transformers``
     returns) to the model it is given::
 
         "long_context": {"tiled_loss": true, "tiled_mlp": true, "tile_tokens": 2048, "offload_checkpoints": "none"}
     """
+
+    _WHERE = f"{SECTION}.long_context"
 
     tiled_loss: bool = False
     """With ``shift_labels`` in the batch, ``model(**batch).loss`` is the sequence-group mean computed tile by tile
@@ -164,12 +171,6 @@ class LongContextConfig(DeepSpeedConfigModel):
 
     offload_dir: str | None = None
     """The existing, writable directory ``"disk"`` writes to (its files are unlinked at once: nothing stays)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _suggest_for_unknown_keys(cls, data: Any) -> Any:
-        _refuse_unknown_keys(data, cls.model_fields, f"{SECTION}.long_context")
-        return data
 
     @field_validator("tile_tokens")
     @classmethod
@@ -207,7 +208,7 @@ class LongContextConfig(DeepSpeedConfigModel):
         return self.tiled_loss or self.tiled_mlp or self.offload_checkpoints != "none"
 
 
-class RingAttentionConfig(DeepSpeedConfigModel):
+class RingAttentionConfig(_Section):
     """Sequence-parallel attention settings (the ``"ring_attention"`` section)."""
 
     enabled: bool = True
@@ -271,12 +272,6 @@ class RingAttentionConfig(DeepSpeedConfigModel):
         if not strict and data.get("strategy") == "auto":
             data, strict = {k: v for k, v in data.items() if v != "auto" or k == "strategy"}, True
         super().__init__(strict=strict, **data)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _suggest_for_unknown_keys(cls, data: Any) -> Any:
-        _refuse_unknown_keys(data, cls.model_fields, SECTION)
-        return data
 
     @field_validator("strategy", "communication")
     @classmethod

@@ -15,11 +15,13 @@ import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import pytest
 import torch
 
 import ds_ring
+from ds_ring.calls import sequence_parallel_attention
 from ds_ring.reference import dilated_attention_reference
-from tests.dist import CaseLog
+from tests.dist import CaseLog, assert_no_failures, run_distributed
 
 DTYPES = {"float64": (torch.float64, 1e-10), "float32": (torch.float32, 3e-5)}
 
@@ -126,6 +128,48 @@ def ring_rank(rank: int, world: int, cases: list[dict[str, Any]]) -> list[str]:
     return failures
 
 
+def strategy_rank(rank: int, world: int, ulysses: int, ring: int, cases: list[dict[str, Any]]) -> list[str]:
+    """Rank function: every case through ``sequence_parallel_attention`` over a ``ulysses × ring`` topology, with
+    the case's strategy and communication (absent: the strategy's default)."""
+    topology = ds_ring.Topology(ulysses=ulysses, ring=ring)
+    failures = []
+    for case in cases:
+        attention = functools.partial(
+            sequence_parallel_attention, topology=topology, strategy=case["strategy"],
+            communication=case.get("communication"),
+        )  # fmt: skip
+        failures += run_cases([case], attention, group=topology.sequence_parallel_group)
+    return failures
+
+
 def seeded(cases: Iterable[dict[str, Any]], **common: Any) -> list[dict[str, Any]]:
     """``cases`` with the ``common`` fields added and ``seed`` set to each case's position (own inputs per case)."""
     return [{**case, **common, "seed": seed} for seed, case in enumerate(cases)]
+
+
+def strategy_pairs(ring: int) -> list[tuple[str, str | None]]:
+    """``(strategy, communication)`` of the strategies a ``ulysses × ring`` topology runs beside ring and all-gather:
+    Ulysses, and with a ring dimension (``ring > 1``) hybrid over each exchange."""
+    return [("ulysses", None)] + ([("hybrid", "ring"), ("hybrid", "allgather")] if ring > 1 else [])
+
+
+class EveryStrategy:
+    """Base of a test class checking one feature against the oracle on every strategy: ring and all-gather
+    (:func:`ring_rank`) over 1-4 ranks, Ulysses over 2 and hybrid 2 × 2 (:func:`strategy_rank`). A subclass names
+    its cases (each list made by :func:`seeded`)."""
+
+    ring_cases: Callable[[int], list[dict[str, Any]]]
+    """The cases of a ring over ``world`` ranks (each with its ``communication``)."""
+    strategy_cases: Callable[[int, int], list[dict[str, Any]]]
+    """The cases over ``world`` ranks of a topology with ``ring`` ring ranks (each with its ``strategy``)."""
+
+    @pytest.mark.timeout(240)
+    @pytest.mark.parametrize("world", [1, 2, 3, 4])
+    def test_ring_and_allgather(self, world: int) -> None:
+        assert_no_failures(run_distributed(ring_rank, world, timeout=200, cases=self.ring_cases(world)))
+
+    @pytest.mark.timeout(240)
+    @pytest.mark.parametrize(("world", "ulysses", "ring"), [(2, 2, 1), (4, 2, 2)], ids=["ulysses2", "hybrid2x2"])
+    def test_ulysses_and_hybrid(self, world: int, ulysses: int, ring: int) -> None:
+        cases = self.strategy_cases(world, ring)
+        assert_no_failures(run_distributed(strategy_rank, world, timeout=200, ulysses=ulysses, ring=ring, cases=cases))

@@ -33,6 +33,11 @@ def _my_spans(rank: int, world_size: int) -> list[list[int]]:
     return [span for span in _spans(world_size) if rank in span]
 
 
+def _paths(rank: int, world_size: int) -> list[tuple[list[int], torch.dtype, bool]]:
+    """``(span, dtype, force_p2p)``: every span this rank is in, on both paths in every dtype."""
+    return [(span, dtype, force_p2p) for span in _my_spans(rank, world_size) for dtype, force_p2p in PATHS]
+
+
 def _recording() -> tuple[CaseLog, list[Event]]:
     """A rank function's start: a case log, and the list the hooks record events into."""
     events: list[Event] = []
@@ -57,21 +62,21 @@ def _one_event(
 
 def _gather_cases(rank: int, world_size: int) -> list[str]:
     log, events = _recording()
+    for span, dtype, force_p2p in _paths(rank, world_size):
+        with log.case(f"all_gather span={span} {dtype} force_p2p={force_p2p}"):
+            events.clear()
+            parts = all_gather(_payload(rank, 6, dtype), span, force_p2p=force_p2p, op="ag", step=3)
+            assert len(parts) == len(span)
+            for member, part in zip(span, parts, strict=True):
+                assert_close(part, _payload(member, 6, dtype), rtol=0, atol=0)
+            event = _one_event(events, span, world_size, force_p2p, kind="all_gather", op="ag", step=3)
+            if event is not None:
+                assert event.rank == rank
+                assert event.extra["span"] == span
+                itemsize = torch.empty(0, dtype=dtype).element_size()
+                assert event.nbytes == 6 * itemsize * (len(span) - 1)
+                assert event.extra["sent_bytes"] == 6 * itemsize * (len(span) - 1)
     for span in _my_spans(rank, world_size):
-        for dtype, force_p2p in PATHS:
-            with log.case(f"all_gather span={span} {dtype} force_p2p={force_p2p}"):
-                events.clear()
-                parts = all_gather(_payload(rank, 6, dtype), span, force_p2p=force_p2p, op="ag", step=3)
-                assert len(parts) == len(span)
-                for member, part in zip(span, parts, strict=True):
-                    assert_close(part, _payload(member, 6, dtype), rtol=0, atol=0)
-                event = _one_event(events, span, world_size, force_p2p, kind="all_gather", op="ag", step=3)
-                if event is not None:
-                    assert event.rank == rank
-                    assert event.extra["span"] == span
-                    itemsize = torch.empty(0, dtype=dtype).element_size()
-                    assert event.nbytes == 6 * itemsize * (len(span) - 1)
-                    assert event.extra["sent_bytes"] == 6 * itemsize * (len(span) - 1)
         with log.case(f"all_gather span={span} unequal sizes"):
             numels = [member + 1 for member in span]
             events.clear()
@@ -98,15 +103,15 @@ def _gather_cases(rank: int, world_size: int) -> list[str]:
 
 def _reduce_scatter_cases(rank: int, world_size: int) -> list[str]:
     log, events = _recording()
+    for span, dtype, force_p2p in _paths(rank, world_size):
+        with log.case(f"reduce_scatter span={span} {dtype} force_p2p={force_p2p}"):
+            events.clear()
+            contributions = [_payload(rank, 5, dtype, salt=3 * target) for target in span]
+            got = reduce_scatter(contributions, span, force_p2p=force_p2p, op="rs", step=1)
+            expected = sum(_payload(member, 5, torch.int64, salt=3 * rank) for member in span)
+            assert_close(got, expected.to(dtype), rtol=0, atol=0)
+            _one_event(events, span, world_size, force_p2p, kind="reduce_scatter", op="rs", step=1)
     for span in _my_spans(rank, world_size):
-        for dtype, force_p2p in PATHS:
-            with log.case(f"reduce_scatter span={span} {dtype} force_p2p={force_p2p}"):
-                events.clear()
-                contributions = [_payload(rank, 5, dtype, salt=3 * target) for target in span]
-                got = reduce_scatter(contributions, span, force_p2p=force_p2p, op="rs", step=1)
-                expected = sum(_payload(member, 5, torch.int64, salt=3 * rank) for member in span)
-                assert_close(got, expected.to(dtype), rtol=0, atol=0)
-                _one_event(events, span, world_size, force_p2p, kind="reduce_scatter", op="rs", step=1)
         with log.case(f"reduce_scatter span={span} unequal sizes"):
             contributions = [_payload(rank, target + 2, torch.float32) for target in span]
             got = reduce_scatter(contributions, span)

@@ -14,19 +14,16 @@
 
 from __future__ import annotations
 
-import functools
 import itertools
 
 import pytest
 import torch
 
 import ds_ring
-from ds_ring.calls import sequence_parallel_attention
 from ds_ring.kernels import block, chunked
 from ds_ring.kernels.block import GpuFacts, kernel_for
 from tests.block_cases import SHAPES, LargestOutput, check_against_oracle
-from tests.dist import assert_no_failures, run_distributed
-from tests.sharded_cases import check_case, ring_rank, run_cases, seeded
+from tests.sharded_cases import EveryStrategy, check_case, seeded, strategy_pairs
 
 BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
 H100 = GpuFacts((9, 0))
@@ -132,18 +129,10 @@ def _ring_cases(world: int) -> list[dict]:
     return seeded(cases, batch=2, seq=seq, head_dim=8, softcap=CAP)
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_ring_and_allgather(world):
-    assert_no_failures(run_distributed(ring_rank, world, timeout=200, cases=_ring_cases(world)))
-
-
-def _strategy_rank(rank: int, world: int, ulysses: int, ring: int) -> list[str]:
-    topology = ds_ring.Topology(ulysses=ulysses, ring=ring)
+def _strategy_cases(world: int, ring: int) -> list[dict]:
     seq = world * L
-    strategies = [("ulysses", None)] + ([("hybrid", "ring"), ("hybrid", "allgather")] if ring > 1 else [])
     cases = []
-    for i, (strategy, comm) in enumerate(strategies):
+    for i, (strategy, comm) in enumerate(strategy_pairs(ring)):
         base = dict(strategy=strategy, communication=comm, heads=4, kv_heads=(4, 2, 1)[i % 3])
         cases += [
             dict(base, causal=False, layout="contiguous"),
@@ -152,20 +141,14 @@ def _strategy_rank(rank: int, world: int, ulysses: int, ring: int) -> list[str]:
             dict(base, causal=True, layout="contiguous", window=L + 1, sinks=True),
             dict(base, causal=True, layout="contiguous", cu_seqlens=[0, 7, seq]),
         ]
-    failures = []
-    for case in seeded(cases, batch=1, seq=seq, head_dim=8, softcap=CAP):
-        attention = functools.partial(
-            sequence_parallel_attention, topology=topology, strategy=case["strategy"],
-            communication=case["communication"],
-        )  # fmt: skip
-        failures += run_cases([case], attention, group=topology.sequence_parallel_group)
-    return failures
+    return seeded(cases, batch=1, seq=seq, head_dim=8, softcap=CAP)
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize(("world", "ulysses", "ring"), [(2, 2, 1), (4, 2, 2)], ids=["ulysses2", "hybrid2x2"])
-def test_ulysses_and_hybrid(world, ulysses, ring):
-    assert_no_failures(run_distributed(_strategy_rank, world, timeout=200, ulysses=ulysses, ring=ring))
+class TestEveryStrategy(EveryStrategy):
+    """Soft-capped attention on ring and all-gather over 1-4 ranks, Ulysses over 2 and hybrid 2 × 2."""
+
+    ring_cases = staticmethod(_ring_cases)
+    strategy_cases = staticmethod(_strategy_cases)
 
 
 @pytest.mark.parametrize("softcap", [0, -1.0, float("nan"), float("inf"), True, "50"])

@@ -11,16 +11,13 @@
 
 from __future__ import annotations
 
-import functools
 import itertools
 
 import pytest
 import torch
 
 import ds_ring
-from ds_ring.calls import sequence_parallel_attention
-from tests.dist import assert_no_failures, run_distributed
-from tests.sharded_cases import check_case, ring_rank, run_cases, seeded
+from tests.sharded_cases import EveryStrategy, check_case, seeded
 
 L = 6  # rows per rank
 
@@ -44,14 +41,7 @@ def _ring_cases(world: int) -> list[dict]:
     return seeded(cases, batch=2, seq=seq, head_dim=8)
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_ring_and_allgather_windows_and_sinks(world):
-    assert_no_failures(run_distributed(ring_rank, world, timeout=200, cases=_ring_cases(world)))
-
-
-def _strategy_rank(rank: int, world: int, ulysses: int, ring: int) -> list[str]:
-    topology = ds_ring.Topology(ulysses=ulysses, ring=ring)
+def _strategy_cases(world: int, ring: int) -> list[dict]:
     seq = world * L
     cases = []
     strategies = ["ulysses"] + (["hybrid"] if ring > 1 else [])
@@ -59,17 +49,14 @@ def _strategy_rank(rank: int, world: int, ulysses: int, ring: int) -> list[str]:
         cases.append(dict(strategy=strategy, causal=True, window=window, heads=4, kv_heads=2 if i % 2 else 4,
                           sinks=i % 2 == 0, layout="zigzag" if i % 3 == 1 else "contiguous"))  # fmt: skip
     cases.append(dict(cases[0], cu_seqlens=[0, 7, seq], window=5))
-    failures = []
-    for case in seeded(cases, batch=1, seq=seq, head_dim=8):
-        attention = functools.partial(sequence_parallel_attention, topology=topology, strategy=case["strategy"])
-        failures += run_cases([case], attention, group=topology.sequence_parallel_group)
-    return failures
+    return seeded(cases, batch=1, seq=seq, head_dim=8)
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize(("world", "ulysses", "ring"), [(2, 2, 1), (4, 2, 2)], ids=["ulysses2", "hybrid2x2"])
-def test_ulysses_and_hybrid_windows_and_sinks(world, ulysses, ring):
-    assert_no_failures(run_distributed(_strategy_rank, world, timeout=200, ulysses=ulysses, ring=ring))
+class TestEveryStrategy(EveryStrategy):
+    """Windows and sinks on ring and all-gather over 1-4 ranks, Ulysses over 2 and hybrid 2 × 2."""
+
+    ring_cases = staticmethod(_ring_cases)
+    strategy_cases = staticmethod(_strategy_cases)
 
 
 def _one_process(q, k, v, segments, rates, *, layout, **options):

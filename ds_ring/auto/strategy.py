@@ -28,8 +28,6 @@ from ds_ring.auto.probe import probe_link
 from ds_ring.comm.groups import group_rank
 from ds_ring.comm.hosts import host_of
 from ds_ring.comm.spans import group_members
-from ds_ring.kernels.dilated import check_window_branches
-from ds_ring.kernels.dilation import check_softcap, make_branches
 from ds_ring.strategies.base import AttentionCall, Bound, Degrees, Shape, Strategy, Target, get_strategy
 from ds_ring.strategies.sharded import get_exchange
 
@@ -89,9 +87,7 @@ class Auto(Strategy):
     def check(self, call: AttentionCall, shape: Shape | None, degrees: Degrees | None) -> None:
         if call.communication is not None:
             get_exchange(call.communication)
-        make_branches(2**62 if shape is None else shape.rows, call.segment_lengths, call.dilation_rates)
-        check_window_branches(call.window, call.causal, call.segment_lengths)
-        check_softcap(call.softcap)
+        call.check_options(None if shape is None else shape.rows)
         if shape is None or degrees is None:
             return
         options = plan_options(problem_of(call, shape, degrees), Link())

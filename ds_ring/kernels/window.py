@@ -232,15 +232,32 @@ def attend_band_backward(
     geo = _bands(q.shape[-3], k.shape[-3], d, window, _fused_block(window) if fused else None)
     if geo is None:
         return tuple(torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
-    if fused:
-        return _fused_backward(dout, q, k, v, out, lse, geo, _scale(q, scale))
     qb, dob, ob = (_query_blocks(x, geo, acc) for x in (q, dout, out))
     lb = _query_blocks(_finite(lse.to(acc)).unsqueeze(-1), geo, acc).squeeze(-1)  # [L, count, h, block]
-    kr, vr = _key_run(k, geo, acc), _key_run(v, geo, acc)
-    dqb = torch.empty_like(qb)
-    dkr, dvr = torch.zeros_like(kr), torch.zeros_like(vr)
-    hidden, factor = _hidden(geo, q.device), _scale(q, scale)
-    step = _group_size(geo, qb.shape[0] * q.shape[-2], acc)
+    kr, vr = _key_run(k, geo, acc).contiguous(), _key_run(v, geo, acc).contiguous()
+    dqb, dkr, dvr = torch.empty_like(qb), torch.zeros_like(kr), torch.zeros_like(vr)
+    if fused:
+        _fused_backward_((dob, qb, kr, vr, ob, lb), (dqb, dkr, dvr), geo, _scale(q, scale))
+    else:
+        _batched_backward_((dob, qb, kr, vr, ob, lb), (dqb, dkr, dvr), geo, _scale(q, scale), softcap)
+    dq = _placed(_token_layout(dqb, q.shape[:-3], geo.rows), q, geo.first)
+    lo, hi = max(geo.start, 0), min(geo.start + geo.key_blocks * geo.block, geo.n)
+    dk, dv = (_placed(run.narrow(1, lo - geo.start, hi - lo).view(*x.shape[:-3], hi - lo, *run.shape[-2:]), x, lo)
+              for run, x in ((dkr, k), (dvr, v)))  # fmt: skip
+    return dq, dk, dv
+
+
+def _batched_backward_(
+    blocks: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...], geo: _Bands, factor: float, softcap: float | None
+) -> None:
+    """The band gradients by batched matmuls over groups of blocks. ``blocks``: ``(dout, q, k, v, out, lse)`` as
+    :func:`attend_band_backward` cuts them, in the accumulation dtype: ``dout``, ``q``, ``out`` in query blocks
+    ``[L, count, h, block, E]``, ``k``, ``v`` as padded key runs ``[L, key_blocks·block, h, E]``, the finite
+    ``lse`` ``[L, count, h, block]``; ``grads``: ``(dq, dk, dv)`` shaped like ``q``'s blocks and the key runs,
+    written in place (the runs summed into)."""
+    (dob, qb, kr, vr, ob, lb), (dqb, dkr, dvr) = blocks, grads
+    hidden = _hidden(geo, qb.device)
+    step = _group_size(geo, qb.shape[0] * qb.shape[2], qb.dtype)
     for t0 in range(0, geo.count, step):
         t1 = min(t0 + step, geo.count)
         kband, vband = _bands_of(kr, geo, t0, t1), _bands_of(vr, geo, t0, t1)  # [L, blocks, h, E, band]
@@ -255,11 +272,6 @@ def attend_band_backward(
         dqb[:, t0:t1] = torch.matmul(ds, kband.transpose(-1, -2))
         _add_bands_(dkr, torch.matmul(ds.transpose(-1, -2), qb[:, t0:t1]), geo, t0)
         _add_bands_(dvr, torch.matmul(p.transpose(-1, -2), do), geo, t0)
-    dq = _placed(_token_layout(dqb, q.shape[:-3], geo.rows), q, geo.first)
-    lo, hi = max(geo.start, 0), min(geo.start + geo.key_blocks * geo.block, geo.n)
-    dk, dv = (_placed(run.narrow(1, lo - geo.start, hi - lo).view(*x.shape[:-3], hi - lo, *run.shape[-2:]), x, lo)
-              for run, x in ((dkr, k), (dvr, v)))  # fmt: skip
-    return dq, dk, dv
 
 
 def _placed(rows: torch.Tensor, like: torch.Tensor, first: int) -> torch.Tensor:
@@ -365,25 +377,20 @@ def _fused_forward(q, k, v, out, lse, geo: _Bands, scale: float) -> None:
         merge_(out[at].narrow(0, geo.first, geo.rows), lse[at].narrow(0, geo.first, geo.rows), block_out, block_lse)
 
 
-def _fused_backward(dout, q, k, v, out, lse, geo: _Bands, scale: float):
-    acc = accum_dtype(q.dtype)
-    qb, dob, ob = (_query_blocks(x, geo, acc) for x in (q, dout, out))
-    lb = _query_blocks(_finite(lse.to(acc)).unsqueeze(-1), geo, acc).squeeze(-1)  # [L, count, h, block]
-    kr, vr = _key_run(k, geo, acc).contiguous(), _key_run(v, geo, acc).contiguous()
-    dqb, dkr, dvr = torch.empty_like(qb), torch.zeros_like(kr), torch.zeros_like(vr)
+def _fused_backward_(
+    blocks: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...], geo: _Bands, scale: float
+) -> None:
+    """The band gradients through the fused CPU flash kernel's backward, one lead at a time; ``blocks`` and
+    ``grads`` as in :func:`_batched_backward_`."""
+    (dob, qb, kr, vr, ob, lb), (dqb, dkr, dvr) = blocks, grads
     for i in range(qb.shape[0]):
         qi, ki, vi, doi, oi, li = qb[i], kr[i], vr[i], dob[i], ob[i], lb[i]
         for t0, t1, inner in _segments(geo):  # each segment's band grads summed into the key run at once (no copies)
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 doi[t0:t1], qi[t0:t1], _band_view(ki, geo, t0, t1), _band_view(vi, geo, t0, t1), oi[t0:t1],
-                li[t0:t1], 0.0, False, attn_mask=_additive(geo, t0, t1, inner, q.device, acc), scale=scale,
+                li[t0:t1], 0.0, False, attn_mask=_additive(geo, t0, t1, inner, qb.device, qb.dtype), scale=scale,
             )  # fmt: skip
             dqb[i, t0:t1] = dq
             _add_bands_(dkr[i : i + 1], dk.unsqueeze(0), geo, t0)
             _add_bands_(dvr[i : i + 1], dv.unsqueeze(0), geo, t0)
             del dq, dk, dv
-    dq = _placed(_token_layout(dqb, q.shape[:-3], geo.rows), q, geo.first)
-    lo, hi = max(geo.start, 0), min(geo.start + geo.key_blocks * geo.block, geo.n)
-    dk, dv = (_placed(run.narrow(1, lo - geo.start, hi - lo).view(*x.shape[:-3], hi - lo, *run.shape[-2:]), x, lo)
-              for run, x in ((dkr, k), (dvr, v)))  # fmt: skip
-    return dq, dk, dv

@@ -25,6 +25,8 @@ from typing import NamedTuple
 import torch
 from torch.distributed import ProcessGroup
 
+from ds_ring.kernels.dilated import check_window_branches
+from ds_ring.kernels.dilation import check_softcap, make_branches
 from ds_ring.registry import Registry
 
 __all__ = [
@@ -134,6 +136,14 @@ class AttentionCall:
     softcap: float | None = None
     """Attention logit soft-cap (Gemma 2): scores ``s`` become ``softcap·tanh(s / softcap)`` before the softmax;
     ``None``: uncapped."""
+
+    def check_options(self, rows: int | None = None) -> None:
+        """``ValueError`` for branches, a window or a softcap that no strategy can run: the branch lists (segments
+        clamped to ``rows``, this rank's shard length; ``None``: unknown, nothing clamped), a window with branches
+        or without ``causal``, a softcap that is not a finite number > 0."""
+        make_branches(2**62 if rows is None else rows, self.segment_lengths, self.dilation_rates)
+        check_window_branches(self.window, self.causal, self.segment_lengths)
+        check_softcap(self.softcap)
 
 
 class Target(NamedTuple):

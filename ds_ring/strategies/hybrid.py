@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ds_ring.kernels.dilated import check_window_branches
-from ds_ring.kernels.dilation import check_softcap, make_branches
+from ds_ring.kernels.dilation import make_branches
 from ds_ring.strategies.base import AttentionCall, Bound, Degrees, Shape, Strategy, Target
 from ds_ring.strategies.blocks import Options
 from ds_ring.strategies.plan import plan_shards
@@ -46,9 +45,7 @@ class Hybrid(Strategy):
 
     def check(self, call: AttentionCall, shape: Shape | None, degrees: Degrees | None) -> None:
         get_exchange(call.communication)
-        make_branches(2**62 if shape is None else shape.rows, call.segment_lengths, call.dilation_rates)
-        check_window_branches(call.window, call.causal, call.segment_lengths)
-        check_softcap(call.softcap)
+        call.check_options(None if shape is None else shape.rows)
         if shape is None or degrees is None:
             return
         split_heads(shape.heads, shape.kv_heads, degrees.ulysses)  # heads % ulysses

@@ -8,8 +8,7 @@ local or span ranks (:mod:`ds_ring.strategies.plan`), and the K/V rows of spanni
 
 from __future__ import annotations
 
-from ds_ring.kernels.dilated import Options, check_window_branches
-from ds_ring.kernels.dilation import check_softcap, make_branches
+from ds_ring.kernels.dilated import Options
 from ds_ring.strategies.base import AttentionCall, Bound, Degrees, Shape, Strategy, Target
 from ds_ring.strategies.plan import plan_shards
 from ds_ring.strategies.sharded import CommSpec, get_exchange, sharded_attention
@@ -38,9 +37,7 @@ class SequenceShards(Strategy):
                 f"remove communication, or use strategy 'ring' with communication={call.communication!r}"
             )
         get_exchange(call.communication)
-        make_branches(2**62 if shape is None else shape.rows, call.segment_lengths, call.dilation_rates)
-        check_window_branches(call.window, call.causal, call.segment_lengths)
-        check_softcap(call.softcap)
+        call.check_options(None if shape is None else shape.rows)
         if shape is not None and degrees is not None:
             plan_shards(
                 shape.rows, shape.heads, shape.kv_heads, 0, degrees.sequence, _tuple(call.segment_lengths),

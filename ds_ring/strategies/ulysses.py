@@ -31,8 +31,7 @@ from torch.distributed import ProcessGroup
 from ds_ring.comm.collectives import all_to_all
 from ds_ring.comm.groups import group_rank
 from ds_ring.hooks import emit_attention, hooks_active
-from ds_ring.kernels.dilated import check_window_branches, dilated_attention
-from ds_ring.kernels.dilation import check_softcap, make_branches
+from ds_ring.kernels.dilated import dilated_attention
 from ds_ring.parallel.order import ORDERS as LAYOUTS
 from ds_ring.strategies.base import AttentionCall, Bound, Degrees, Shape, Strategy, Target
 
@@ -312,9 +311,7 @@ class Ulysses(Strategy):
                 f"strategy 'ulysses' moves heads by all-to-all and has no ring dimension, so communication "
                 f"{call.communication!r} would do nothing; remove communication, or use strategy 'hybrid'"
             )
-        make_branches(2**62 if shape is None else shape.rows, call.segment_lengths, call.dilation_rates)
-        check_window_branches(call.window, call.causal, call.segment_lengths)
-        check_softcap(call.softcap)
+        call.check_options(None if shape is None else shape.rows)
         if shape is None or degrees is None:
             return
         if shape.heads % degrees.sequence:
