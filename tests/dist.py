@@ -8,13 +8,13 @@ should start ranks once and check many cases inside its rank function, recording
 from __future__ import annotations
 
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from ds_ring.testing import PRELOAD, rank_results, spawn_ranks
 
-__all__ = ["run_distributed", "CaseLog", "assert_no_failures"]
+__all__ = ["run_distributed", "CaseLog", "assert_no_failures", "cases_test"]
 
 # What rank functions of tests import anyway: pytest, and torch.distributed.tensor (imported by the
 # first assert_close: ~1 s per rank otherwise).
@@ -65,3 +65,18 @@ def assert_no_failures(results: list[list[str]]) -> None:
     """Fail with the first few failing cases of every rank's list (what rank functions return)."""
     failures = [f for per_rank in results for f in per_rank]
     assert not failures, "\n".join(failures[:3])
+
+
+def cases_test(*cases: Callable[[int, int], list[str]], worlds: Sequence[int], timeout: float = 60.0) -> Callable:
+    """A test (assign it to a ``test_*`` name) running each of ``cases`` — rank functions ``(rank, world_size)``
+    returning their failures — on every world size of ``worlds``."""
+    import pytest
+
+    @pytest.mark.timeout(1.5 * timeout)
+    @pytest.mark.parametrize("world_size", worlds)
+    @pytest.mark.parametrize("case", cases, ids=[case.__name__.strip("_") for case in cases])
+    def test(case: Callable[[int, int], list[str]], world_size: int) -> None:
+        assert_no_failures(run_distributed(case, world_size, timeout=timeout))
+
+    return test
+

@@ -6,6 +6,8 @@ Models are built from configs with random weights (nothing downloads): a Llama w
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +46,21 @@ def qwen2(dtype: torch.dtype = torch.float64, **overrides: Any) -> torch.nn.Modu
 
 
 MODELS: dict[str, Callable[..., torch.nn.Module]] = {"llama": llama, "qwen2": qwen2}
+
+
+def launcher_env(rank: int, world: int) -> None:
+    """The variables a launcher sets, which DeepSpeed's and ALST's entry points read."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+
+
+def run_on_saved_llama(rank_fn: Callable[..., list[str]], timeout: float) -> None:
+    """``rank_fn(rank, world, model_dir)`` on 2 ranks, a tiny fp32 :func:`llama` saved in ``model_dir`` (loaded by
+    path, as ALST's tests load a hub model); fails with the ranks' failed cases."""
+    from tests.dist import assert_no_failures, run_distributed
+
+    with tempfile.TemporaryDirectory() as model_dir:
+        llama(torch.float32).save_pretrained(model_dir)
+        assert_no_failures(run_distributed(rank_fn, 2, timeout=timeout, model_dir=model_dir))
 
 
 def ds_config(**section: Any) -> dict[str, Any]:

@@ -21,16 +21,14 @@ apart (logits equal to each document run alone).
 """
 
 import copy
-import os
-import tempfile
 import time
 
 import pytest
 import torch
 from torch import tensor
 
-from tests.dist import CaseLog, assert_no_failures, run_distributed
-from tests.hf_cases import llama
+from tests.dist import CaseLog
+from tests.hf_cases import launcher_env, run_on_saved_llama
 
 
 def torch_assert_equal(actual, expected, **kwargs) -> None:
@@ -205,7 +203,7 @@ def _check_beyond_alst(log: CaseLog, rank: int, model_dir: str) -> None:
 
 
 def _rank(rank: int, world: int, model_dir: str) -> list[str]:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    launcher_env(rank, world)
     log = CaseLog()
     for zero_stage in (2, 3):
         with log.case(f"DeepSpeed's test_ulysses_sp_hf, ZeRO {zero_stage}, import changed"):
@@ -216,6 +214,4 @@ def _rank(rank: int, world: int, model_dir: str) -> list[str]:
 
 @pytest.mark.timeout(600)
 def test_ulysses_sp_hf_ported():
-    with tempfile.TemporaryDirectory() as model_dir:
-        llama(torch.float32).save_pretrained(model_dir)
-        assert_no_failures(run_distributed(_rank, 2, timeout=540, model_dir=model_dir))
+    run_on_saved_llama(_rank, timeout=540)

@@ -11,7 +11,7 @@ from torch.testing import assert_close
 
 from ds_ring.comm import CommError, all_gather, all_to_all, backends, reduce_scatter
 from ds_ring.hooks import Event, register_hook
-from tests.dist import CaseLog, assert_no_failures, run_distributed
+from tests.dist import CaseLog, cases_test
 
 WORLD_SIZES = [1, 2, 3, 4]
 DTYPES = [torch.float32, torch.bfloat16, torch.int64]
@@ -181,11 +181,7 @@ def _all_to_all_cases(rank: int, world_size: int) -> list[str]:
     return log.failures
 
 
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("cases", [_gather_cases, _reduce_scatter_cases, _all_to_all_cases])
-def test_collectives(cases, world_size: int) -> None:
-    assert_no_failures(run_distributed(cases, world_size, timeout=60))
+test_collectives = cases_test(_gather_cases, _reduce_scatter_cases, _all_to_all_cases, worlds=WORLD_SIZES)
 
 
 def test_single_process_without_process_group() -> None:

@@ -17,16 +17,24 @@
 """
 
 import copy
-import os
-import tempfile
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from ds_ring.tiles.zero import gathered
-from tests.dist import CaseLog, assert_no_failures, run_distributed
-from tests.hf_cases import BATCH, assert_same, full_batch, llama, sequence_parallel, shifted, whole_model
+from tests.dist import CaseLog
+from tests.hf_cases import (
+    BATCH,
+    assert_same,
+    full_batch,
+    launcher_env,
+    llama,
+    run_on_saved_llama,
+    sequence_parallel,
+    shifted,
+    whole_model,
+)
 
 LR = 1e-3
 
@@ -270,7 +278,7 @@ def _check_eval_and_flex(log: CaseLog, model_dir: str) -> None:
 
 
 def _rank(rank: int, world: int, model_dir: str) -> list[str]:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    launcher_env(rank, world)
     log = CaseLog()
     _check_tutorial(log, model_dir)
     _check_adapter(log, rank, model_dir)
@@ -282,6 +290,4 @@ def _rank(rank: int, world: int, model_dir: str) -> list[str]:
 
 @pytest.mark.timeout(300)
 def test_alst_calls_unchanged():
-    with tempfile.TemporaryDirectory() as model_dir:
-        llama(torch.float32).save_pretrained(model_dir)
-        assert_no_failures(run_distributed(_rank, 2, timeout=240, model_dir=model_dir))
+    run_on_saved_llama(_rank, timeout=240)

@@ -9,7 +9,7 @@ from torch.testing import assert_close
 
 from ds_ring.comm import RingComm
 from ds_ring.hooks import Event, register_hook
-from tests.dist import CaseLog, assert_no_failures, run_distributed
+from tests.dist import CaseLog, cases_test
 
 WORLD_SIZES = [1, 2, 3, 4]
 
@@ -189,8 +189,4 @@ def _traffic_is_measured(rank: int, world_size: int) -> list[str]:
     return log.failures
 
 
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("cases", [_blocks_travel, _misuse_is_refused, _traffic_is_measured])
-def test_ring_comm(cases, world_size: int) -> None:
-    assert_no_failures(run_distributed(cases, world_size, timeout=60))
+test_ring_comm = cases_test(_blocks_travel, _misuse_is_refused, _traffic_is_measured, worlds=WORLD_SIZES)

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ds_ring.integrations.hf.watch import ForwardWatch
+
 __all__ = ["refuse_sequence_mixers", "CallAudit", "ModelWatch", "BATCH_KEYS"]
 
 _MIXER = re.compile(
@@ -162,23 +164,15 @@ class CallAudit:
             )
 
 
-class ModelWatch:
+class ModelWatch(ForwardWatch):
     """A forward pre-hook on the registered model instance: ``batch`` holds, while its forward runs, the call's
     :data:`BATCH_KEYS`, for attention modules that receive no ``**kwargs``."""
 
     def __init__(self, model: nn.Module) -> None:
         self.batch: Mapping[str, Any] = {}
-        self._handles = [
-            model.register_forward_pre_hook(self._enter, with_kwargs=True),
-            model.register_forward_hook(self._leave, always_call=True),
-        ]
+        super().__init__(model)
 
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-
-    def _enter(self, _module: nn.Module, _args: tuple, kwargs: dict) -> None:
+    def _enter(self, _module: nn.Module, _args: tuple, kwargs: Mapping[str, Any]) -> None:
         self.batch = {key: kwargs[key] for key in BATCH_KEYS if kwargs.get(key) is not None}
 
     def _leave(self, _module: nn.Module, _args: Any, _out: Any) -> None:

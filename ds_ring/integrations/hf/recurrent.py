@@ -26,6 +26,7 @@ from torch import nn
 
 from ds_ring.comm.groups import group_rank, group_size
 from ds_ring.integrations.hf.documents import DOCUMENTS_KEY
+from ds_ring.integrations.hf.watch import ForwardWatch
 from ds_ring.parallel.topology import Topology
 from ds_ring.recurrent.mixers import selective_scan, ssd_scan
 from ds_ring.recurrent.pieces import ShardPieces, shard_pieces
@@ -91,27 +92,16 @@ def sequence_parallel_mixers(model: Any) -> tuple[nn.Module, ...]:
     return tuple(m for m in model.modules() if supported_mixer(m))
 
 
-class _Shards:
+class _Shards(ForwardWatch):
     """What the replaced functions need while the registered model runs: the group, and the batch's documents."""
 
     def __init__(self, model: nn.Module, topology: Topology, layout: str, disable_in_eval: bool) -> None:
-        self.group = topology.sequence_parallel_group
-        self.timeout_s = topology.timeout_s
-        self.layout = layout
-        self.disable_in_eval = disable_in_eval
-        self.model = model
+        self.group, self.timeout_s = topology.sequence_parallel_group, topology.timeout_s
+        self.layout, self.disable_in_eval, self.model = layout, disable_in_eval, model
         self.active = False
         self.documents: tuple[int, ...] | None = None
         self.positions: torch.Tensor | None = None
-        self._handles = [
-            model.register_forward_pre_hook(self._enter, with_kwargs=True),
-            model.register_forward_hook(self._leave, always_call=True),
-        ]
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        super().__init__(model)
 
     def _enter(self, _module: nn.Module, _args: tuple, kwargs: Mapping[str, Any]) -> None:
         self.active = self.model.training or not self.disable_in_eval
