@@ -1,22 +1,10 @@
 """``strategy="auto"`` against every strategy timed by hand, and its memory model against measurement.
 
-For each grid point (ranks ∈ {2, 4}, heads / K/V heads, sequence length; fp32, head dim 64, causal
-contiguous) one spawn of gloo ranks (1 torch thread each) times one fwd+bwd of every strategy the
-topology admits (``ring``, ``allgather``, ``ulysses`` over the whole group, ``hybrid`` on 2 × 2 at 4
-ranks): one warm-up, then the median of ``--repeats`` (wall seconds of the slowest rank), and runs
-``strategy="auto"`` to see its pick. A pick is *good* when its measured time is within 1.10× of the
-best strategy's and it is not the worst.
+What it runs and how a pick is judged (within 1.10× of the best, never the worst; the memory model within 15 % of the
+slope :func:`benchmarks.memory.measure` measures): ``docs/auto.md``, "Predicted vs measured". Writes ``DIR/auto.json``
+and ``DIR/auto.png`` (measured step time per strategy, auto's pick circled).
 
-Memory: for each strategy at ``--memory-ranks`` ranks, the activation-memory slope in q-shards
-between two local lengths, measured in fresh processes by :func:`benchmarks.memory._measure` (the
-memory benchmark's own function, with every tensor over 64 KiB mmap'ed so the RSS follows live tensors
-at these small sizes), next to the model's prediction (:func:`ds_ring.auto.model.memory_q_shards`;
-target: within 15 %).
-
-    python -m benchmarks.auto                             # the small grid, ~10 min on 2 loaded cores
     python -m benchmarks.auto --seqs 4096 --ranks 2 --no-memory
-
-Writes ``DIR/auto.json`` and ``DIR/auto.png`` (measured step time per strategy, auto's pick marked).
 """
 
 from __future__ import annotations
@@ -28,7 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import driver, memory
+from benchmarks import common, memory
+from benchmarks.common import figure
 from ds_ring.testing import rank_results, spawn_ranks
 
 HEAD_DIM = 64
@@ -73,7 +62,6 @@ def _time_rank(rank: int, world: int, points: list[tuple[int, int, int]], repeat
         for name in names:
             if name == "ulysses" and heads % world:
                 continue
-
             _step(q, k, v, dout, topology, name)  # warm-up: plans, and for auto the probe and the choice
             seconds = statistics.median(_step(q, k, v, dout, topology, name) for _ in range(repeats))
             row = {"seq": seq, "heads": heads, "kv_heads": kv_heads, "strategy": name, "seconds": seconds}
@@ -105,21 +93,14 @@ def timing(world: int, points: list[tuple[int, int, int]], repeats: int, timeout
 
 
 def memory_check(world: int, lengths: tuple[int, int], timeout_s: float) -> list[dict[str, Any]]:
-    """Measured slope (q-shards, fresh processes, :func:`benchmarks.memory._measure`) vs the model's, per strategy."""
+    """Measured slope (q-shards, :func:`benchmarks.memory.measure`) vs the model's, per strategy."""
     from ds_ring.auto.model import Option, Problem, memory_q_shards
 
     rows = []
     for name in STRATEGIES:
         comm = {"ring": "ring", "allgather": "allgather", "hybrid": "ring"}.get(name)
-        call = memory.Call(name, communication=comm, tokens_per_rank=lengths)
-        points = []
-        for local in lengths:
-            outcomes = spawn_ranks(memory._measure, world, timeout_s=timeout_s, args=(call, local, "cpu"),
-                                   preload=("torch",))  # fmt: skip
-            values = rank_results(outcomes)
-            points.append((max(v["extra_mib"] for v in values), values[0]["q_shard_mib"]))
-        (e1, b1), (e2, b2) = points
-        measured = (e2 - e1) / (b2 - b1)
+        measured = memory.measure(memory.Call(name, comm, tokens_per_rank=lengths), world, "cpu", timeout_s)
+        measured = measured["slope_q_shards"]
         u = 2 if name == "hybrid" else (world if name == "ulysses" else 1)
         problem = Problem(seq=lengths[1] * world, heads=memory.HEADS, kv_heads=memory.HEADS, head_dim=memory.HEAD_DIM,
                           world=world, itemsize=4)  # fmt: skip
@@ -134,26 +115,18 @@ def memory_check(world: int, lengths: tuple[int, int], timeout_s: float) -> list
 
 def plot(verdicts: list[dict[str, Any]], path: Path) -> None:
     """Measured step time per strategy at each grid point, auto's pick circled."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(max(6, len(verdicts) * 0.9), 4))
-    labels = [f"p{v['ranks']} {v['seq'] // 1024}K\n{v['heads']}/{v['kv_heads']}h" for v in verdicts]
-    for j, name in enumerate(STRATEGIES):
-        xs = [i + (j - 1.5) * 0.18 for i, v in enumerate(verdicts) if name in v["measured_s"]]
-        ys = [v["measured_s"][name] for v in verdicts if name in v["measured_s"]]
-        ax.bar(xs, ys, width=0.18, label=name)
-    for i, v in enumerate(verdicts):
-        j = STRATEGIES.index(v["pick"].split()[0].split("/")[0])
-        ax.plot(i + (j - 1.5) * 0.18, v["pick_s"], "ko", fillstyle="none", markersize=10)
-    ax.set_xticks(range(len(verdicts)), labels, fontsize=7)
-    ax.set_ylabel("fwd+bwd seconds (slowest rank)")
-    ax.set_title("strategy='auto' (circled) vs every strategy, fp32 causal, gloo CPU")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with figure(path, max(6, len(verdicts) * 0.9), 4) as (ax,):
+        labels = [f"p{v['ranks']} {v['seq'] // 1024}K\n{v['heads']}/{v['kv_heads']}h" for v in verdicts]
+        for j, name in enumerate(STRATEGIES):
+            xs = [i + (j - 1.5) * 0.18 for i, v in enumerate(verdicts) if name in v["measured_s"]]
+            ax.bar(xs, [v["measured_s"][name] for v in verdicts if name in v["measured_s"]], width=0.18, label=name)
+        for i, v in enumerate(verdicts):
+            j = STRATEGIES.index(v["pick"].split()[0].split("/")[0])
+            ax.plot(i + (j - 1.5) * 0.18, v["pick_s"], "ko", fillstyle="none", markersize=10)
+        ax.set_xticks(range(len(verdicts)), labels, fontsize=7)
+        ax.set(ylabel="fwd+bwd seconds (slowest rank)",
+               title="strategy='auto' (circled) vs every strategy, fp32 causal, gloo CPU")  # fmt: skip
+        ax.legend(fontsize=7)
 
 
 def main() -> None:
@@ -165,13 +138,9 @@ def main() -> None:
     parser.add_argument("--memory-lengths", nargs=2, type=int, default=[2048, 4096], help="rows per rank")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--no-timing", action="store_true", help="the memory check only")
-    parser.add_argument(
-        "--malloc-mmap-threshold",
-        type=int,
-        default=65536,
-        help="glibc's MALLOC_MMAP_THRESHOLD_ for the ranks: tensors over it are mmap'ed, so the "
-        "RSS follows live tensors at small sizes (0: leave glibc's default)",
-    )
+    parser.add_argument("--malloc-mmap-threshold", type=int, default=65536,
+                        help="glibc's MALLOC_MMAP_THRESHOLD_ for the ranks: tensors over it are mmap'ed, so the RSS "
+                        "follows live tensors at small sizes (0: leave glibc's default)")  # fmt: skip
     parser.add_argument("--timeout-s", type=float, default=900)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
@@ -187,11 +156,11 @@ def main() -> None:
             print(f"p={world} seq {v['seq']} {v['heads']}/{v['kv_heads']} heads: {times} ms; auto → {v['pick']} "
                   f"({v['ratio_to_best']:.2f}× best, within 1.10: {v['within_1_10']}, never worst: {v['never_worst']})",
                   flush=True)  # fmt: skip
-        driver.write_json(args.out / "auto.json", result)
+        common.write_json(args.out / "auto.json", result)
     if not args.no_memory:
         result["memory"] = memory_check(args.memory_ranks, tuple(args.memory_lengths), args.timeout_s)
     result["load_average_end"] = os.getloadavg()
-    driver.write_json(args.out / "auto.json", result)
+    common.write_json(args.out / "auto.json", result)
     if result["timing"]:
         plot(result["timing"], args.out / "auto.png")
     print(f"wrote {args.out / 'auto.json'} and {args.out / 'auto.png'}")
