@@ -14,6 +14,7 @@ import platform
 import resource
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -189,10 +190,13 @@ def rel(path: str | Path) -> str:
 
 
 def write_json(path: Path, data: Any) -> None:
-    """Write ``data`` to ``path`` atomically (a temporary file renamed over it), creating its directory."""
+    """Write ``data`` to ``path`` atomically (a temporary file renamed over it), creating its directory; the
+    repository's and the interpreter's directories in it (error tracebacks) are written relative / as ``$PREFIX``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    tmp, text = path.with_name(path.name + ".tmp"), json.dumps(data, indent=1, default=str)
+    for prefix, short in ((f"{ROOT}/", ""), (sys.prefix, "$PREFIX"), (sys.base_prefix, "$BASE_PREFIX")):
+        text = text.replace(prefix, short)
+    tmp.write_text(text + "\n")
     tmp.replace(path)
 
 

@@ -30,12 +30,8 @@ _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 @dataclass
 class Throughput:
-    """Useful GFLOP/s per busy core, measured per implementation (row label): estimates cases not yet run.
-
-    A launch keeps min(ranks × threads, cores) cores busy; a measurement during which other processes
-    used a share ``f`` of the CPUs is scaled by ``1 − f``. Before an implementation is measured,
-    ``efficiency × matmul_per_core`` is assumed.
-    """
+    """Useful GFLOP/s per busy core (min(ranks × threads, cores)) per row label, scaled by 1 − the share of the CPUs
+    others used, to estimate cases not yet run; ``efficiency × matmul_per_core`` until measured."""
 
     cores: int
     matmul_per_core: float
@@ -158,9 +154,8 @@ class Session:
         return est_s, None
 
     def _measure(self, row: Row, calls: int) -> None:
-        """Launch the case, re-running it up to ``--retries`` times while disturbed; keep the least disturbed.
-        Disturbance: the share of all CPUs other processes used during the launch (``/proc/stat`` busy time
-        minus the ranks' and this process's own CPU time)."""
+        """Launch the case, re-run up to ``--retries`` times while others used over :data:`OTHER_CPU_WARN` of the
+        CPUs (``/proc/stat`` busy time minus our processes' CPU time); keep the least disturbed."""
         args, case = self.args, row.case
         budget_s = getattr(args, "budget_s", None)
         assert budget_s is None or case.world == 1, "time-budgeted phases need one process"
