@@ -1,95 +1,82 @@
 """``strategy="auto"`` against every strategy timed by hand, and its memory model against measurement.
 
 What it runs and how a pick is judged (within 1.10× of the best, never the worst; the memory model within 15 % of the
-slope :func:`benchmarks.memory.measure` measures): ``docs/auto.md``, "Predicted vs measured". Writes ``DIR/auto.json``
-and ``DIR/auto.png`` (measured step time per strategy, auto's pick circled).
+slope :func:`benchmarks.memory.measure` measures): ``docs/auto.md``, "Predicted vs measured". Every (strategy, grid
+point) is a driver case (fresh gloo ranks, one warm-up at full length, ``--calls`` timed fwd+bwd calls); the verdicts
+go to ``DIR/auto.json`` (``timing``, ``memory``) and ``DIR/auto.png`` (step time per strategy, auto's pick circled).
 
-    python -m benchmarks.auto --seqs 4096 --ranks 2 --no-memory
+    python -m benchmarks.auto --seqs 4096 --worlds 2 --no-memory
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import time
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import common, memory
-from benchmarks.common import figure
-from ds_ring.testing import rank_results, spawn_ranks
+from benchmarks import memory, strategies
+from benchmarks.cases import Case, Protocol, RankResult, attention_rank
+from benchmarks.common import figure, fmt_seq
+from benchmarks.driver import Benchmark, Session, main
+from benchmarks.rows import Column, Row, markdown_table
 
-HEAD_DIM = 64
 GRID_HEADS = ((8, 8), (8, 2))
 STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
 
 
-def _step(q, k, v, dout, topology, name: str) -> float:
-    """One fwd+bwd of ``name``: wall seconds of the slowest rank."""
-    import torch
-    import torch.distributed as dist
+@dataclass
+class AutoResult(RankResult):
+    """A rank's timed calls and, for ``auto``, the option it chose (``ds_ring.auto.strategy.decisions``)."""
 
-    import ds_ring
-
-    dist.barrier()
-    start = time.perf_counter()
-    out = ds_ring.sequence_parallel_attention(q, k, v, causal=True, topology=topology, strategy=name)
-    out.backward(dout)
-    seconds = torch.tensor([time.perf_counter() - start])
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    q.grad = k.grad = v.grad = None
-    return float(seconds)
+    pick: str | None = None
+    pick_label: str | None = None
+    predicted_s: float | None = None
 
 
-def _time_rank(rank: int, world: int, points: list[tuple[int, int, int]], repeats: int) -> list[dict[str, Any]]:
-    """One rank: for every (seq, heads, kv_heads) time each admitted strategy and auto; seconds per call."""
-    import torch
-
-    import ds_ring
+def auto_rank(rank: int, world: int, case: Case, build: Any, protocol: Protocol) -> AutoResult:
     from ds_ring.auto import strategy as auto
 
-    ulysses = 2 if world == 4 else 1
-    topology = ds_ring.Topology(ulysses=ulysses, ring=world // ulysses)
-    rows = []
-    for seq, heads, kv_heads in points:
-        local = seq // world
-        g = torch.Generator().manual_seed(rank)
-        q = torch.randn((1, local, heads, HEAD_DIM), generator=g, requires_grad=True)
-        k, v = (torch.randn((1, local, kv_heads, HEAD_DIM), generator=g, requires_grad=True) for _ in range(2))
-        dout = torch.randn_like(q)
-        names = [s for s in STRATEGIES if s != "hybrid" or ulysses > 1] + ["auto"]
-        for name in names:
-            if name == "ulysses" and heads % world:
-                continue
-            _step(q, k, v, dout, topology, name)  # warm-up: plans, and for auto the probe and the choice
-            seconds = statistics.median(_step(q, k, v, dout, topology, name) for _ in range(repeats))
-            row = {"seq": seq, "heads": heads, "kv_heads": kv_heads, "strategy": name, "seconds": seconds}
-            if name == "auto":
-                chosen = auto.decisions()[-1]
-                row.update(pick=chosen.strategy, pick_label=chosen.label, predicted_s=chosen.time_s)
-            rows.append(row)
-    return rows
+    result = AutoResult(**vars(attention_rank(rank, world, case, build, protocol)))
+    if case.impl == "auto" and (chosen := auto.decisions()):
+        result.pick, result.pick_label, result.predicted_s = chosen[-1].strategy, chosen[-1].label, chosen[-1].time_s
+    return result
 
 
-def timing(world: int, points: list[tuple[int, int, int]], repeats: int, timeout_s: float) -> list[dict[str, Any]]:
-    """Every point's strategies on ``world`` ranks (one spawn), with auto's verdict per point."""
-    rows = rank_results(spawn_ranks(_time_rank, world, timeout_s=timeout_s, args=(points, repeats)))[0]
-    verdicts = []
-    for seq, heads, kv_heads in points:
-        mine = [r for r in rows if (r["seq"], r["heads"], r["kv_heads"]) == (seq, heads, kv_heads)]
-        by_name = {r["strategy"]: r["seconds"] for r in mine if r["strategy"] != "auto"}
-        auto = next(r for r in mine if r["strategy"] == "auto")
-        best, worst = min(by_name.values()), max(by_name.values())
-        picked = by_name[auto["pick"]]
-        verdicts.append({
-            "ranks": world, "seq": seq, "heads": heads, "kv_heads": kv_heads, "measured_s": by_name,
-            "auto_s": auto["seconds"], "pick": auto["pick_label"], "pick_s": picked,
-            "best": min(by_name, key=by_name.get),
-            "ratio_to_best": picked / best, "within_1_10": picked <= 1.10 * best,
-            "never_worst": len(by_name) == 1 or picked < worst, "predicted_pick_s": auto["predicted_s"],
-        })  # fmt: skip
-    return verdicts
+def verdict(world: int, seq: int, heads: int, kv_heads: int, rows: dict[str, Row]) -> dict[str, Any] | None:
+    """auto's pick at one grid point against the strategies' measured times (None while one is missing)."""
+    by_name = {name: r.fwdbwd_s for name, r in rows.items() if name != "auto" and r.fwdbwd_s}
+    auto = rows["auto"].raw[0] if rows["auto"].fwdbwd_s else {}
+    if not by_name or auto.get("pick") not in by_name:
+        return None
+    best, worst, picked = min(by_name.values()), max(by_name.values()), by_name[auto["pick"]]
+    return {
+        "ranks": world, "seq": seq, "heads": heads, "kv_heads": kv_heads, "measured_s": by_name,
+        "auto_s": rows["auto"].fwdbwd_s, "pick": auto["pick_label"], "pick_s": picked,
+        "best": min(by_name, key=by_name.get), "ratio_to_best": picked / best, "within_1_10": picked <= 1.10 * best,
+        "never_worst": len(by_name) == 1 or picked < worst, "predicted_pick_s": auto["predicted_s"],
+    }  # fmt: skip
+
+
+def admitted(name: str, world: int, heads: int) -> bool:
+    """Hybrid needs 2 × 2 ranks; Ulysses over the whole group needs the heads divisible by the ranks."""
+    return (name != "hybrid" or world == 4) and (name != "ulysses" or heads % world == 0)
+
+
+def plan(session: Session) -> None:
+    args, timing = session.args, session.extra.setdefault("timing", [])
+    for world in [] if args.no_timing else args.worlds:
+        ulysses = 2 if world == 4 else 1
+        for seq in args.seqs:
+            for heads, kv_heads in GRID_HEADS:
+                names = [s for s in STRATEGIES if admitted(s, world, heads)]
+                rows = {name: session.run(Case(name, seq, world, ulysses=ulysses, heads=heads, kv_heads=kv_heads,
+                                                warmup_seq=seq)) for name in [*names, "auto"]}  # fmt: skip
+                if v := verdict(world, seq, heads, kv_heads, rows):
+                    timing.append(v)
+    lengths = tuple(args.memory_lengths)
+    session.extra["memory"] = [] if args.no_memory else memory_check(args.memory_ranks, lengths, args.timeout_s)
 
 
 def memory_check(world: int, lengths: tuple[int, int], timeout_s: float) -> list[dict[str, Any]]:
@@ -113,8 +100,28 @@ def memory_check(world: int, lengths: tuple[int, int], timeout_s: float) -> list
     return rows
 
 
+def report(session: Session) -> str:
+    point = Column("point", lambda v: f"p={v['ranks']} {fmt_seq(v['seq'])} {v['heads']}/{v['kv_heads']} heads")
+    times = Column("measured ms", lambda v: "  ".join(f"{k} {s * 1e3:.0f}" for k, s in v["measured_s"].items()))
+    return "\n\n".join([
+        markdown_table(session.extra["timing"], [
+            point, times, Column("auto picks", lambda v: v["pick"]),
+            Column("× best", lambda v: v["ratio_to_best"], "{:.2f}"), Column("within 1.10", lambda v: v["within_1_10"]),
+            Column("never worst", lambda v: v["never_worst"]),
+        ]),
+        markdown_table(session.extra["memory"], [
+            Column("strategy", lambda m: m["strategy"]), Column("p", lambda m: m["ranks"]),
+            Column("measured q-shards", lambda m: m["measured_q_shards"], "{:.2f}"),
+            Column("predicted q-shards", lambda m: m["predicted_q_shards"], "{:.2f}"),
+            Column("within 15 %", lambda m: m["within_15pct"]),
+        ]),
+    ])  # fmt: skip
+
+
 def plot(verdicts: list[dict[str, Any]], path: Path) -> None:
     """Measured step time per strategy at each grid point, auto's pick circled."""
+    if not verdicts:
+        return
     with figure(path, max(6, len(verdicts) * 0.9), 4) as (ax,):
         labels = [f"p{v['ranks']} {v['seq'] // 1024}K\n{v['heads']}/{v['kv_heads']}h" for v in verdicts]
         for j, name in enumerate(STRATEGIES):
@@ -129,42 +136,20 @@ def plot(verdicts: list[dict[str, Any]], path: Path) -> None:
         ax.legend(fontsize=7)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
-    parser.add_argument("--seqs", nargs="+", type=int, default=[2048, 4096])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--memory-ranks", type=int, default=4)
-    parser.add_argument("--memory-lengths", nargs=2, type=int, default=[2048, 4096], help="rows per rank")
-    parser.add_argument("--no-memory", action="store_true")
-    parser.add_argument("--no-timing", action="store_true", help="the memory check only")
-    parser.add_argument("--malloc-mmap-threshold", type=int, default=65536,
-                        help="glibc's MALLOC_MMAP_THRESHOLD_ for the ranks: tensors over it are mmap'ed, so the RSS "
-                        "follows live tensors at small sizes (0: leave glibc's default)")  # fmt: skip
-    parser.add_argument("--timeout-s", type=float, default=900)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    args = parser.parse_args()
-    if args.malloc_mmap_threshold:  # read by glibc when the fork server starts
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
-    args.out.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {"load_average_start": os.getloadavg(), "timing": [], "memory": []}
-    for world in [] if args.no_timing else args.ranks:
-        points = [(seq, h, kv) for seq in args.seqs for h, kv in GRID_HEADS]
-        for v in timing(world, points, args.repeats, args.timeout_s):
-            result["timing"].append(v)
-            times = "  ".join(f"{k} {s * 1e3:.0f}" for k, s in v["measured_s"].items())
-            print(f"p={world} seq {v['seq']} {v['heads']}/{v['kv_heads']} heads: {times} ms; auto → {v['pick']} "
-                  f"({v['ratio_to_best']:.2f}× best, within 1.10: {v['within_1_10']}, never worst: {v['never_worst']})",
-                  flush=True)  # fmt: skip
-        common.write_json(args.out / "auto.json", result)
-    if not args.no_memory:
-        result["memory"] = memory_check(args.memory_ranks, tuple(args.memory_lengths), args.timeout_s)
-    result["load_average_end"] = os.getloadavg()
-    common.write_json(args.out / "auto.json", result)
-    if result["timing"]:
-        plot(result["timing"], args.out / "auto.png")
-    print(f"wrote {args.out / 'auto.json'} and {args.out / 'auto.png'}")
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--memory-ranks", type=int, default=4)
+    p.add_argument("--memory-lengths", nargs=2, type=int, default=[2048, 4096], help="rows per rank")
+    p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--no-timing", action="store_true", help="the memory check only")
+    p.set_defaults(malloc_mmap_threshold=65536)  # tensors over 64 KiB mmap'ed: the RSS follows live tensors
 
+
+BENCHMARK = Benchmark(
+    name="auto", module="benchmarks.auto", title="strategy='auto' vs every strategy, fp32 causal, head dim 64",
+    plan=plan, build=strategies.build, report=report, plots=lambda s: plot(s.extra["timing"], s.out / "auto.png"),
+    rank=auto_rank, add_args=add_args, seqs=([2048, 4096], [2048]), worlds=[2, 4], calls=3,
+    label=lambda c: f"{c.impl} p={c.world} {fmt_seq(c.seq)} {c.heads}/{c.kv_heads}h",
+)  # fmt: skip
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(BENCHMARK))

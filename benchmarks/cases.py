@@ -39,6 +39,7 @@ class Case:
     batch: int = 1
     heads: int = 8
     head_dim: int = 64
+    kv_heads: int | None = None
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Case:
@@ -135,9 +136,9 @@ def attention_rank(
         return result
     gen = torch.Generator().manual_seed(1000 + rank)
 
-    def shards(total: int) -> list[torch.Tensor]:
-        shape = (case.batch, total // world, case.heads, case.head_dim)
-        return [torch.randn(shape, generator=gen) for _ in range(4)]
+    def shards(total: int) -> list[torch.Tensor]:  # q, k, v, grad_out
+        heads = (case.heads, case.kv_heads or case.heads, case.kv_heads or case.heads, case.heads)
+        return [torch.randn((case.batch, total // world, h, case.head_dim), generator=gen) for h in heads]
 
     segs, rates = case.segment_lengths, case.dilation_rates
     if protocol.budget_s is None:
