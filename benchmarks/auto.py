@@ -123,7 +123,7 @@ def plot(verdicts: list[dict[str, Any]], path: Path) -> None:
     if not verdicts:
         return
     with figure(path, max(6, len(verdicts) * 0.9), 4) as (ax,):
-        labels = [f"p{v['ranks']} {v['seq'] // 1024}K\n{v['heads']}/{v['kv_heads']}h" for v in verdicts]
+        labels = [f"p{v['ranks']} {fmt_seq(v['seq'])}\n{v['heads']}/{v['kv_heads']}h" for v in verdicts]
         for j, name in enumerate(STRATEGIES):
             xs = [i + (j - 1.5) * 0.18 for i, v in enumerate(verdicts) if name in v["measured_s"]]
             ax.bar(xs, [v["measured_s"][name] for v in verdicts if name in v["measured_s"]], width=0.18, label=name)
