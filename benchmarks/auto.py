@@ -1,125 +1,93 @@
 """``strategy="auto"`` against every strategy timed by hand, and its memory model against measurement.
 
-For each grid point (ranks ∈ {2, 4}, heads / K/V heads, sequence length; fp32, head dim 64, causal
-contiguous) one spawn of gloo ranks (1 torch thread each) times one fwd+bwd of every strategy the
-topology admits (``ring``, ``allgather``, ``ulysses`` over the whole group, ``hybrid`` on 2 × 2 at 4
-ranks): one warm-up, then the median of ``--repeats`` (wall seconds of the slowest rank), and runs
-``strategy="auto"`` to see its pick. A pick is *good* when its measured time is within 1.10× of the
-best strategy's and it is not the worst.
+What it runs and how a pick is judged (within 1.10× of the best, never the worst; the memory model within 15 % of the
+slope :func:`benchmarks.memory.measure` measures): ``docs/auto.md``, "Predicted vs measured". Every (strategy, grid
+point) is a driver case (fresh gloo ranks, one warm-up at full length, ``--calls`` timed fwd+bwd calls); the verdicts
+go to ``DIR/auto.json`` (``timing``, ``memory``) and ``DIR/auto.png`` (step time per strategy, auto's pick circled).
 
-Memory: for each strategy at ``--memory-ranks`` ranks, the activation-memory slope in q-shards
-between two local lengths, measured in fresh processes by :func:`benchmarks.memory._measure` (the
-memory benchmark's own function, with every tensor over 64 KiB mmap'ed so the RSS follows live tensors
-at these small sizes), next to the model's prediction (:func:`ds_ring.auto.model.memory_q_shards`;
-target: within 15 %).
-
-    python -m benchmarks.auto                             # the small grid, ~10 min on 2 loaded cores
-    python -m benchmarks.auto --seqs 4096 --ranks 2 --no-memory
-
-Writes ``DIR/auto.json`` and ``DIR/auto.png`` (measured step time per strategy, auto's pick marked).
+    python -m benchmarks.auto --seqs 4096 --worlds 2 --no-memory
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import time
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import driver, memory
-from ds_ring.testing import rank_results, spawn_ranks
+from benchmarks import memory, strategies
+from benchmarks.cases import Case, Protocol, RankResult, attention_rank
+from benchmarks.common import figure, fmt_seq
+from benchmarks.driver import Benchmark, Session, main
+from benchmarks.rows import Column, Row, markdown_table
 
-HEAD_DIM = 64
 GRID_HEADS = ((8, 8), (8, 2))
 STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
 
 
-def _step(q, k, v, dout, topology, name: str) -> float:
-    """One fwd+bwd of ``name``: wall seconds of the slowest rank."""
-    import torch
-    import torch.distributed as dist
+@dataclass
+class AutoResult(RankResult):
+    """A rank's timed calls and, for ``auto``, the option it chose (``ds_ring.auto.strategy.decisions``)."""
 
-    import ds_ring
-
-    dist.barrier()
-    start = time.perf_counter()
-    out = ds_ring.sequence_parallel_attention(q, k, v, causal=True, topology=topology, strategy=name)
-    out.backward(dout)
-    seconds = torch.tensor([time.perf_counter() - start])
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    q.grad = k.grad = v.grad = None
-    return float(seconds)
+    pick: str | None = None
+    pick_label: str | None = None
+    predicted_s: float | None = None
 
 
-def _time_rank(rank: int, world: int, points: list[tuple[int, int, int]], repeats: int) -> list[dict[str, Any]]:
-    """One rank: for every (seq, heads, kv_heads) time each admitted strategy and auto; seconds per call."""
-    import torch
-
-    import ds_ring
+def auto_rank(rank: int, world: int, case: Case, build: Any, protocol: Protocol) -> AutoResult:
     from ds_ring.auto import strategy as auto
 
-    ulysses = 2 if world == 4 else 1
-    topology = ds_ring.Topology(ulysses=ulysses, ring=world // ulysses)
-    rows = []
-    for seq, heads, kv_heads in points:
-        local = seq // world
-        g = torch.Generator().manual_seed(rank)
-        q = torch.randn((1, local, heads, HEAD_DIM), generator=g, requires_grad=True)
-        k, v = (torch.randn((1, local, kv_heads, HEAD_DIM), generator=g, requires_grad=True) for _ in range(2))
-        dout = torch.randn_like(q)
-        names = [s for s in STRATEGIES if s != "hybrid" or ulysses > 1] + ["auto"]
-        for name in names:
-            if name == "ulysses" and heads % world:
-                continue
-
-            _step(q, k, v, dout, topology, name)  # warm-up: plans, and for auto the probe and the choice
-            seconds = statistics.median(_step(q, k, v, dout, topology, name) for _ in range(repeats))
-            row = {"seq": seq, "heads": heads, "kv_heads": kv_heads, "strategy": name, "seconds": seconds}
-            if name == "auto":
-                chosen = auto.decisions()[-1]
-                row.update(pick=chosen.strategy, pick_label=chosen.label, predicted_s=chosen.time_s)
-            rows.append(row)
-    return rows
+    result = AutoResult(**vars(attention_rank(rank, world, case, build, protocol)))
+    if case.impl == "auto" and (chosen := auto.decisions()):
+        result.pick, result.pick_label, result.predicted_s = chosen[-1].strategy, chosen[-1].label, chosen[-1].time_s
+    return result
 
 
-def timing(world: int, points: list[tuple[int, int, int]], repeats: int, timeout_s: float) -> list[dict[str, Any]]:
-    """Every point's strategies on ``world`` ranks (one spawn), with auto's verdict per point."""
-    rows = rank_results(spawn_ranks(_time_rank, world, timeout_s=timeout_s, args=(points, repeats)))[0]
-    verdicts = []
-    for seq, heads, kv_heads in points:
-        mine = [r for r in rows if (r["seq"], r["heads"], r["kv_heads"]) == (seq, heads, kv_heads)]
-        by_name = {r["strategy"]: r["seconds"] for r in mine if r["strategy"] != "auto"}
-        auto = next(r for r in mine if r["strategy"] == "auto")
-        best, worst = min(by_name.values()), max(by_name.values())
-        picked = by_name[auto["pick"]]
-        verdicts.append({
-            "ranks": world, "seq": seq, "heads": heads, "kv_heads": kv_heads, "measured_s": by_name,
-            "auto_s": auto["seconds"], "pick": auto["pick_label"], "pick_s": picked,
-            "best": min(by_name, key=by_name.get),
-            "ratio_to_best": picked / best, "within_1_10": picked <= 1.10 * best,
-            "never_worst": len(by_name) == 1 or picked < worst, "predicted_pick_s": auto["predicted_s"],
-        })  # fmt: skip
-    return verdicts
+def verdict(world: int, seq: int, heads: int, kv_heads: int, rows: dict[str, Row]) -> dict[str, Any] | None:
+    """auto's pick at one grid point against the strategies' measured times (None while one is missing)."""
+    by_name = {name: r.fwdbwd_s for name, r in rows.items() if name != "auto" and r.fwdbwd_s}
+    auto = rows["auto"].raw[0] if rows["auto"].fwdbwd_s else {}
+    if not by_name or auto.get("pick") not in by_name:
+        return None
+    best, worst, picked = min(by_name.values()), max(by_name.values()), by_name[auto["pick"]]
+    return {
+        "ranks": world, "seq": seq, "heads": heads, "kv_heads": kv_heads, "measured_s": by_name,
+        "auto_s": rows["auto"].fwdbwd_s, "pick": auto["pick_label"], "pick_s": picked,
+        "best": min(by_name, key=by_name.get), "ratio_to_best": picked / best, "within_1_10": picked <= 1.10 * best,
+        "never_worst": len(by_name) == 1 or picked < worst, "predicted_pick_s": auto["predicted_s"],
+    }  # fmt: skip
+
+
+def admitted(name: str, world: int, heads: int) -> bool:
+    """Hybrid needs 2 × 2 ranks; Ulysses over the whole group needs the heads divisible by the ranks."""
+    return (name != "hybrid" or world == 4) and (name != "ulysses" or heads % world == 0)
+
+
+def plan(session: Session) -> None:
+    args, timing = session.args, session.extra.setdefault("timing", [])
+    for world in [] if args.no_timing else args.worlds:
+        ulysses = 2 if world == 4 else 1
+        for seq in args.seqs:
+            for heads, kv_heads in GRID_HEADS:
+                names = [s for s in STRATEGIES if admitted(s, world, heads)]
+                rows = {name: session.run(Case(name, seq, world, ulysses=ulysses, heads=heads, kv_heads=kv_heads,
+                                                warmup_seq=seq)) for name in [*names, "auto"]}  # fmt: skip
+                if v := verdict(world, seq, heads, kv_heads, rows):
+                    timing.append(v)
+    lengths = tuple(args.memory_lengths)
+    session.extra["memory"] = [] if args.no_memory else memory_check(args.memory_ranks, lengths, args.timeout_s)
 
 
 def memory_check(world: int, lengths: tuple[int, int], timeout_s: float) -> list[dict[str, Any]]:
-    """Measured slope (q-shards, fresh processes, :func:`benchmarks.memory._measure`) vs the model's, per strategy."""
+    """Measured slope (q-shards, :func:`benchmarks.memory.measure`) vs the model's, per strategy."""
     from ds_ring.auto.model import Option, Problem, memory_q_shards
 
     rows = []
     for name in STRATEGIES:
         comm = {"ring": "ring", "allgather": "allgather", "hybrid": "ring"}.get(name)
-        call = memory.Call(name, communication=comm, tokens_per_rank=lengths)
-        points = []
-        for local in lengths:
-            outcomes = spawn_ranks(memory._measure, world, timeout_s=timeout_s, args=(call, local, "cpu"),
-                                   preload=("torch",))  # fmt: skip
-            values = rank_results(outcomes)
-            points.append((max(v["extra_mib"] for v in values), values[0]["q_shard_mib"]))
-        (e1, b1), (e2, b2) = points
-        measured = (e2 - e1) / (b2 - b1)
+        measured = memory.measure(memory.Call(name, comm, tokens_per_rank=lengths), world, "cpu", timeout_s)
+        measured = measured["slope_q_shards"]
         u = 2 if name == "hybrid" else (world if name == "ulysses" else 1)
         problem = Problem(seq=lengths[1] * world, heads=memory.HEADS, kv_heads=memory.HEADS, head_dim=memory.HEAD_DIM,
                           world=world, itemsize=4)  # fmt: skip
@@ -132,70 +100,56 @@ def memory_check(world: int, lengths: tuple[int, int], timeout_s: float) -> list
     return rows
 
 
+def report(session: Session) -> str:
+    point = Column("point", lambda v: f"p={v['ranks']} {fmt_seq(v['seq'])} {v['heads']}/{v['kv_heads']} heads")
+    times = Column("measured ms", lambda v: "  ".join(f"{k} {s * 1e3:.0f}" for k, s in v["measured_s"].items()))
+    return "\n\n".join([
+        markdown_table(session.extra["timing"], [
+            point, times, Column("auto picks", lambda v: v["pick"]),
+            Column("× best", lambda v: v["ratio_to_best"], "{:.2f}"), Column("within 1.10", lambda v: v["within_1_10"]),
+            Column("never worst", lambda v: v["never_worst"]),
+        ]),
+        markdown_table(session.extra["memory"], [
+            Column("strategy", lambda m: m["strategy"]), Column("p", lambda m: m["ranks"]),
+            Column("measured q-shards", lambda m: m["measured_q_shards"], "{:.2f}"),
+            Column("predicted q-shards", lambda m: m["predicted_q_shards"], "{:.2f}"),
+            Column("within 15 %", lambda m: m["within_15pct"]),
+        ]),
+    ])  # fmt: skip
+
+
 def plot(verdicts: list[dict[str, Any]], path: Path) -> None:
     """Measured step time per strategy at each grid point, auto's pick circled."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(max(6, len(verdicts) * 0.9), 4))
-    labels = [f"p{v['ranks']} {v['seq'] // 1024}K\n{v['heads']}/{v['kv_heads']}h" for v in verdicts]
-    for j, name in enumerate(STRATEGIES):
-        xs = [i + (j - 1.5) * 0.18 for i, v in enumerate(verdicts) if name in v["measured_s"]]
-        ys = [v["measured_s"][name] for v in verdicts if name in v["measured_s"]]
-        ax.bar(xs, ys, width=0.18, label=name)
-    for i, v in enumerate(verdicts):
-        j = STRATEGIES.index(v["pick"].split()[0].split("/")[0])
-        ax.plot(i + (j - 1.5) * 0.18, v["pick_s"], "ko", fillstyle="none", markersize=10)
-    ax.set_xticks(range(len(verdicts)), labels, fontsize=7)
-    ax.set_ylabel("fwd+bwd seconds (slowest rank)")
-    ax.set_title("strategy='auto' (circled) vs every strategy, fp32 causal, gloo CPU")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    if not verdicts:
+        return
+    with figure(path, max(6, len(verdicts) * 0.9), 4) as (ax,):
+        labels = [f"p{v['ranks']} {fmt_seq(v['seq'])}\n{v['heads']}/{v['kv_heads']}h" for v in verdicts]
+        for j, name in enumerate(STRATEGIES):
+            xs = [i + (j - 1.5) * 0.18 for i, v in enumerate(verdicts) if name in v["measured_s"]]
+            ax.bar(xs, [v["measured_s"][name] for v in verdicts if name in v["measured_s"]], width=0.18, label=name)
+        for i, v in enumerate(verdicts):
+            j = STRATEGIES.index(v["pick"].split()[0].split("/")[0])
+            ax.plot(i + (j - 1.5) * 0.18, v["pick_s"], "ko", fillstyle="none", markersize=10)
+        ax.set_xticks(range(len(verdicts)), labels, fontsize=7)
+        ax.set(ylabel="fwd+bwd seconds (slowest rank)",
+               title="strategy='auto' (circled) vs every strategy, fp32 causal, gloo CPU")  # fmt: skip
+        ax.legend(fontsize=7)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
-    parser.add_argument("--seqs", nargs="+", type=int, default=[2048, 4096])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--memory-ranks", type=int, default=4)
-    parser.add_argument("--memory-lengths", nargs=2, type=int, default=[2048, 4096], help="rows per rank")
-    parser.add_argument("--no-memory", action="store_true")
-    parser.add_argument("--no-timing", action="store_true", help="the memory check only")
-    parser.add_argument(
-        "--malloc-mmap-threshold",
-        type=int,
-        default=65536,
-        help="glibc's MALLOC_MMAP_THRESHOLD_ for the ranks: tensors over it are mmap'ed, so the "
-        "RSS follows live tensors at small sizes (0: leave glibc's default)",
-    )
-    parser.add_argument("--timeout-s", type=float, default=900)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    args = parser.parse_args()
-    if args.malloc_mmap_threshold:  # read by glibc when the fork server starts
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
-    args.out.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {"load_average_start": os.getloadavg(), "timing": [], "memory": []}
-    for world in [] if args.no_timing else args.ranks:
-        points = [(seq, h, kv) for seq in args.seqs for h, kv in GRID_HEADS]
-        for v in timing(world, points, args.repeats, args.timeout_s):
-            result["timing"].append(v)
-            times = "  ".join(f"{k} {s * 1e3:.0f}" for k, s in v["measured_s"].items())
-            print(f"p={world} seq {v['seq']} {v['heads']}/{v['kv_heads']} heads: {times} ms; auto → {v['pick']} "
-                  f"({v['ratio_to_best']:.2f}× best, within 1.10: {v['within_1_10']}, never worst: {v['never_worst']})",
-                  flush=True)  # fmt: skip
-        driver.write_json(args.out / "auto.json", result)
-    if not args.no_memory:
-        result["memory"] = memory_check(args.memory_ranks, tuple(args.memory_lengths), args.timeout_s)
-    result["load_average_end"] = os.getloadavg()
-    driver.write_json(args.out / "auto.json", result)
-    if result["timing"]:
-        plot(result["timing"], args.out / "auto.png")
-    print(f"wrote {args.out / 'auto.json'} and {args.out / 'auto.png'}")
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--memory-ranks", type=int, default=4)
+    p.add_argument("--memory-lengths", nargs=2, type=int, default=[2048, 4096], help="rows per rank")
+    p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--no-timing", action="store_true", help="the memory check only")
+    p.set_defaults(malloc_mmap_threshold=65536)  # tensors over 64 KiB mmap'ed: the RSS follows live tensors
 
+
+BENCHMARK = Benchmark(
+    name="auto", module="benchmarks.auto", title="strategy='auto' vs every strategy, fp32 causal, head dim 64",
+    plan=plan, build=strategies.build, report=report, plots=lambda s: plot(s.extra["timing"], s.out / "auto.png"),
+    rank=auto_rank, add_args=add_args, seqs=([2048, 4096], [2048]), worlds=[2, 4], calls=3,
+    label=lambda c: f"{c.impl} p={c.world} {fmt_seq(c.seq)} {c.heads}/{c.kv_heads}h",
+)  # fmt: skip
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(BENCHMARK))

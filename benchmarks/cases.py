@@ -1,5 +1,4 @@
-"""What runs inside a benchmark's rank processes: the :class:`Case` they measure, its useful work, and the rank
-functions (:func:`attention_rank`: warm-up, then timed calls with their peak memory and ring waits)."""
+"""What runs inside a benchmark's rank processes: the :class:`Case`, its useful work, and the rank functions."""
 
 from __future__ import annotations
 
@@ -10,31 +9,19 @@ from typing import Any
 
 from benchmarks.common import MIB, Timing, current_rss_bytes, measure, release_free_memory
 
-BWD_FLOP_FACTOR = 2.5
-"""Backward flop = 2.5 × forward flop (the FlashAttention convention): forward+backward = 3.5 × forward."""
+BWD_FLOP_FACTOR = 2.5  # backward flop ÷ forward flop (the FlashAttention convention)
 
-AttentionFn = Callable[..., Any]
-"""What a benchmark's ``build`` returns: ``attn(q, k, v, segment_lengths, dilation_rates) -> out`` on this
-rank's shards ``[batch, seq/p, heads, head_dim]``; the branches are None for dense attention."""
+AttentionFn = Callable[..., Any]  # attn(q, k, v, segment_lengths, dilation_rates) -> this rank's output shard
 
 
 class Skip(Exception):
-    """Raised by a ``build`` when a case cannot run here (a peer library not installed): recorded, not an error."""
+    """Raised by a ``build`` when a case cannot run here (e.g. a peer not installed): recorded, not an error."""
 
 
 @dataclass(frozen=True)
 class Case:
-    """One configuration: which attention, on what shapes, on how many rank processes.
-
-    impl: the implementation's key, read by the benchmark's ``build``. seq: total tokens.
-    world: rank processes; threads: torch threads per rank. segment_lengths / dilation_rates:
-    LongNet branches over the global sequence (None: dense). layout: how the sequence is sharded.
-    ulysses: Ulysses degree of the topology (ring degree = world / ulysses). group: join a gloo
-    group (False: one process without ``torch.distributed``). fwd: also time forward-only calls.
-    warmup_seq: the untimed warm-up call uses the case's branches at this length (None: dense
-    attention over max(1024, 256·world) tokens, checked against ``ds_ring.ring_dilated_attention``).
-    tag: the benchmark's grouping of rows (table section, attention kind).
-    """
+    """One configuration: which attention, on what shapes, on how many rank processes (the fields:
+    ``benchmarks/README.md``, "Adding a benchmark")."""
 
     impl: str
     seq: int
@@ -52,6 +39,7 @@ class Case:
     batch: int = 1
     heads: int = 8
     head_dim: int = 64
+    kv_heads: int | None = None
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Case:
@@ -70,10 +58,7 @@ def causal_pairs(m: int, causal: bool) -> int:
 
 
 def pairs_dilated(seq: int, heads: int, segs: Sequence[int], rates: Sequence[int], causal: bool) -> int:
-    """Pairs of LongNet dilated attention where every head runs every branch (ds_ring).
-
-    Head ``h`` uses offset ``h % r``; segments of length ``w``, the last one possibly shorter.
-    """
+    """Pairs of LongNet dilated attention, every head running every branch at offset ``h % r`` (ds_ring)."""
     total = 0
     for w, r in zip(segs, rates, strict=True):
         lens = [w] * (seq // w) + ([seq % w] if seq % w else [])
@@ -82,25 +67,22 @@ def pairs_dilated(seq: int, heads: int, segs: Sequence[int], rates: Sequence[int
 
 
 def case_pairs(case: Case, seq: int) -> int:
-    """Pairs of ``case``'s attention over ``seq`` positions: dense (every head), or every head running every
-    branch of ``case``."""
+    """Pairs of ``case``'s attention over ``seq`` positions: dense, or every head running every branch."""
     if case.segment_lengths is None:
         return case.heads * causal_pairs(seq, case.causal)
     return pairs_dilated(seq, case.heads, case.segment_lengths, case.dilation_rates or (), case.causal)
 
 
 def useful_gflop(case: Case, pairs: int | None = None) -> float:
-    """Useful forward+backward GFLOP of one call: 4·head_dim flop per computed unmasked (query, key)
-    pair (QKᵀ and PV) × batch, × 3.5 for forward + backward. ``pairs`` defaults to dense or every
-    head computing every branch; work a kernel wastes on masked blocks is not counted."""
+    """Useful forward+backward GFLOP of one call: 4·head_dim·batch flop per unmasked (query, key) pair, × 3.5
+    (``benchmarks/README.md``, "Useful flop"); ``pairs`` defaults to :func:`case_pairs`."""
     pairs = case_pairs(case, case.seq) if pairs is None else pairs
     return (1.0 + BWD_FLOP_FACTOR) * 4.0 * case.head_dim * case.batch * pairs / 1e9
 
 
 @dataclass(frozen=True)
 class Protocol:
-    """What every rank of a launch does: ``calls`` timed calls per phase after a small warm-up call, or
-    ``budget_s`` per phase (one process only, no separate warm-up); ``timeout_s`` bounds every communication wait."""
+    """``calls`` timed calls per phase after a warm-up, or ``budget_s`` per phase; ``timeout_s`` bounds every wait."""
 
     calls: int
     budget_s: float | None
@@ -109,12 +91,8 @@ class Protocol:
 
 @dataclass
 class RankResult:
-    """One rank's measurements (:func:`attention_rank`). MiB are RSS of the rank's own process.
-
-    ``rss_before_inputs_mib``: RSS right before the shards q, k, v, grad_out were allocated (after
-    imports, process group and warm-up); ``inputs_mib``: what they added. Ring fields (seconds
-    blocked in / in flight of ring waits, steps, bytes sent) sum ds_ring's ``ring_step`` events.
-    """
+    """One rank's measurements (:func:`attention_rank`), RSS of its own process in MiB: before the shards q, k, v,
+    grad_out existed and what they added; the ring fields sum ds_ring's ``ring_step`` events."""
 
     threads: int
     skipped: str | None = None
@@ -130,8 +108,7 @@ class RankResult:
     ring_bytes_sent: int = 0
 
     def working_mib(self, timing: Timing) -> float:
-        """Peak RSS of a phase above the RSS before the shards existed: inputs, activations, gradients,
-        communication buffers and kernel workspace; not the interpreter, torch or gloo's fixed buffers."""
+        """Peak RSS of a phase above the RSS before the shards existed (``benchmarks/SUITE.md``, working memory)."""
         return timing.baseline_rss_mib + timing.peak_extra_mib - self.rss_before_inputs_mib
 
     def __call__(self, event: Any) -> None:
@@ -146,8 +123,7 @@ class RankResult:
 def attention_rank(
     rank: int, world: int, case: Case, build: Callable[[Case, int, float], AttentionFn], protocol: Protocol
 ) -> RankResult:
-    """Rank function: build the attention, warm up, then time ``fwd`` (optional, ``no_grad``) and
-    forward+backward calls on this rank's random shards ``[batch, seq/world, heads, head_dim]``."""
+    """Rank function: build the attention, warm up, time ``fwd`` (if asked) and fwd+bwd calls on random shards."""
     import torch
 
     import ds_ring
@@ -160,9 +136,9 @@ def attention_rank(
         return result
     gen = torch.Generator().manual_seed(1000 + rank)
 
-    def shards(total: int) -> list[torch.Tensor]:
-        shape = (case.batch, total // world, case.heads, case.head_dim)
-        return [torch.randn(shape, generator=gen) for _ in range(4)]
+    def shards(total: int) -> list[torch.Tensor]:  # q, k, v, grad_out
+        heads = (case.heads, case.kv_heads or case.heads, case.kv_heads or case.heads, case.heads)
+        return [torch.randn((case.batch, total // world, h, case.head_dim), generator=gen) for h in heads]
 
     segs, rates = case.segment_lengths, case.dilation_rates
     if protocol.budget_s is None:

@@ -1,5 +1,5 @@
-"""What every benchmark shares: a process's memory (RSS, its peak over a region), timed calls, the machine it
-ran on, the CPU time others used, and the JSON and PNG it writes. MiB = 2**20 bytes, seconds, GFLOP = 1e9 flop."""
+"""What every benchmark shares: RSS and its peak, timed calls, the machine, the CPU time others used, JSON and PNGs.
+MiB = 2**20 bytes, seconds, GFLOP = 1e9 flop."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import platform
 import resource
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -24,8 +25,7 @@ from typing import Any
 
 MIB = float(2**20)
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
-"""Where every benchmark writes its JSON and PNGs unless ``--out`` says otherwise."""
+RESULTS = ROOT / "benchmarks" / "results"  # where the JSON and PNGs go unless --out says otherwise
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -56,9 +56,8 @@ def release_free_memory() -> None:
 
 
 class RssSampler:
-    """Context manager: the peak RSS above the RSS at entry, sampled every ``interval_s`` (5 ms) by a
-    thread and checked against the ``ru_maxrss`` high-water mark (which catches spikes between
-    samples, but only counts if it rose during the region). Bytes: ``baseline``, ``peak``."""
+    """Context manager: peak RSS above the RSS at entry (bytes), sampled every 5 ms and checked against
+    ``ru_maxrss`` (which catches spikes between samples; it counts only if it rose in the region)."""
 
     def __init__(self, interval_s: float = 0.005) -> None:
         self.interval_s, self.samples, self._stop = interval_s, 0, threading.Event()
@@ -93,13 +92,8 @@ class RssSampler:
 
 @dataclass
 class Timing:
-    """One phase's calls: times (s) and the peak RSS they added above ``baseline_rss_mib`` (MiB).
-
-    ``first_extra_mib`` covers the first call only: over later calls glibc keeps freed heap pages
-    resident (its mmap threshold rises after large frees), so a peak over all calls grows with the
-    number of calls. ``peak_extra_mib`` covers every call (the larger of ``sampled_extra_mib`` and
-    ``maxrss_extra_mib``). ``warm``: the timed calls followed a warm-up call.
-    """
+    """One phase's calls: times (s) and the peak RSS they added above ``baseline_rss_mib``: over the first call
+    (``first_extra_mib``) and over all (``peak_extra_mib``; why both: ``benchmarks/README.md``, "How")."""
 
     times_s: list[float]
     first_call_s: float
@@ -119,13 +113,8 @@ class Timing:
 def measure(
     fn: Callable[[], object], *, calls: int, setup: Callable[[], object] | None = None, budget_s: float | None = None
 ) -> Timing:
-    """Time calls of ``fn()`` and measure the peak RSS they add above the RSS right before the first.
-
-    Without ``budget_s``: exactly ``calls`` timed calls, so every rank of a launch makes the same
-    calls. With it: the first call is a warm-up, then up to ``calls`` timed calls while the time so
-    far plus one more call fits in ``budget_s``; a first call over half the budget is the only
-    sample (``warm`` False). ``setup()`` runs untimed before every call.
-    """
+    """Time calls of ``fn()`` (``setup()`` untimed before each) and the peak RSS they add: exactly ``calls``, or
+    with ``budget_s`` a warm-up then up to ``calls`` while they fit (``benchmarks/README.md``, "Timing")."""
 
     def timed() -> float:
         (setup or (lambda: None))()
@@ -195,11 +184,19 @@ def machine_info(packages: Iterable[str]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def rel(path: str | Path) -> str:
+    """``path`` relative to the repository root, as the JSON records it (never an absolute machine path)."""
+    return os.path.relpath(Path(path).resolve(), ROOT)
+
+
 def write_json(path: Path, data: Any) -> None:
-    """Write ``data`` to ``path`` atomically (a temporary file renamed over it), creating its directory."""
+    """Write ``data`` to ``path`` atomically (a temporary file renamed over it), creating its directory; the
+    repository's and the interpreter's directories in it (error tracebacks) are written relative / as ``$PREFIX``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    tmp, text = path.with_name(path.name + ".tmp"), json.dumps(data, indent=1, default=str)
+    for prefix, short in ((f"{ROOT}/", ""), (sys.prefix, "$PREFIX"), (sys.base_prefix, "$BASE_PREFIX")):
+        text = text.replace(prefix, short)
+    tmp.write_text(text + "\n")
     tmp.replace(path)
 
 
@@ -223,33 +220,42 @@ def plot_panels(
     path: Path, panels: Sequence[tuple[str, Sequence[Series]]], *, xlabel: str, ylabel: str | Sequence[str],
     title: str, xticks: Sequence[int], logy: bool = True,
 ) -> None:  # fmt: skip
-    """Side-by-side panels (title, series), x on a log2 axis with ticks labelled by :func:`fmt_seq`; a PNG.
-    ``ylabel``: of the y axis the panels share, or one per panel (each its own y axis). A panel whose lines are
-    those of the panel before it gets no legend of its own."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Side-by-side panels (title, series), x on a log2 axis labelled by :func:`fmt_seq`; ``ylabel`` shared, or one
+    per panel (each its own y axis). A panel with the lines of the panel before it gets no legend of its own."""
     from matplotlib.ticker import NullLocator
 
     shared = isinstance(ylabel, str)
     ylabels = [ylabel] + [""] * (len(panels) - 1) if shared else ylabel
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), sharey=shared, squeeze=False)
     legend: list[str] = []
-    for ax, (panel_title, series), axis_label in zip(axes[0], panels, ylabels, strict=True):
-        for s in series:
-            xs, ys = zip(*sorted(zip(s.x, s.y, strict=True)), strict=True)
-            ax.plot(xs, ys, s.style, label=s.label, **s.kwargs)
-        ax.set_xscale("log", base=2)
-        if logy:
-            ax.set_yscale("log")
-        ax.set_xticks(list(xticks), [fmt_seq(int(t)) for t in xticks])
-        ax.xaxis.set_minor_locator(NullLocator())
-        ax.set(title=panel_title, xlabel=xlabel, ylabel=axis_label)
-        ax.grid(True, which="both", alpha=0.3)
-        if legend != (legend := [s.label for s in series]):
-            ax.legend(fontsize=8 if len(legend) <= 8 else 6)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, 5.5 * len(panels), 4.2, len(panels), sharey=shared) as axes:
+        for ax, (panel_title, series), axis_label in zip(axes, panels, ylabels, strict=True):
+            for s in series:
+                xs, ys = zip(*sorted(zip(s.x, s.y, strict=True)), strict=True)
+                ax.plot(xs, ys, s.style, label=s.label, **s.kwargs)
+            ax.set_xscale("log", base=2)
+            if logy:
+                ax.set_yscale("log")
+            ax.set_xticks(list(xticks), [fmt_seq(int(t)) for t in xticks])
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.set(title=panel_title, xlabel=xlabel, ylabel=axis_label)
+            ax.grid(True, which="both", alpha=0.3)
+            if legend != (legend := [s.label for s in series]):
+                ax.legend(fontsize=8 if len(legend) <= 8 else 6)
+        axes[0].figure.suptitle(title)
+
+
+@contextlib.contextmanager
+def figure(path: Path, width: float, height: float, panels: int = 1, dpi: int = 120, **kwargs: Any) -> Any:
+    """Matplotlib (Agg) axes of a ``width`` × ``height`` inch figure of ``panels`` side by side, saved to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, panels, figsize=(width, height), squeeze=False, **kwargs)
+    try:
+        yield axes[0]
+        fig.tight_layout()
+        fig.savefig(path, dpi=dpi)
+    finally:
+        plt.close(fig)

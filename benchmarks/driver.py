@@ -1,16 +1,6 @@
-"""The benchmark driver: a thin command line over :class:`Session`, which runs a :class:`Benchmark`'s cases in
-fresh processes and turns them into rows, a report, JSON and PNGs.
-
-A benchmark module is its configurations, how to build the attention, and its tables; it hands them to :func:`main`
-as a :class:`Benchmark` (see ``benchmarks/README.md``, "Adding a benchmark"). For every :class:`Case` the driver
-estimates one call from the useful GFLOP/s measured so far and skips it, recorded with the estimate, above
-``--max-call-s`` or when its extrapolated memory exceeds what is available; optionally waits for idle CPUs; starts
-``case.world`` fresh rank processes with :func:`ds_ring.testing.spawn_ranks` (forked from a server that imported
-torch and ds_ring once; gloo on loopback unless ``case.group`` is False), each running the benchmark's rank function
-(:func:`benchmarks.cases.attention_rank`); measures how much CPU *other* processes used meanwhile and re-runs a
-disturbed case (``--retries``), keeping the least disturbed attempt; turns the ranks' results into a
-:class:`~benchmarks.rows.Row` and rewrites the JSON, so an interrupted run keeps what it measured.
-"""
+"""The benchmark driver: :func:`main`, the command line every benchmark module shares, over :class:`Session`, which
+runs a :class:`Benchmark`'s cases in fresh rank processes (estimates and skips, idle waits, retries, reuse) and turns
+them into rows, a report, JSON and PNGs. How it measures: ``benchmarks/README.md`` and ``benchmarks/SUITE.md``."""
 
 from __future__ import annotations
 
@@ -40,12 +30,8 @@ _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 @dataclass
 class Throughput:
-    """Useful GFLOP/s per busy core, measured per implementation (row label): estimates cases not yet run.
-
-    A launch keeps min(ranks × threads, cores) cores busy; a measurement during which other processes
-    used a share ``f`` of the CPUs is scaled by ``1 − f``. Before an implementation is measured,
-    ``efficiency × matmul_per_core`` is assumed.
-    """
+    """Useful GFLOP/s per busy core (min(ranks × threads, cores)) per row label, scaled by 1 − the share of the CPUs
+    others used, to estimate cases not yet run; ``efficiency × matmul_per_core`` until measured."""
 
     cores: int
     matmul_per_core: float
@@ -74,15 +60,8 @@ class Throughput:
 
 @dataclass(frozen=True)
 class Benchmark:
-    """What a benchmark module hands to :func:`main` (``benchmarks/README.md``, "Adding a benchmark"): plan(session)
-    runs ``session.run(case)`` per case; build(case, rank, timeout_s) -> :data:`AttentionFn` (module-level, pickled by
-    reference into every rank; may raise :class:`Skip`); report -> markdown; targets -> :class:`Target` s printed after
-    it; plots write PNGs into ``session.out``. seqs (full, quick), worlds, impls, threads: defaults of ``--seqs``,
-    ``--worlds``, ``--impls``, ``--threads`` (each option only where given). flop(case): useful GFLOP of one fwd+bwd
-    call; efficiency: per impl, the share of 1-thread matmul GFLOP/s per core assumed until measured (else 0.35).
-    max_call_s (full, quick): skip threshold, s; budget_s (full, quick): s per phase of one-process cases whose first
-    call is their warm-up; rank: the rank function (:func:`attention_rank`).
-    """
+    """What a benchmark module hands to :func:`main`: every field is described in ``benchmarks/README.md``,
+    "Adding a benchmark"."""
 
     name: str
     module: str
@@ -113,7 +92,8 @@ class Session:
 
     def __init__(self, bench: Benchmark, args: argparse.Namespace) -> None:
         self.bench, self.args, self.out, self.started, self.text = bench, args, Path(args.out), time.perf_counter(), ""
-        self.command = " ".join(["python", "-m", bench.module, *sys.argv[1:]])
+        argv = [common.rel(a) if os.path.isabs(a) else a for a in sys.argv[1:]]  # the JSON holds no machine path
+        self.command = " ".join(["python", "-m", bench.module, *argv])
         self.rows: list[Row] = []
         self.targets: list[Target] = []
         self.extra: dict[str, Any] = {}  # more for the JSON (the suite's fit search)
@@ -174,9 +154,8 @@ class Session:
         return est_s, None
 
     def _measure(self, row: Row, calls: int) -> None:
-        """Launch the case, re-running it up to ``--retries`` times while disturbed; keep the least disturbed.
-        Disturbance: the share of all CPUs other processes used during the launch (``/proc/stat`` busy time
-        minus the ranks' and this process's own CPU time)."""
+        """Launch the case, re-run up to ``--retries`` times while others used over :data:`OTHER_CPU_WARN` of the
+        CPUs (``/proc/stat`` busy time minus our processes' CPU time); keep the least disturbed."""
         args, case = self.args, row.case
         budget_s = getattr(args, "budget_s", None)
         assert budget_s is None or case.world == 1, "time-budgeted phases need one process"
@@ -233,9 +212,10 @@ class Session:
 
     def write_json(self) -> None:
         """Write ``<out>/<name>.json``: machine, settings, every row with every rank's numbers."""
+        paths = {"out": common.rel(self.args.out), "reuse": [common.rel(p) for p in self.args.reuse or []]}
         common.write_json(self.out / f"{self.bench.name}.json", {
             "benchmark": self.bench.name, "mode": "quick" if self.args.quick else "full", "command": self.command,
-            "args": vars(self.args), "config": self.bench.config(self.args), "machine": self.machine,
+            "args": vars(self.args) | paths, "config": self.bench.config(self.args), "machine": self.machine,
             "matmul_gflops": self.matmul_gflops, "rows": [asdict(r) for r in self.rows],
             "targets": [asdict(t) for t in self.targets], "report": self.text, **self.extra,
         })  # fmt: skip
@@ -254,7 +234,7 @@ def _reusable(paths: Sequence[str], digest: str) -> dict[Case, Row]:
         for row in map(Row.from_json, old["rows"]):
             undisturbed = row.fwdbwd_s and row.other_cpu_pct is not None and row.other_cpu_pct <= 100 * OTHER_CPU_WARN
             if undisturbed and (row.case not in best or row.other_cpu_pct < (best[row.case].other_cpu_pct or 0.0)):
-                row.reused_from = row.reused_from or f"{path} ({old['machine']['date_utc']})"
+                row.reused_from = row.reused_from or f"{common.rel(path)} ({old['machine']['date_utc']})"
                 best[row.case] = row
     return best
 

@@ -1,14 +1,16 @@
-"""Training a Hugging Face model sequence-parallel: ds_ring's strategies vs DeepSpeed's ALST (``benchmarks/SUITE.md``).
+"""Training a Hugging Face Llama sequence-parallel, ds_ring vs DeepSpeed's ALST: two benchmarks on one training set-up.
 
-``python -m benchmarks.hf [--quick] [--seqs 4096 8192 16384] [--impls ...] [--out DIR]``. The training set-up both
-ds_ring and ALST use here (:func:`ds_ring_engine`, :func:`alst_engine`, :func:`train_rank`) serves
-:mod:`benchmarks.longctx` too.
+``python -m benchmarks.hf [--quick]`` (:data:`BENCHMARK`: ds_ring's strategies on ``launch/train_hf.py``'s small model)
+and ``python -m benchmarks.longctx [--quick] [--vocabs ...]`` (:data:`LONGCTX`, issue 22: whole-model long context).
+The models, the implementations and the derived figures: ``benchmarks/SUITE.md``.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,24 +24,18 @@ from benchmarks.rows import Column, Figure, Row, Target, compare, find, markdown
 
 LABELS = {"ulysses": "ds_ring Ulysses", "ring": "ds_ring ring (zigzag)", "hybrid": "ds_ring hybrid U2×R1",
           "ring dilated": "ds_ring ring dilated", "alst": "DeepSpeed ALST (UlyssesSPAttentionHF)"}  # fmt: skip
-MODEL = SimpleNamespace(dim=64, layers=2, heads=4, kv_heads=2, init_std=0.2, seed=0)
+LONG_LABELS = {"plain": "ds_ring ring", "long_context": "ds_ring long_context",
+               "long_context+disk": "ds_ring long_context + disk", "alst": "ALST tutorial (checkpointing)",
+               "alst full": "ALST full recipe"}  # fmt: skip
+MODEL = SimpleNamespace(dim=64, layers=2, heads=4, kv_heads=2, init_std=0.2, seed=0, lr=3e-3)
 """``launch/train_hf.py``'s default model (with its default vocabulary, the task's)."""
-LR = 3e-3
+LONG_MODEL = SimpleNamespace(dim=256, layers=4, heads=8, kv_heads=4, init_std=0.02, seed=0, lr=1e-4)
+"""The long-context model (SwiGLU 4 × dim, transformers' default init), its vocabulary from ``case.tag``."""
+TILE_TOKENS, VOCABS, BUDGET_MIB = 512, (32000, 128256), 8 * 1024
 STEP_FIGURES: list[Figure] = [
     ("throughput", "tokens/s (whole job)", [("", lambda r: r.tokens_per_s, "-o")]),
     ("memory", "step working memory, largest rank (MiB)", [("", lambda r: r.peak_mib, "-o")]),
 ]
-"""The plots of a training benchmark: ``<name>_throughput.png`` and ``<name>_memory.png``."""
-
-
-def _case(impl: str, seq: int) -> Case:
-    dilated = impl == "ring dilated"
-    return Case(
-        impl, seq, world=2, heads=MODEL.heads, head_dim=MODEL.dim // MODEL.heads,
-        layout="zigzag" if impl == "ring" else "contiguous", ulysses=2 if impl in ("ulysses", "hybrid") else 1,
-        segment_lengths=(seq // 8, seq // 2, seq) if dilated else None, dilation_rates=(1, 2, 4) if dilated else None,
-        tag="dilated" if dilated else "dense",
-    )  # fmt: skip
 
 
 def zero0(case: Case, **more: Any) -> dict[str, Any]:
@@ -48,29 +44,65 @@ def zero0(case: Case, **more: Any) -> dict[str, Any]:
             "zero_allow_untested_optimizer": True, "steps_per_print": 10**9, **more}  # fmt: skip
 
 
-def ds_ring_engine(case: Case, model: Any, batch: dict[str, Any], section: dict[str, Any], lr: float) -> Any:
-    """``ds_ring.initialize`` (AdamW, ``section`` as ``ring_attention``) with the model registered with transformers:
-    (engine, the session, this rank's ``shard_batch`` of ``batch``); the section's ``long_context`` applied."""
+def _model_and_batch(case: Case, spec: SimpleNamespace) -> tuple[Any, dict[str, Any]]:
+    """``launch/train_hf.py``'s model of ``spec`` and a batch of its recall task; the long-context model counts
+    every token in the loss (as in pre-training)."""
+    import torch
+
+    from launch.train import VOCAB
+    from launch.train_hf import RecallDataset, build_model
+
+    torch.manual_seed(spec.seed)
+    long = spec is LONG_MODEL
+    model = build_model(SimpleNamespace(**vars(spec), vocab=int(case.tag) if long else VOCAB, seq=case.seq))
+    items = [RecallDataset(case.batch, case.seq, spec.seed)[i] for i in range(case.batch)]
+    batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
+    return model, {"input_ids": batch["input_ids"], "labels": batch["input_ids"]} if long else batch
+
+
+def _ds_ring_step(case: Case, model: Any, batch: dict[str, Any], section: dict[str, Any], lr: float) -> Any:
+    """``ds_ring.initialize`` (AdamW, ``section`` as ``ring_attention``, its ``long_context`` applied) and the model
+    registered with transformers: one training step on this rank's ``shard_batch``."""
     import torch
 
     import ds_ring
-    from ds_ring.integrations.hf import register_with_transformers, shard_batch
+    from ds_ring.integrations.hf import causal_lm_loss, register_with_transformers, shard_batch
 
     config = zero0(case, ring_attention={"timeout_s": 600, "layout": case.layout, **section})
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     engine, *_ = ds_ring.initialize(model=model, optimizer=optimizer, config=config, seq_len=case.seq)
     session = register_with_transformers(model, config=config, topology=engine.mpu)
     session.apply_long_context(model)
-    return engine, session, shard_batch(session, batch)
+    inputs = shard_batch(session, batch)
+
+    def step() -> None:
+        out = engine(**inputs)
+        loss = out.loss if out.loss is not None else causal_lm_loss(session, out.logits, inputs["shift_labels"])
+        engine.backward(loss)
+        engine.step()
+
+    return step
 
 
-def alst_engine(case: Case, rank: int, model: Any, batch: dict[str, Any], lr: float) -> Any:
-    """DeepSpeed 0.19's ALST as its tutorial sets it up: ``UlyssesSPAttentionHF`` (core ``sdpa``), AdamW,
-    ``deepspeed.initialize(mpu=...)``; contiguous shards with global ``position_ids`` and the adapter's
-    ``shift_labels``: (engine, the sequence-parallel group, its size, input_ids, position_ids, shift_labels)."""
+def _tiled_mlp_forward(self: Any, x: Any) -> Any:
+    """ALST's ``TiledMLP`` as its docstring patches it into ``LlamaMLP``: ``ceil(seq / hidden)`` shards."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    shards = math.ceil(x.shape[-2] / x.shape[-1])
+    params = [self.down_proj.weight, self.gate_proj.weight, self.up_proj.weight]
+    return TiledMLP.apply(lambda mlp, t: mlp.down_proj(mlp.act_fn(mlp.gate_proj(t)) * mlp.up_proj(t)), self, x, shards,
+                          params)  # fmt: skip
+
+
+def _alst_step(case: Case, rank: int, model: Any, batch: dict[str, Any], lr: float, full: bool) -> Any:
+    """DeepSpeed 0.19's ALST as its tutorial runs it (``benchmarks/SUITE.md``); ``full``: with its tiled loss (and
+    ``TiledMLP``, patched in before the model is built). Per-rank loss sums all-gathered with autograd, divided by
+    the token count and by the sequence-parallel size (ALST's all-gather sums the group's gradients)."""
     import deepspeed
     import torch
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    import torch.distributed.nn.functional as dist_nn
+    import torch.nn.functional as F
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, UlyssesSPAttentionHF
 
     deepspeed.init_distributed(dist_backend="gloo")
     mpu = UlyssesSPAttentionHF.register_with_transformers(
@@ -83,75 +115,72 @@ def alst_engine(case: Case, rank: int, model: Any, batch: dict[str, Any], lr: fl
     labels = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:]  # the adapter's shift_labels
     positions = torch.arange(case.seq).expand(case.batch, -1)
     shard = slice(rank * case.seq // sp, (rank + 1) * case.seq // sp)
-    return engine, group, sp, *(x[:, shard] for x in (batch["input_ids"], positions, labels))
+    input_ids, position_ids, shift_labels = (x[:, shard] for x in (batch["input_ids"], positions, labels))
+    lm, vocab = engine.module, engine.module.config.vocab_size
+
+    def summed_loss(head: Any, hidden: Any, targets: Any) -> Any:
+        return F.cross_entropy(head.lm_head(hidden).view(-1, vocab), targets.view(-1), reduction="sum")
+
+    def step() -> None:
+        tokens = (shift_labels != -100).sum()
+        if full:
+            hidden = lm.model(input_ids=input_ids, position_ids=position_ids).last_hidden_state
+            shards = math.ceil(hidden.shape[1] / TILE_TOKENS)
+            local = TiledFusedLogitsLoss.apply(summed_loss, lm, hidden, shift_labels, None, shards,
+                                               [lm.lm_head.weight], "sum")  # fmt: skip
+        else:
+            logits = engine(input_ids=input_ids, position_ids=position_ids).logits
+            local = lm.loss_function(logits=logits, labels=None, shift_labels=shift_labels, vocab_size=vocab,
+                                     num_items_in_batch=1)  # the sum: a rank may hold no counted token  # fmt: skip
+        sums, counts = dist_nn.all_gather(local, group=group), dist_nn.all_gather(tokens, group=group)
+        engine.backward(sum(sums) / max(sum(counts), 1) / sp)
+        engine.step()
+
+    return step
 
 
-def rank_env(case: Case, rank: int) -> None:
+def _rank_env(case: Case, rank: int) -> None:
     """The environment DeepSpeed reads in a rank process (CPU accelerator, this rank of ``case.world``)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(case.world), MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def _model_and_batch(case: Case) -> tuple[Any, dict[str, Any]]:
-    import torch
-
-    from launch.train import VOCAB
-    from launch.train_hf import RecallDataset, build_model
-
-    torch.manual_seed(MODEL.seed)
-    model = build_model(SimpleNamespace(**vars(MODEL), vocab=VOCAB, seq=case.seq))
-    items = [RecallDataset(case.batch, case.seq, MODEL.seed)[i] for i in range(case.batch)]
-    return model, {key: torch.stack([item[key] for item in items]) for key in items[0]}
-
-
-def _ds_ring_step(case: Case) -> Callable[[], None]:
-    from ds_ring.integrations.hf import causal_lm_loss
-
+def build(case: Case, rank: int, timeout_s: float) -> Callable[[], None]:
+    """One training step of a :data:`BENCHMARK` case on this rank (the model, optimizer and shard built once here)."""
+    _rank_env(case, rank)
+    if case.impl == "alst":
+        return _alst_step(case, rank, *_model_and_batch(case, MODEL), MODEL.lr, full=False)
     section: dict[str, Any] = {"sequence_parallel_size": case.world, "strategy": case.impl.split()[0]}
     if case.impl == "hybrid":
         section.update(ulysses_degree=case.ulysses, ring_degree=case.world // case.ulysses)
     if case.segment_lengths is not None:
         section.update(segment_lengths=list(case.segment_lengths), dilation_rates=list(case.dilation_rates))
-    engine, session, inputs = ds_ring_engine(case, *_model_and_batch(case), section, LR)
-    shift_labels = inputs.pop("shift_labels")
-
-    def step() -> None:
-        engine.backward(causal_lm_loss(session, engine(**inputs).logits, shift_labels))
-        engine.step()
-
-    return step
+    return _ds_ring_step(case, *_model_and_batch(case, MODEL), section, MODEL.lr)
 
 
-def _alst_step(case: Case, rank: int) -> Callable[[], None]:
-    """Per-rank mean losses all-gathered with autograd and weighted by token counts, divided by the
-    sequence-parallel size before ``backward`` so that the gradients are the whole model's (without: 2×)."""
-    import torch.distributed.nn.functional as dist_nn
+def build_long(case: Case, rank: int, timeout_s: float) -> Callable[[], None]:
+    """One training step of a :data:`LONGCTX` case on this rank."""
+    from transformers.models.llama import modeling_llama
 
-    engine, group, sp, input_ids, position_ids, shift_labels = alst_engine(case, rank, *_model_and_batch(case), LR)
-
-    def step() -> None:
-        logits = engine(input_ids=input_ids, position_ids=position_ids).logits
-        loss = engine.module.loss_function(logits=logits, labels=None, shift_labels=shift_labels,
-                                           vocab_size=engine.module.config.vocab_size)  # fmt: skip
-        tokens = (shift_labels != -100).sum()
-        losses, counts = dist_nn.all_gather(loss, group=group), dist_nn.all_gather(tokens, group=group)
-        total = sum(loss_r * count_r for loss_r, count_r in zip(losses, counts, strict=True)) / max(sum(counts), 1)
-        engine.backward(total / sp)
-        engine.step()
-
-    return step
-
-
-def build(case: Case, rank: int, timeout_s: float) -> Callable[[], None]:
-    """One training step of ``case`` on this rank (the model, optimizer and shard built once here)."""
-    rank_env(case, rank)
-    return _alst_step(case, rank) if case.impl == "alst" else _ds_ring_step(case)
+    _rank_env(case, rank)
+    if case.impl == "alst full":
+        modeling_llama.LlamaMLP.forward = _tiled_mlp_forward
+    model, batch = _model_and_batch(case, LONG_MODEL)
+    if case.impl.startswith("alst"):
+        model.gradient_checkpointing_enable()
+        return _alst_step(case, rank, model, batch, LONG_MODEL.lr, full=case.impl == "alst full")
+    section: dict[str, Any] = {"strategy": "ring"}
+    if case.impl != "plain":
+        section["long_context"] = {"tiled_loss": True, "tiled_mlp": True, "tile_tokens": TILE_TOKENS}
+        model.gradient_checkpointing_enable()
+    if case.impl == "long_context+disk":
+        section["long_context"].update(offload_checkpoints="disk", offload_dir=tempfile.gettempdir())
+    return _ds_ring_step(case, model, batch, section, LONG_MODEL.lr)
 
 
 @dataclass
 class StepResult(RankResult):
-    """One rank's timed training steps (``fwdbwd``), and the CPU seconds its process used per step: on a
-    shared machine a better comparison of the work than wall time, which includes waiting for a core."""
+    """One rank's timed training steps (``fwdbwd``) and the CPU seconds its process used per step."""
 
     cpu_s_per_step: float | None = None
 
@@ -186,7 +215,13 @@ def step_columns(ref: Callable[[Row], Row | None], name: str, seconds: str, mib:
 def plan(session: Session) -> None:
     for seq in session.args.seqs:
         for impl in session.args.impls:
-            session.run(_case(impl, seq))
+            dilated = impl == "ring dilated"
+            session.run(Case(
+                impl, seq, world=2, heads=MODEL.heads, head_dim=MODEL.dim // MODEL.heads,
+                layout="zigzag" if impl == "ring" else "contiguous", ulysses=2 if impl in ("ulysses", "hybrid") else 1,
+                segment_lengths=(seq // 8, seq // 2, seq) if dilated else None,
+                dilation_rates=(1, 2, 4) if dilated else None, tag="dilated" if dilated else "dense",
+            ))  # fmt: skip
 
 
 def targets(session: Session) -> list[Target]:
@@ -214,6 +249,60 @@ def report(session: Session) -> str:
     ])  # fmt: skip
 
 
+def plan_long(session: Session) -> None:
+    for vocab in session.args.vocabs:
+        for seq in session.args.seqs if vocab <= VOCABS[0] else [seq // 2 for seq in session.args.seqs]:
+            for impl in session.args.impls:
+                ours, dim = not impl.startswith("alst"), LONG_MODEL.dim // LONG_MODEL.heads
+                session.run(Case(impl, seq, world=2, heads=LONG_MODEL.heads, head_dim=dim, tag=str(vocab),
+                                 layout="zigzag" if ours else "contiguous", ulysses=1 if ours else 2))  # fmt: skip
+
+
+def slope_and_fit(rows: list[Row], impl: str, vocab: int) -> tuple[float | None, int | None]:
+    """Step MiB per 1K tokens per rank between the shortest and the longest length measured, and the longest
+    sequence (total tokens, 2 ranks) whose RSS before the step + the fitted step MiB fit ``BUDGET_MIB``."""
+    series = sorted((r for r in rows if r.case.impl == impl and r.case.tag == str(vocab) and r.peak_mib),
+                    key=lambda r: r.case.seq)  # fmt: skip
+    if len(series) < 2:
+        return None, None
+    first, last = series[0], series[-1]
+    per_rank_k = lambda r: r.case.seq / r.case.world / 1000
+    slope = (last.peak_mib - first.peak_mib) / (per_rank_k(last) - per_rank_k(first))
+    if slope <= 0:
+        return slope, None
+    before = last.largest("rss_before_inputs_mib") or 0.0
+    fit_k = per_rank_k(last) + (BUDGET_MIB - before - last.peak_mib) / slope
+    return slope, int(fit_k * 1000 * last.case.world) if fit_k > 0 else 0
+
+
+def targets_long(session: Session) -> list[Target]:
+    out = []
+    for r in (r for r in session.rows if r.case.impl == "long_context"):
+        alst = find(session.rows, impl="alst full", seq=r.case.seq, tag=r.case.tag)
+        where = f"{fmt_seq(r.case.seq)}, vocab {r.case.tag}"
+        out += compare(f"long_context step memory ≤ 0.8 × ALST full recipe, {where}", r, alst, "peak_mib",
+                       lambda x: x <= 0.8, " step MiB/rank (long_context vs ALST full)")  # fmt: skip
+        out += compare(f"long_context tokens/s ≥ ALST full recipe, {where}", alst, r, met=lambda x: x >= 1.0,
+                       note=" step time (ALST full vs long_context)")  # fmt: skip
+    return out
+
+
+def report_long(session: Session) -> str:
+    args, rows = session.args, session.rows
+    alst = lambda r: find(rows, impl="alst full", seq=r.case.seq, tag=r.case.tag)
+    table = markdown_table(rows, [
+        Column("vocab", lambda r: r.case.tag), "impl", "seq", *step_columns(alst, "ALST full", "{:.2f}", "{:.0f}"),
+        Column("RSS before step MiB", lambda r: r.largest("rss_before_inputs_mib"), "{:.0f}"), "other load %", "notes",
+    ])  # fmt: skip
+    session.extra["slopes"] = {f"{v} {i}": list(slope_and_fit(rows, i, v)) for v in args.vocabs for i in args.impls}
+    slopes = [(key.split(" ", 1), *fit) for key, fit in session.extra["slopes"].items() if fit[0] is not None]
+    return table + "\n\n" + markdown_table(slopes, [
+        Column("vocab", lambda s: s[0][0]), Column("impl", lambda s: LONG_LABELS[s[0][1]]),
+        Column("slope MiB per 1K tokens/rank", lambda s: s[1], "{:.1f}"),
+        Column("fits 8 GiB/rank (tokens, 2 ranks)", lambda s: s[2], "{:,}"),
+    ])  # fmt: skip
+
+
 BENCHMARK = Benchmark(
     name="hf", module="benchmarks.hf", title="HF Llama training steps: ds_ring strategies vs DeepSpeed ALST, p = 2",
     plan=plan, build=build, report=report, targets=targets, label=lambda case: LABELS[case.impl],
@@ -221,6 +310,17 @@ BENCHMARK = Benchmark(
     plots=lambda s: plot_rows(s, lambda r: "", "HF Llama training step, 2 ranks × 1 thread, batch 1, fp32",
                               STEP_FIGURES, logy=False),
     flop=lambda case: MODEL.layers * useful_gflop(case), packages=("deepspeed", "transformers"),
+)  # fmt: skip
+LONGCTX = Benchmark(
+    name="longctx", module="benchmarks.longctx",
+    title="Whole-model long context: Llama 4 layers, hidden 256, 2 ranks — ds_ring vs DeepSpeed ALST",
+    plan=plan_long, build=build_long, report=report_long, targets=targets_long,
+    label=lambda case: f"{LONG_LABELS[case.impl]}, vocab {case.tag}",
+    add_args=lambda p: p.add_argument("--vocabs", type=int, nargs="+", default=list(VOCABS), help="vocabulary sizes"),
+    seqs=([2048, 4096, 8192], [1024, 2048]), impls=list(LONG_LABELS), calls=1, rank=train_rank,
+    plots=lambda s: plot_rows(s, lambda r: f"vocab {r.case.tag}", "Llama 4×256 step, 2 ranks × 1 thread",
+                              STEP_FIGURES, logy=False),
+    flop=lambda case: LONG_MODEL.layers * useful_gflop(case), packages=("deepspeed", "transformers"),
 )  # fmt: skip
 
 if __name__ == "__main__":

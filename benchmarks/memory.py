@@ -1,19 +1,10 @@
-"""Activation memory per rank of one forward+backward, as a slope in q-shards plus a fixed cost.
+"""Activation memory per rank of one forward+backward as a slope in q-shards plus a fixed cost.
 
-For every (call, ranks) the benchmark runs two sequence lengths, each in fresh rank processes
-(:func:`ds_ring.testing.spawn_ranks`, 1 torch thread per rank, fp32, 8 heads × 64, causal). A rank
-creates its shards of q, k, v and dout, returns freed heap to the OS, reads its resident memory
-(the *baseline*), resets its high-water mark (``/proc/self/clear_refs``), runs one forward+backward
-and reads the high-water mark again: *extra* = peak − baseline, the max over ranks. With ``b`` the
-bytes of one rank's q shard at each length::
+Every (call, ranks) runs at two local lengths in fresh rank processes (1 thread, fp32, 8 heads × 64, causal): extra
+= peak RSS of one fwd+bwd (``VmHWM`` after ``clear_refs``; CUDA: the allocator's peak) above the RSS once q, k, v,
+dout exist, max over ranks; slope (q-shards) = Δextra ÷ Δ(bytes of a q shard), fixed (MiB) = extra₁ − slope · b₁
+(``benchmarks/SUITE.md``). The rows go under ``--label`` into ``DIR/memory.json``; the plot is ``DIR/memory.png``.
 
-    slope (q-shards) = (extra₂ − extra₁) / (b₂ − b₁)        fixed (MiB) = extra₁ − slope · b₁
-
-so a per-process cost that does not grow with the sequence does not count in the slope. On CUDA the allocator's peak
-(``torch.cuda.max_memory_allocated``) replaces the RSS. Results (and the time of the call, wall seconds of the
-slowest rank) go to ``DIR/memory.json`` after every configuration, with a plot ``DIR/memory.png``.
-
-    python -m benchmarks.memory                       # every call, p = 1, 2, 4, 8
     python -m benchmarks.memory --ranks 1 2 4 --calls dense_ring dilated_ring --label before
 """
 
@@ -34,17 +25,15 @@ HEADS, HEAD_DIM = 8, 64
 
 @dataclass(frozen=True)
 class Call:
-    """One attention call: its strategy, K/V exchange, layout and branches (fractions of the sequence)."""
+    """One attention call: strategy, K/V exchange (None: the strategy's own), layout, branches (fractions of the
+    sequence), and the two local lengths the slope is taken between (the issue's sizes)."""
 
     strategy: str
     communication: str | None = None
-    """None: the strategy's own (ring for ring and hybrid; Ulysses has no ring dimension and refuses one)."""
     layout: str = "contiguous"
     segments: tuple[float, ...] | None = None
     rates: tuple[int, ...] | None = None
     tokens_per_rank: tuple[int, int] = (4096, 8192)
-    """The two local lengths (rows of one rank's shard) the slope is taken between: the issue's sizes
-    (dense ring p = 4: 16K → 32K tokens), large enough that the allocator's retained blocks are small."""
 
 
 _LONGNET = {"segments": (1 / 32, 1 / 4, 1), "rates": (1, 4, 16), "tokens_per_rank": (16384, 32768)}
@@ -95,10 +84,10 @@ def _measure(rank: int, world: int, call: Call, local_len: int, device: str) -> 
     return {"extra_mib": peak - base, "seconds": seconds, "q_shard_mib": q.numel() * q.element_size() / MIB}
 
 
-def measure(name: str, world: int, device: str, timeout_s: float) -> dict[str, Any]:
-    """Both lengths of one call on ``world`` ranks, each in fresh processes: ``extra_mib`` (max over ranks of
-    the peak extra memory, MiB) and ``seconds`` at each length, the slope (q-shards) and the fixed MiB."""
-    call, points = CALLS[name], []
+def measure(call: Call, world: int, device: str, timeout_s: float) -> dict[str, Any]:
+    """Both lengths of ``call`` on ``world`` ranks in fresh processes: ``extra_mib`` (max over ranks) and ``seconds``
+    at each, the slope (q-shards) and the fixed MiB."""
+    points = []
     for local_len in call.tokens_per_rank:
         args = (call, local_len, device)
         values = rank_results(spawn_ranks(_measure, world, timeout_s=timeout_s, args=args, preload=("torch",)))
@@ -106,7 +95,7 @@ def measure(name: str, world: int, device: str, timeout_s: float) -> dict[str, A
         points.append((extra, seconds, values[0]["q_shard_mib"]))
     (e1, t1, b1), (e2, t2, b2) = points
     slope = (e2 - e1) / (b2 - b1)
-    return {"call": name, "ranks": world, "tokens_per_rank": call.tokens_per_rank, "extra_mib": (e1, e2),
+    return {"ranks": world, "tokens_per_rank": call.tokens_per_rank, "extra_mib": (e1, e2),
             "seconds": (t1, t2), "slope_q_shards": slope, "fixed_mib": e1 - slope * b1}  # fmt: skip
 
 
@@ -143,7 +132,7 @@ def main() -> None:
         for name in args.calls:
             if CALLS[name].strategy == "hybrid" and world % 2:
                 continue  # hybrid needs a ulysses degree of 2 here
-            r = measure(name, world, args.device, args.timeout_s)
+            r = {"call": name, **measure(CALLS[name], world, args.device, args.timeout_s)}
             (e1, e2), (t1, t2) = r["extra_mib"], r["seconds"]
             print(f"{name:18s} p={world}  slope {r['slope_q_shards']:5.2f} q-shards  fixed {r['fixed_mib']:6.1f} MiB  "
                   f"extra {e1:.0f}/{e2:.0f} MiB  time {t1:.2f}/{t2:.2f} s", flush=True)  # fmt: skip

@@ -1,11 +1,5 @@
-"""The libraries the benchmarks compare against: pinned versions, their explicit install, how each is called.
-
-``python -m benchmarks install-peers`` installs them into this interpreter with ``--no-deps`` plus their light
-pure-Python needs: dilated-attention-pytorch declares xformers (no CPU path; it would also pull a CUDA torch), which
-:func:`dap_attention` replaces with PyTorch SDPA at run time instead. A benchmark never installs anything: a case
-whose peer is missing is recorded as skipped, with this command in its notes. DeepSpeed and PyTorch's
-``context_parallel`` come with ds_ring's own dependencies.
-"""
+"""The libraries the benchmarks compare against: pinned versions, their explicit install (``python -m benchmarks
+install-peers``, ``--no-deps``), how each is called (``benchmarks/README.md``, ``benchmarks/SUITE.md``)."""
 
 from __future__ import annotations
 
@@ -21,12 +15,9 @@ if TYPE_CHECKING:
 
 RAP = "ring-attention-pytorch==0.5.20"
 DAP = "dilated-attention-pytorch==0.2.0"
-PEERS = [RAP, DAP, "einops>=0.8.0", "beartype", "jaxtyping"]
-"""Pip requirements installed by :func:`install` (``--no-deps``)."""
-EFFICIENCY = {"rap": 0.05}
-"""Assumed useful GFLOP/s per core as a fraction of matmul before a peer is measured (ds_ring: 0.35)."""
-RAP_BUCKET = 1024
-"""``bucket_size`` passed to ring-attention-pytorch (``ring_flash_attn``'s default)."""
+PEERS = [RAP, DAP, "einops>=0.8.0", "beartype", "jaxtyping"]  # installed with --no-deps
+EFFICIENCY = {"rap": 0.05}  # assumed share of matmul GFLOP/s per core until measured (ds_ring: 0.35)
+RAP_BUCKET = 1024  # ring_flash_attn's default bucket_size
 
 
 def install() -> int:
@@ -53,9 +44,7 @@ def missing(requirement: str, exc: ImportError) -> Skip:
 
 
 def rap_attention(case: Case) -> AttentionFn:
-    """ring-attention-pytorch's pure-PyTorch ring path (what ``RingAttention(use_cuda_kernel=False)`` calls)
-    on contiguous shards: ``ring_flash_attn(q, k, v, None, causal, bucket, ring_reduce_col=p > 1, False,
-    None, p)``. It computes every bucket × bucket block, masked ones included, with a barrier per hop."""
+    """ring-attention-pytorch's pure-PyTorch ring path on contiguous shards (``benchmarks/SUITE.md``)."""
     _dense_only(case, "ring-attention-pytorch has no dilated attention")
     try:
         from ring_attention_pytorch import ring_flash_attn
@@ -66,9 +55,7 @@ def rap_attention(case: Case) -> AttentionFn:
 
 
 def torch_cp_attention(case: Case) -> AttentionFn:
-    """PyTorch context parallelism around SDPA: it takes whole-sequence buffers and shards them itself, so
-    the shards are gathered first. On CPU it fails in its first call (no sharding strategy for the CPU
-    flash kernel); the row records the error."""
+    """PyTorch context parallelism around SDPA on the gathered sequence (it shards it itself); fails on CPU."""
     _dense_only(case, "context_parallel runs SDPA: no dilated attention")
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
@@ -88,8 +75,7 @@ def torch_cp_attention(case: Case) -> AttentionFn:
 
 
 def deepspeed_attention(case: Case, rank: int, group: Any) -> AttentionFn:
-    """DeepSpeed's Ulysses, ``deepspeed.sequence.layer.DistributedAttention`` (three all-to-alls in, one
-    out) over ``group``, with SDPA as its local attention; batch-first: scatter heads, gather sequence."""
+    """DeepSpeed's ``DistributedAttention`` (Ulysses) over ``group`` with SDPA as its local attention."""
     _dense_only(case, "SDPA, DistributedAttention's local attention here, has no dilation")
     import os
 
@@ -104,10 +90,8 @@ def deepspeed_attention(case: Case, rank: int, group: Any) -> AttentionFn:
 
 
 def dap_attention(case: Case) -> AttentionFn:
-    """dilated-attention-pytorch's ``DilatedAttention``: the heads are *split* among the branches (head
-    group i computes branch i only), so it does ~1/len(branches) of ds_ring's work (:func:`flop`). Its
-    only kernel, ``xformers.ops.memory_efficient_attention``, has no CPU path: a stand-in ``xformers.ops``
-    in this process maps it to SDPA; the package's segmenting, dilation and merge code runs unchanged."""
+    """dilated-attention-pytorch's ``DilatedAttention`` (heads split among the branches, :func:`flop`), its xformers
+    kernel replaced by SDPA in this process (``benchmarks/README.md``)."""
     segs = case.segment_lengths or ()
     if any(case.seq % w for w in segs):
         raise Skip(f"dilated-attention-pytorch needs seq % w == 0 for every w in {list(segs)}")
@@ -121,8 +105,8 @@ def dap_attention(case: Case) -> AttentionFn:
 
 
 def flop(case: Case) -> float:
-    """Useful forward+backward GFLOP of one call, dilated-attention-pytorch's split heads included: head
-    group i (``heads // n`` heads, the first ``heads % n`` one more) runs branch i at offset i % r."""
+    """Useful fwd+bwd GFLOP of one call; dap's head group i (``heads // n``, the first ``heads % n`` one more)
+    runs branch i at offset i % r."""
     if case.impl != "dap":
         return useful_gflop(case)
     n, pairs = len(case.dilation_rates or ()), 0
@@ -133,12 +117,11 @@ def flop(case: Case) -> float:
 
 
 def _install_fake_xformers() -> None:
-    """A CPU stand-in for ``xformers.ops`` in ``sys.modules`` (this process only):
-    ``memory_efficient_attention(q, k, v, attn_bias=None | LowerTriangularMask, p=0.0, scale=None)`` on
-    ``[B, S, H, D]`` runs SDPA (top-left aligned causal mask, as in xformers); anything else raises."""
+    """A CPU stand-in for ``xformers.ops`` in this process: ``memory_efficient_attention`` (no bias or
+    ``LowerTriangularMask``, no dropout) runs SDPA; anything else raises."""
 
-    class LowerTriangularMask:
-        """Marker for a causal bias, as ``xformers.ops.LowerTriangularMask``."""
+    class LowerTriangularMask:  # a causal bias, as xformers.ops.LowerTriangularMask
+        pass
 
     def memory_efficient_attention(query, key, value, attn_bias=None, p=0.0, scale=None, *, op=None):
         if p or (attn_bias is not None and not isinstance(attn_bias, LowerTriangularMask)):

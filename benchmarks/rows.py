@@ -1,5 +1,4 @@
-"""A measured case as a table row: the ranks' outcomes summed up (:class:`Row`), lookups and ratios between rows,
-markdown tables, targets, and plots of rows against the sequence length."""
+"""A measured case as a table row (:class:`Row`), lookups and ratios between rows, tables, targets and plots."""
 
 from __future__ import annotations
 
@@ -17,21 +16,13 @@ from ds_ring import testing
 if TYPE_CHECKING:
     from benchmarks.driver import Session
 
-OTHER_CPU_WARN = 0.10
-"""Above this share of all CPUs used by other processes while a case ran, its timings are flagged."""
+OTHER_CPU_WARN = 0.10  # above this share of the CPUs used by other processes, a case's timings are flagged
 
 
 @dataclass
 class Row:
-    """One case's table row: its measurements over all ranks, or why it has none (``notes``).
-
-    Times are the slowest rank's median (ranks wait for each other). ``peak_mib`` / ``fwd_peak_mib``:
-    the largest rank's working memory (:meth:`RankResult.working_mib`) during the forward+backward /
-    forward calls; ``first_extra_mib`` / ``fwd_first_extra_mib``: the largest rank's peak above the
-    phase's baseline during its first call. ``compute_s_per_rank`` = timed wall − blocked in ring
-    waits; ``overlap_ratio`` = slowest rank's timed wall ÷ largest compute (1.00: communication
-    hidden). ``other_cpu_pct``: share of all CPUs other processes used during the launch.
-    """
+    """One case's measurements over all ranks, or why it has none (``notes``); what each field means:
+    ``benchmarks/README.md`` ("Adding a benchmark") and ``benchmarks/SUITE.md``."""
 
     case: Case
     label: str
@@ -120,7 +111,7 @@ def summarize(
 
 @dataclass(frozen=True)
 class Target:
-    """A figure the issue set a goal for, reported (never asserted): ``met`` None = for information."""
+    """A figure with a goal, reported (never asserted): ``met`` None = for information."""
 
     target: str
     value: float | str
@@ -164,7 +155,6 @@ COLUMNS = {c.header: c for c in [
     Column("other load %", lambda r: r.other_cpu_pct, "{:.0f}"),
     Column("notes", lambda r: "; ".join(r.notes)),
 ]}  # fmt: skip
-"""The columns tables share, by header: :func:`markdown_table` takes a header for one of these."""
 
 
 def markdown_table(rows: Sequence[Any], columns: Sequence[Column | str]) -> str:
@@ -195,8 +185,7 @@ def compare(
     target: str, num: Row | None, den: Row | None, attr: str = "fwdbwd_s",
     met: Callable[[float], bool | None] = lambda x: None, note: str = "",
 ) -> list[Target]:  # fmt: skip
-    """``[Target]`` of ``num.attr ÷ den.attr`` (how many times faster: a reference's time ÷ a row's), ``met(value)``,
-    both values (s or MiB) and ``note`` as its detail; ``[]`` while either row is not measured."""
+    """``[Target]`` of ``num.attr ÷ den.attr``, ``met(value)``, both values and ``note``; ``[]`` if one is missing."""
     if (x := ratio(num, den, attr)) is None:
         return []
     unit, spec = (" s", "{:.2f}") if attr.endswith("_s") else (" MiB", "{:.0f}")
@@ -204,8 +193,7 @@ def compare(
     return [Target(target, x, met(x), f"{a} vs {b}{note}")]
 
 
-Figure = tuple[str, str, Sequence[tuple[str, Callable[["Row"], float | None], str]]]
-"""A figure of :func:`plot_rows`: (file name suffix, y label, phases: (line name suffix, value, matplotlib format))."""
+Figure = tuple[str, str, Sequence[tuple[str, Callable[["Row"], float | None], str]]]  # (file suffix, y label, lines)
 TIME: Figure = ("time", "fwd+bwd time per call, slowest rank (s)", [("", lambda r: r.fwdbwd_s, "-o")])
 MEMORY: Figure = ("memory", "peak working memory, largest rank (MiB)", [("", lambda r: r.peak_mib, "-o")])
 
@@ -214,8 +202,8 @@ def plot_rows(
     session: Session, panel: Callable[[Row], str | None], title: str,
     figures: Sequence[Figure] = (TIME, MEMORY), logy: bool = True,
 ) -> None:  # fmt: skip
-    """``<out>/<name>_<figure>.png`` per figure, against the total sequence length: one panel per ``panel(row)``
-    (None: row left out), one line per (label, phase) with a colour per label."""
+    """``<out>/<name>_<figure>.png`` per figure against the total length: a panel per ``panel(row)`` (None: left
+    out), a line per (label, phase: (line name suffix, value, matplotlib format)), a colour per label."""
     labels, ticks = list(dict.fromkeys(r.label for r in session.rows)), sorted({r.case.seq for r in session.rows})
     for name, ylabel, phases in figures:
         panels: dict[str, dict[str, Series]] = {}

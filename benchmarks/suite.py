@@ -1,9 +1,5 @@
-"""The benchmark suite (issue 8): every figure of ds_ring's sequence parallelism in one run.
-
-``python -m benchmarks [--quick] [--out DIR]``: scaling, overlap and strong scaling of the four strategies; single
-process and existing libraries; the largest total length within a per-rank memory budget; targets, reported, never
-asserted. What each part measures and how to read it: ``benchmarks/SUITE.md``.
-"""
+"""The benchmark suite (issue 8), ``python -m benchmarks [--quick] [--out DIR]``: what each part measures and how to
+read it: ``benchmarks/SUITE.md``."""
 
 from __future__ import annotations
 
@@ -12,7 +8,7 @@ from typing import Any
 
 from benchmarks import peers, ring, strategies
 from benchmarks.cases import Case, pairs_dilated
-from benchmarks.common import Series, fmt_seq, plot_panels
+from benchmarks.common import Series, figure, fmt_seq, plot_panels
 from benchmarks.driver import Benchmark, Session
 from benchmarks.rows import Column, Row, Target, compare, find, markdown_table, ratio
 from benchmarks.strategies import NAMES, STRATEGIES, label
@@ -21,8 +17,7 @@ RATES = (1, 2, 4)
 MODES = {
     False: {"seq": 32768, "worlds": [1, 2, 4, 8], "budget_mib": 512.0, "fit_step": 4096, "fit_probes": 5},
     True: {"seq": 4096, "worlds": [1, 2, 4, 8], "budget_mib": 96.0, "fit_step": 1024, "fit_probes": 3},
-}
-"""Full (False) and quick (True) sizes: total tokens, rank counts, per-rank budget (MiB), search step, probes."""
+}  # full (False) and quick (True): total tokens, rank counts, per-rank budget (MiB), search step, probes
 FIT_WORLD = 4
 
 
@@ -52,15 +47,9 @@ def plan(session: Session) -> None:
 
 
 def fit_search(session: Session, impl: str, m: dict[str, Any]) -> dict[str, Any]:
-    """The largest total length (a multiple of ``fit_step``) whose working memory per rank at p = 4 stays
-    within ``budget_mib``; every probe is one forward+backward in fresh rank processes. Returns the strategy's
-    ``label``, (length, MiB per rank) of the largest length measured to ``fit`` the budget and of the smallest
-    measured not to (``over``), every probe, and why the search stopped early (``notes``).
-
-    Candidates come from a straight line through the two nearest measurements (through the origin and
-    the scaling row at first), kept strictly between the largest length known to fit and the smallest
-    known not to; the search stops when they are one step apart or after ``fit_probes``.
-    """
+    """The largest total length whose working memory per rank at p = 4 stays within ``budget_mib``
+    (``benchmarks/SUITE.md``): the strategy's ``label``, (length, MiB) measured to ``fit`` and ``over`` the budget,
+    every probe, and why the search stopped early (``notes``)."""
     budget, step = m["budget_mib"], m["fit_step"]
     seed = find(session.rows, impl=impl, world=FIT_WORLD, tag="scaling")
     points = [(seed.case.seq, seed.peak_mib)] if seed and seed.peak_mib else []
@@ -186,13 +175,8 @@ def report(session: Session) -> str:
 
 
 def plots(session: Session) -> None:
-    """Memory and time against the rank count (a line per strategy; dashed: the p = 1 value ÷ p), and
-    ``suite_libraries.png``: tokens/s of every measured row, and the largest S within the memory budget."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Memory and time against the rank count (dashed: the p = 1 value ÷ p), and ``suite_libraries.png``: tokens/s
+    of every measured row, and the largest S within the memory budget."""
     m, scaling = mode(session.args), [r for r in session.rows if r.case.tag == "scaling"]
     ref, title = find(scaling, world=1), f"dense causal, S={fmt_seq(m['seq'])}, B1 H8 D64 fp32, 1 thread per rank"
     for name, ylabel, attr in (
@@ -212,17 +196,14 @@ def plots(session: Session) -> None:
             plot_panels(path, [("", series)], xlabel="ranks p", ylabel=ylabel, title=title, xticks=m["worlds"])
     timed = [r for r in session.rows if r.tokens_per_s and r.case.tag != "fit"]
     fits = [f for f in session.extra["fit"] if f["fit"]]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 0.35 * max(len(timed), 6) + 1.5))
-    ax1.barh([f"{r.label} [{r.procs}]" for r in timed], [r.tokens_per_s for r in timed], color="tab:blue")
-    ax1.set_xlabel(f"tokens/s (fwd+bwd, S={fmt_seq(m['seq'])})")
-    ax1.tick_params(axis="y", labelsize=7)
-    ax2.barh([f["label"] for f in fits], [f["fit"][0] for f in fits], color="tab:green")
-    ax2.set_xlabel(f"largest total S within {m['budget_mib']:.0f} MiB per rank, p={FIT_WORLD}")
-    for ax in (ax1, ax2):
-        ax.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(session.out / "suite_libraries.png", dpi=110)
-    plt.close(fig)
+    with figure(session.out / "suite_libraries.png", 14, 0.35 * max(len(timed), 6) + 1.5, 2, dpi=110) as (ax1, ax2):
+        ax1.barh([f"{r.label} [{r.procs}]" for r in timed], [r.tokens_per_s for r in timed], color="tab:blue")
+        ax1.set_xlabel(f"tokens/s (fwd+bwd, S={fmt_seq(m['seq'])})")
+        ax1.tick_params(axis="y", labelsize=7)
+        ax2.barh([f["label"] for f in fits], [f["fit"][0] for f in fits], color="tab:green")
+        ax2.set_xlabel(f"largest total S within {m['budget_mib']:.0f} MiB per rank, p={FIT_WORLD}")
+        for ax in (ax1, ax2):
+            ax.invert_yaxis()
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -1,11 +1,7 @@
 """``python -m benchmarks.trainer``: tokens/s of ``SequenceParallelTrainer`` vs the hand-written loop, same job.
 
-Both run the recall task (``launch/train_trainer.py`` with ``ds_configs/hf_trainer.json``, ``launch/train_hf.py``
-with ``ds_configs/hf_ring.json``: the same model, ring dilated attention over 2 ranks, ZeRO 2, AdamW, clipping 1.0,
-4 sequences of ``--seq`` tokens per step) under ``torchrun`` on 2 CPU ranks, alternated round by round so that a
-change of load hits both. Each script times its steps alone (not the engine's start). Writes ``DIR/trainer.json``
-(every round's numbers, the machine's load) and ``DIR/trainer_tokens.png``; prints the median of the per-round
-ratios Trainer ÷ loop.
+The job, and how the two are alternated round by round: ``benchmarks/SUITE.md``. Writes ``DIR/trainer.json`` and
+``DIR/trainer_tokens.png``; prints the median of the per-round ratios Trainer ÷ loop.
 """
 
 from __future__ import annotations
@@ -20,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.common import RESULTS, ROOT, write_json
+from benchmarks.common import RESULTS, ROOT, figure, rel, write_json
 
 JOBS = {
     "hand-written loop": ("launch/train_hf.py", "ds_configs/hf_ring.json", r"rank 0:\s+(\d+) tokens/s"),
@@ -62,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     ratios = [row["SequenceParallelTrainer"] / row["hand-written loop"] for row in rounds]
     summary = {name: statistics.median(row[name] for row in rounds) for name in JOBS}
     summary["median ratio Trainer / loop"] = statistics.median(ratios)
-    result = {"settings": vars(args) | {"out": str(args.out)}, "rounds": rounds, "ratios": ratios, "summary": summary}
+    result = {"settings": vars(args) | {"out": rel(args.out)}, "rounds": rounds, "ratios": ratios, "summary": summary}
     write_json(args.out / "trainer.json", result)
     _plot(rounds, args.out / "trainer_tokens.png")
     print(json.dumps(summary, indent=1))
@@ -70,19 +66,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(rounds: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for name in JOBS:
-        ax.plot(range(1, len(rounds) + 1), [row[name] for row in rounds], marker="o", label=name)
-    ax.set(xlabel="round (alternated)", ylabel="tokens/s (2 CPU ranks)", title="Trainer vs hand-written loop")
-    ax.set_ylim(bottom=0)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with figure(path, 6, 3.5) as (ax,):
+        for name in JOBS:
+            ax.plot(range(1, len(rounds) + 1), [row[name] for row in rounds], marker="o", label=name)
+        ax.set(xlabel="round (alternated)", ylabel="tokens/s (2 CPU ranks)", title="Trainer vs hand-written loop")
+        ax.set_ylim(bottom=0)
+        ax.legend()
 
 
 if __name__ == "__main__":

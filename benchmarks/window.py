@@ -1,9 +1,7 @@
 """One sliding-window layer's forward+backward on a CPU: the band kernels side by side (issue 33, defect 7).
 
-``python -m benchmarks.window [--seq 16384] [--rounds 3] [--out DIR]``: fp32, batch 1, 8 heads × 64, window 128,
-2 threads, ``ds_ring.dilated_attention(q, k, v, causal=True, window=128)`` then ``backward``, for the variants
-``pieces`` (the kernel before the batched bands, read from git at :data:`PIECES_REV`), ``batched`` and ``fused``
-(``benchmarks/SUITE.md``). Each (round, variant) is a fresh process; the medians go to ``DIR/window.json``.
+``python -m benchmarks.window [--seq 16384] [--rounds 3] [--out DIR]``: the variants and what each (round, variant)
+process measures: ``benchmarks/SUITE.md``. The medians go to ``DIR/window.json``.
 """
 
 from __future__ import annotations
