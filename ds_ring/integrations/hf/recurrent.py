@@ -16,6 +16,7 @@ sequence length, where re-sharding by heads (as Ulysses does attention) would mo
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -80,9 +81,24 @@ def _family_of(module: nn.Module) -> Family | None:
     return None
 
 
+RECURRENT_SINCE = "5.24"
+"""The transformers release whose layer code the replaced scan and convolution functions follow (tested there): on
+older releases these layers are refused as sequence mixers, as before (their code differs: on 5.0 Jamba's mixer
+asks for CUDA kernels on a CPU, MiniMax's lightning attention takes another path)."""
+
+
+@functools.cache
+def recurrent_supported() -> bool:
+    """Whether this transformers release is one the sequence-parallel recurrent layers are written for."""
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__).release[:2] >= Version(RECURRENT_SINCE).release[:2]
+
+
 def supported_mixer(module: nn.Module) -> bool:
     """Whether ``module`` is a sequence mixer ds_ring runs sequence-parallel (given the model instance)."""
-    return _family_of(module) is not None
+    return recurrent_supported() and _family_of(module) is not None
 
 
 def sequence_parallel_mixers(model: Any) -> tuple[nn.Module, ...]:
