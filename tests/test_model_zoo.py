@@ -81,10 +81,10 @@ def _check(names: list[str]) -> None:
     problems = []
     for outcome in outcomes:
         expected = EXPECTED_REFUSALS.get(outcome.family)
-        if expected is None and outcome.status == "refused" and _own_attention_code(outcome.family):
-            expected = "own attention code"
         if expected is None and outcome.status == "refused" and _mixer_of_an_older_release(outcome):
             expected = "sequence mixer"
+        if expected is None and outcome.status == "refused" and _own_attention_code(outcome.family):
+            expected = "own attention code"
         where = f"{outcome.family} ({outcome.strategy}): {outcome.status}: {outcome.detail}"
         if outcome.status == "no reference":
             continue  # the whole model itself fails on this tiny config: nothing to compare with
