@@ -103,9 +103,12 @@ class Progress:
                 self._moved_at = now
         return now - self._moved_at >= self.idle_s or now - self.started >= CAP_FACTOR * self.idle_s
 
-    def idle_for(self) -> float:
-        """Seconds since the processes last made progress."""
-        return time.monotonic() - self._moved_at
+    def wait_until(self, condition: Callable[[], bool], what: str) -> None:
+        """Poll ``condition`` every 0.1 s until it holds; ``TimeoutError`` naming ``what`` once :meth:`stalled`."""
+        while not condition():
+            if self.stalled():
+                raise TimeoutError(f"no {what}: the processes used no CPU for {self.idle_s} s")
+            time.sleep(0.1)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ds_ring.testing import Progress
 from tests.trainer_runs import BIN, TRAIN, free_port, launched, reap, torchrun_reaped, write_config
 
 pytestmark = pytest.mark.slow
@@ -59,13 +60,6 @@ def _steps_logged(run: Path) -> int:
         return len((run / "metrics.jsonl").read_text().splitlines())
     except FileNotFoundError:
         return 0
-
-
-def _wait(condition, what: str) -> None:
-    deadline = time.monotonic() + HANG_GUARD_S  # a hang guard only: progress is what is waited on
-    while not condition():
-        assert time.monotonic() < deadline, f"no {what} after {HANG_GUARD_S} s"
-        time.sleep(0.05)
 
 
 def _summaries_written(run: Path, ranks: int = 2) -> bool:
@@ -111,11 +105,13 @@ def _signal(commands: Callable[[int], list[tuple[list[str], dict[str, str]]]], r
         with contextlib.ExitStack() as stack:
             procs = [stack.enter_context(launched(command, port, log, **summary, **env))
                      for (command, env), log in zip(commands(port), logs, strict=True)]  # fmt: skip
-            _wait(lambda: _steps_logged(run) >= SIGNAL_AFTER or procs[0].poll() is not None, f"step {SIGNAL_AFTER}")
+            progress = Progress(lambda: [p.pid for p in procs], HANG_GUARD_S)  # a hang guard: steps are waited on
+            progress.wait_until(lambda: _steps_logged(run) >= SIGNAL_AFTER or procs[0].poll() is not None,
+                                f"step {SIGNAL_AFTER}")  # fmt: skip
             signalled_at = time.monotonic()
             (os.killpg if group else os.kill)(procs[target].pid, sig)
             # the deepspeed runner dies of the signal at once: wait for the workers' summaries, not the launcher
-            _wait(lambda: all(p.poll() is not None for p in procs) and _summaries_written(run), "exit")
+            progress.wait_until(lambda: all(p.poll() is not None for p in procs) and _summaries_written(run), "exit")
             ended_at = time.monotonic()
             codes = [p.returncode for p in procs]
     finally:

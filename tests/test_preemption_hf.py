@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -53,13 +52,9 @@ def _preempt(run: Path, script: str, *args: str) -> str:
     try:
         with launched(_torchrun(port, script, *args), port, log) as proc:
             progress = Progress(lambda: [proc.pid], IDLE_S)
-            while _step_shown(log) < SIGNAL_AFTER and proc.poll() is None:
-                assert not progress.stalled(), log.read_text()[-4000:]
-                time.sleep(0.1)
+            progress.wait_until(lambda: _step_shown(log) >= SIGNAL_AFTER or proc.poll() is not None, "step shown")
             os.killpg(proc.pid, signal.SIGTERM)
-            while proc.poll() is None:
-                assert not progress.stalled(), log.read_text()[-4000:]
-                time.sleep(0.1)
+            progress.wait_until(lambda: proc.poll() is not None, "exit after SIGTERM")
             output = log.read_text()
             assert "SignalException" in output and "ChildFailedError" not in output, output[-4000:]
     finally:
