@@ -26,6 +26,9 @@ SSD = dict(expand=2, head_dim=16, num_heads=8, mamba_n_heads=8, mamba_d_head=16,
            state_size=16, mamba_d_state=16, chunk_size=8, mamba_chunk_size=8, mamba_expand=2)  # fmt: skip
 """Mamba2 mixers that fit a hidden size of 64 (8 heads × 16 = 2 × 64), with scan chunks of 8 tokens."""
 
+DELTA = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
+"""Gated delta rule layers of 4 value heads over 2 key heads (grouped), 16 channels each."""
+
 FAMILIES: dict[str, dict[str, Any]] = {
     "lfm2": {"layer_types": ["conv", "full_attention"], "conv_L_cache": 4},
     "mamba2": SSD,
@@ -35,6 +38,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "mamba": {"state_size": 8, "expand": 2},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "mamba_d_state": 8},
     "minimax": {"layer_types": ["linear_attention", "full_attention"], "block_size": 8},
+    "qwen3_next": {"layer_types": ["linear_attention", "full_attention"], **DELTA},
+    "olmo_hybrid": {"layer_types": ["linear_attention", "full_attention"], **DELTA},
 }
 """Family → fields set on its tiny config (:func:`tests.zoo.tiny_config`)."""
 
@@ -120,7 +125,7 @@ def test_activation_checkpointing_runs_the_recurrent_layers_again_alike() -> Non
     assert_no_failures(run_distributed(_cases, 2, timeout=600, families=["bamba"], checkpointing=True))
 
 
-def _bytes_per_layer(rank: int, world: int, lengths: list[int]) -> dict[int, dict[str, float]]:
+def _bytes_per_layer(rank: int, world: int, family: str, lengths: list[int]) -> dict[int, dict[str, float]]:
     """Bytes this rank receives per recurrent layer and exchange (forward and backward) at each length."""
     import transformers
 
@@ -130,7 +135,7 @@ def _bytes_per_layer(rank: int, world: int, lengths: list[int]) -> dict[int, dic
 
     transformers.logging.set_verbosity_error()
     warnings.simplefilter("ignore")
-    model = build("mamba2")
+    model = build(family)
     layers = len(sequence_parallel_mixers(model))
     section = {"strategy": "ring"}
     topology = ds_ring.Topology(*ds_ring.load_config({"ring_attention": section}).degrees(world))
@@ -149,11 +154,12 @@ def _bytes_per_layer(rank: int, world: int, lengths: list[int]) -> dict[int, dic
     return measured
 
 
-def test_recurrent_exchange_bytes_do_not_grow_with_the_sequence() -> None:
-    measured = run_distributed(_bytes_per_layer, 2, timeout=600, lengths=[SEQ, 4 * SEQ])
+@pytest.mark.parametrize("family, scan", [("mamba2", "recurrent_ssd"), ("qwen3_next", "recurrent_delta")])
+def test_recurrent_exchange_bytes_do_not_grow_with_the_sequence(family: str, scan: str) -> None:
+    measured = run_distributed(_bytes_per_layer, 2, timeout=600, family=family, lengths=[SEQ, 4 * SEQ])
     for per_rank in measured:
         short, long = per_rank.values()
         assert short == long and set(short) == {
-            "recurrent_halo", "recurrent_halo_grad", "recurrent_ssd", "recurrent_ssd_grad"
+            "recurrent_halo", "recurrent_halo_grad", scan, f"{scan}_grad"
         }, per_rank  # fmt: skip
-    print(f"\nbytes received per rank per Mamba2 layer, by exchange, at lengths {list(measured[0])}: {measured[0]}")
+    print(f"\nbytes received per rank per {family} layer, by exchange, at lengths {list(measured[0])}: {measured[0]}")

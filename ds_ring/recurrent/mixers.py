@@ -9,6 +9,8 @@ from a zero state and returns its end state; what is written here is only the de
   Zamba2): one decay ``exp(A_h dt_t)`` per head.
 * :func:`selective_scan`: Mamba1's selective scan (Mamba, Falcon-Mamba, Jamba): an elementwise decay
   ``exp(A[d, n] dt[d, t])``.
+* :func:`delta_rule_scan`: the gated delta rule (Qwen3-Next, Qwen3.5, OLMo-hybrid, ...): a matrix per step,
+  ``e^{g_t} (I - β_t k_t k_tᵀ)``, whose product over a segment comes out of the same ``run``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torch.distributed import ProcessGroup
 from ds_ring.recurrent.pieces import ShardPieces
 from ds_ring.recurrent.scan import SegmentScan, run_chunks
 
-__all__ = ["ssd_scan", "selective_scan"]
+__all__ = ["ssd_scan", "selective_scan", "delta_rule_scan"]
 
 
 def ssd_scan(
@@ -72,7 +74,7 @@ def ssd_scan(
             carried = torch.einsum("bshn,bhpn->bshp", C_heads[:, start:stop], h_in.to(C_heads.dtype))
             return carried * torch.exp(cumulative)[..., None]
 
-        return SegmentScan(output, final, cumulative[:, -1][:, :, None, None], correct)
+        return SegmentScan(output, final, torch.exp(cumulative[:, -1])[:, :, None, None], correct)
 
     return run_chunks(pieces, segment, group, time_dim=1, op="recurrent_ssd", timeout_s=timeout_s)
 
@@ -121,6 +123,57 @@ def selective_scan(
             out = torch.einsum("bdsn,bns->bds", carried, C[..., start:stop].to(carried.dtype))
             return out * gate[..., start:stop] if gate is not None else out
 
-        return SegmentScan(output, final, cumulative[:, :, -1], correct)
+        return SegmentScan(output, final, torch.exp(cumulative[:, :, -1]), correct)
 
     return run_chunks(pieces, segment, group, time_dim=2, op="recurrent_selective", timeout_s=timeout_s)
+
+
+def delta_rule_scan(
+    run: Callable[..., Any],
+    pieces: ShardPieces,
+    group: ProcessGroup | None,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    timeout_s: float | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """The gated delta rule over this rank's shard, exact over the whole sequence.
+
+    Per value head the state ``S [d_k, d_v]`` steps as ``S_t = M_t S_{t-1} + β_t k_t v_tᵀ`` with
+    ``M_t = e^{g_t} (I - β_t k_t k_tᵀ)``, and ``o_t = S_tᵀ q_t``. A segment's transition is the product
+    ``P = M_e ⋯ M_b`` and a state ``S_in`` entering it adds ``S_inᵀ P_{b..t}ᵀ q_t`` to ``o_t``. Both come from one
+    call of ``run``: its values widened by ``d_k`` zero columns and its initial state by an identity, those columns
+    carry ``P_{b..t}`` (their end state is ``P``, their outputs ``P_{b..t}ᵀ q_t``), with ``q`` and ``k`` normalised
+    and scaled by ``run`` itself.
+
+    Args:
+        query, key: ``[b, t, k_heads, d_k]``; value: ``[b, t, v_heads, d_v]``; g (log decay), beta:
+            ``[b, t, v_heads]``; the rest as transformers' ``torch_chunk_gated_delta_rule`` (which ``run`` is).
+    Returns:
+        ``[b, t, v_heads, d_v]``, what ``run`` outputs for the whole sequence, this rank's tokens.
+    """
+    batch, _, heads, d_v = value.shape
+    d_k = key.shape[-1]
+    eye = torch.eye(d_k, dtype=torch.promote_types(value.dtype, torch.float32), device=value.device)
+    initial = torch.cat([eye.new_zeros(batch, heads, d_k, d_v), eye.expand(batch, heads, d_k, d_k)], dim=-1)
+
+    def segment(start: int, stop: int) -> SegmentScan:
+        values = value[:, start:stop]
+        widened = torch.cat([values, values.new_zeros(*values.shape[:-1], d_k)], dim=-1)
+        out, final = run(
+            query[:, start:stop], key[:, start:stop], widened, g=g[:, start:stop], beta=beta[:, start:stop],
+            initial_state=initial, output_final_state=True, **kwargs,
+        )  # fmt: skip
+        output, probes = out.split([d_v, d_k], dim=-1)  # probes [b, s, heads, d_k]: P_{b..t}ᵀ q_t
+        state, transition = final.split([d_v, d_k], dim=-1)
+
+        def correct(h_in: torch.Tensor) -> torch.Tensor:  # h_in [b, heads, d_k, d_v]
+            return torch.einsum("bshk,bhkv->bshv", probes.to(h_in.dtype), h_in)
+
+        return SegmentScan(output, state, transition, correct)
+
+    return run_chunks(pieces, segment, group, time_dim=1, op="recurrent_delta", apply=torch.matmul, timeout_s=timeout_s)

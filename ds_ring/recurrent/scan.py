@@ -32,13 +32,14 @@ class SegmentScan:
 
     output: its outputs (time along the caller's ``time_dim``).
     final: its end state.
-    log_decay: ``log A``, the summed log-decay of its steps, broadcastable to ``final``.
+    transition: ``A``, what its steps do to a state they are given (``h_end = A · h_in + final``): a decay
+        broadcastable to ``final`` (elementwise), or a matrix acting on it from the left (the delta rule's).
     correct: ``h_in ↦`` what an initial state ``h_in`` (shaped like ``final``) adds to ``output``.
     """
 
     output: torch.Tensor
     final: torch.Tensor
-    log_decay: torch.Tensor
+    transition: torch.Tensor
     correct: Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -53,17 +54,20 @@ def carry_states(
     group: ProcessGroup | None,
     *,
     op: str = "recurrent_state",
+    apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.mul,
     timeout_s: float | None = None,
 ) -> list[torch.Tensor]:
     """The state entering each of this rank's chunks, from every chunk's summary.
 
     Args:
         pieces: this rank's chunks.
-        decays: per chunk of this rank, ``A`` (broadcastable to its final state; 0 where a document starts in it),
-            one shape for every chunk and rank (sent as it is: a per-head decay stays one number per head).
+        decays: per chunk of this rank, its transition ``A`` (0 where a document starts in it), one shape for every
+            chunk and rank (sent as it is: a per-head decay stays one number per head).
         finals: per chunk, its end state from a zero initial state; one shape for every chunk and rank.
+        apply: ``(A, h) ↦`` the state ``h`` after a chunk's steps: ``torch.mul`` for a decay (broadcast),
+            ``torch.matmul`` for a matrix.
     Returns:
-        per chunk of this rank, ``h_in = Σ_{j < c} (∏_{j < i < c} A_i) ⊙ h_end⁰_j`` (global chunk order), shaped like
+        per chunk of this rank, ``h_in = Σ_{j < c} (∏_{j < i < c} A_i) · h_end⁰_j`` (global chunk order), shaped like
         ``finals[0]``, in the summaries' dtype (the states' promoted to at least float32).
     """
     shape, decay_shape = finals[0].shape, decays[0].shape
@@ -82,7 +86,7 @@ def carry_states(
     for index in range(pieces.chunk_count):
         entering[index] = state
         decay, final = summary[index]
-        state = decay * state + final
+        state = apply(decay, state) + final
     return [tie(entering[chunk.index], gathered) for chunk in pieces.chunks]
 
 
@@ -93,6 +97,7 @@ def run_chunks(
     *,
     time_dim: int,
     op: str = "recurrent_state",
+    apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.mul,
     timeout_s: float | None = None,
 ) -> torch.Tensor:
     """The exact outputs of this rank's shard of a linear recurrence.
@@ -101,15 +106,17 @@ def run_chunks(
         pieces: this rank's chunks and segments.
         segment: ``(start, stop) ↦`` the :class:`SegmentScan` of local tokens ``[start, stop)`` from a zero state.
         time_dim: the outputs' time dimension.
+        apply: how a transition acts on a state (:func:`carry_states`).
     Returns:
         every segment's output, with the carried state's contribution added, concatenated along ``time_dim``.
     """
     runs = [[segment(s.start, s.stop) for s in chunk.segments] for chunk in pieces.chunks]
     decays = [
-        torch.exp(scans[0].log_decay) if chunk.passes_state else torch.zeros_like(scans[0].log_decay)
+        scans[0].transition if chunk.passes_state else torch.zeros_like(scans[0].transition)
         for chunk, scans in zip(pieces.chunks, runs, strict=True)
     ]
-    entering = carry_states(pieces, decays, [scans[-1].final for scans in runs], group, op=op, timeout_s=timeout_s)
+    finals = [scans[-1].final for scans in runs]
+    entering = carry_states(pieces, decays, finals, group, op=op, apply=apply, timeout_s=timeout_s)
     outputs = []
     for chunk, scans, h_in in zip(pieces.chunks, runs, entering, strict=True):
         for segment_, scan in zip(chunk.segments, scans, strict=True):

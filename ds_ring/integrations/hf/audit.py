@@ -39,7 +39,7 @@ _MIXER = re.compile(
 _POSITION_WISE = re.compile(r"mlp|moe|expert|feedforward|ffn|router|gate$|norm|embedding", re.IGNORECASE)
 _STRUCTURE = re.compile(r"(model|forcausallm|lmheadmodel|decoderlayer|decoder|layer|block|stack)$", re.IGNORECASE)
 _ATTENTION = re.compile(r"(attention|attn)$", re.IGNORECASE)
-_LINEAR_ATTENTION = re.compile(r"(lightning|linear|delta)\w*(attention|attn)", re.IGNORECASE)
+_LINEAR_ATTENTION = re.compile(r"(lightning|linear|delta)\w*(attention|attn)$", re.IGNORECASE)
 """Attention-named modules that are recurrences (MiniMax's lightning, Kimi's delta attention)."""
 
 BATCH_KEYS = ("position_ids", "ds_ring_cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k")

@@ -1,7 +1,8 @@
 """transformers' state-space and short-convolution layers run sequence-parallel, exactly (:mod:`ds_ring.recurrent`).
 
 These layers mix the sequence through a few module-level functions of their modeling file: ``causal_conv1d_fn``
-(a causal depthwise convolution), ``mamba2_chunk_scan`` (Mamba2's scan) and ``mamba_selective_scan`` (Mamba1's).
+(a causal depthwise convolution), ``mamba2_chunk_scan`` (Mamba2's scan), ``mamba_selective_scan`` (Mamba1's) and
+``torch_chunk_gated_delta_rule`` (the gated delta rule's).
 While a model is registered, each such function of the families in :data:`FAMILIES` is replaced by one that, inside
 the registered model's forward, runs the rank's shard exactly as the whole sequence would (the state and the
 convolution's inputs carried across shards and reset at every packed document's first token), calling the original
@@ -29,7 +30,7 @@ from ds_ring.comm.groups import group_rank, group_size
 from ds_ring.integrations.hf.documents import DOCUMENTS_KEY
 from ds_ring.integrations.hf.watch import ForwardWatch
 from ds_ring.parallel.topology import Topology
-from ds_ring.recurrent.mixers import selective_scan, ssd_scan
+from ds_ring.recurrent.mixers import delta_rule_scan, selective_scan, ssd_scan
 from ds_ring.recurrent.pieces import ShardPieces, shard_pieces
 from ds_ring.recurrent.scan import causal_conv
 
@@ -38,6 +39,7 @@ __all__ = ["FAMILIES", "supported_mixer", "sequence_parallel_mixers", "install_r
 _CONV = ("causal_conv1d_fn",)
 _SSD = ("causal_conv1d_fn", "mamba2_chunk_scan", "mamba2_split_conv1d_scan_combined")
 _SELECTIVE = ("causal_conv1d_fn", "mamba_selective_scan", "mamba_inner_fn")
+_DELTA = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,11 @@ FAMILIES: tuple[Family, ...] = (
     Family("falcon_mamba", ("FalconMambaMixer",), _SELECTIVE),
     Family("jamba", ("JambaMambaMixer",), _SELECTIVE),
     Family("minimax", ("MiniMaxLightningAttention",), ()),
+    Family("qwen3_next", ("Qwen3NextGatedDeltaNet",), _DELTA),
+    Family("qwen3_5", ("Qwen3_5GatedDeltaNet",), _DELTA),
+    Family("qwen3_5_moe", ("Qwen3_5MoeGatedDeltaNet",), _DELTA),
+    Family("olmo_hybrid", ("OlmoHybridGatedDeltaNet",), _DELTA),
+    Family("lara_mini", ("LaraMiniGatedDeltaNet",), _DELTA),
 )
 """Families whose sequence mixers ds_ring runs sequence-parallel (``transformers.models.<module>``)."""
 
@@ -185,6 +192,18 @@ def _replacements(shards: _Shards, originals: Mapping[str, Callable[..., Any]]) 
         pieces = shards.pieces(args[0].shape[1])
         return ssd_scan(run, pieces, shards.group, *args, timeout_s=shards.timeout_s, **kwargs)
 
+    def delta_rule(
+        *args: Any, initial_state: Any = None, output_final_state: bool = False, **kwargs: Any
+    ) -> tuple[torch.Tensor, Any]:
+        run = originals["torch_chunk_gated_delta_rule"]
+        if not shards.active:
+            return run(*args, initial_state=initial_state, output_final_state=output_final_state, **kwargs)
+        if initial_state is not None or output_final_state:
+            raise _refuse_state("a gated delta rule layer given an initial state or asked for its final state")
+        kwargs.pop("cu_seqlens", None)  # documents come from the batch
+        pieces = shards.pieces(args[0].shape[1])
+        return delta_rule_scan(run, pieces, shards.group, *args, timeout_s=shards.timeout_s, **kwargs), None
+
     def fused(*args: Any, **kwargs: Any) -> Any:
         return None if shards.active else originals[name_fused](*args, **kwargs)
 
@@ -199,7 +218,8 @@ def _replacements(shards: _Shards, originals: Mapping[str, Callable[..., Any]]) 
 
     name_fused = next((n for n in originals if n in ("mamba2_split_conv1d_scan_combined", "mamba_inner_fn")), "")
     table = {"causal_conv1d_fn": conv, "mamba2_chunk_scan": chunk_scan, "mamba_selective_scan": selective,
-             "mamba2_split_conv1d_scan_combined": fused, "mamba_inner_fn": fused}  # fmt: skip
+             "mamba2_split_conv1d_scan_combined": fused, "mamba_inner_fn": fused,
+             "torch_chunk_gated_delta_rule": delta_rule}  # fmt: skip
     return {name: table[name] for name in originals}
 
 
