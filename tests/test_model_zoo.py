@@ -32,7 +32,7 @@ REASONS = {
 EXPECTED_REFUSALS: dict[str, str] = {
     **dict.fromkeys(["axk2", "deepseek_v32", "doge", "glm_moe_dsa", "hy_v4"], "mask built on"),
     **dict.fromkeys(
-        ["bailing_hybrid", "inkling_text", "kimi_linear", "qwen4_exp", "qwen4_exp_text", "recurrent_gemma", "zamba",
+        ["bailing_hybrid", "inkling_text", "qwen4_exp", "qwen4_exp_text", "recurrent_gemma", "zamba",
          "zaya"],
         "sequence mixer",
     ),  # fmt: skip

@@ -9,8 +9,8 @@ from a zero state and returns its end state; what is written here is only the de
   Zamba2): one decay ``exp(A_h dt_t)`` per head.
 * :func:`selective_scan`: Mamba1's selective scan (Mamba, Falcon-Mamba, Jamba): an elementwise decay
   ``exp(A[d, n] dt[d, t])``.
-* :func:`delta_rule_scan`: the gated delta rule (Qwen3-Next, Qwen3.5, OLMo-hybrid, ...): a matrix per step,
-  ``e^{g_t} (I - β_t k_t k_tᵀ)``, whose product over a segment comes out of the same ``run``.
+* :func:`delta_rule_scan`: the gated delta rule (Qwen3-Next, Qwen3.5, OLMo-hybrid, Kimi-Linear, ...): a matrix
+  per step, ``(I - β_t k_t k_tᵀ) diag(e^{g_t})``, whose product over a segment comes out of the same ``run``.
 """
 
 from __future__ import annotations
@@ -144,15 +144,17 @@ def delta_rule_scan(
     """The gated delta rule over this rank's shard, exact over the whole sequence.
 
     Per value head the state ``S [d_k, d_v]`` steps as ``S_t = M_t S_{t-1} + β_t k_t v_tᵀ`` with
-    ``M_t = e^{g_t} (I - β_t k_t k_tᵀ)``, and ``o_t = S_tᵀ q_t``. A segment's transition is the product
+    ``M_t = (I - β_t k_t k_tᵀ) diag(e^{g_t})`` (``g_t`` one log decay per head, or per key channel: Kimi's), and
+    ``o_t = S_tᵀ q_t``. A segment's transition is the product
     ``P = M_e ⋯ M_b`` and a state ``S_in`` entering it adds ``S_inᵀ P_{b..t}ᵀ q_t`` to ``o_t``. Both come from one
     call of ``run``: its values widened by ``d_k`` zero columns and its initial state by an identity, those columns
     carry ``P_{b..t}`` (their end state is ``P``, their outputs ``P_{b..t}ᵀ q_t``), with ``q`` and ``k`` normalised
     and scaled by ``run`` itself.
 
     Args:
-        query, key: ``[b, t, k_heads, d_k]``; value: ``[b, t, v_heads, d_v]``; g (log decay), beta:
-            ``[b, t, v_heads]``; the rest as transformers' ``torch_chunk_gated_delta_rule`` (which ``run`` is).
+        query, key: ``[b, t, k_heads, d_k]``; value: ``[b, t, v_heads, d_v]``; g (log decay): ``[b, t, v_heads]``
+            or ``[b, t, v_heads, d_k]``; beta: ``[b, t, v_heads]``; the rest as transformers'
+            ``torch_chunk_gated_delta_rule`` / ``chunk_kimi_delta_attention`` (which ``run`` is).
     Returns:
         ``[b, t, v_heads, d_v]``, what ``run`` outputs for the whole sequence, this rank's tokens.
     """

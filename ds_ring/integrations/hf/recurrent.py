@@ -2,7 +2,8 @@
 
 These layers mix the sequence through a few module-level functions of their modeling file: ``causal_conv1d_fn``
 (a causal depthwise convolution), ``mamba2_chunk_scan`` (Mamba2's scan), ``mamba_selective_scan`` (Mamba1's) and
-``torch_chunk_gated_delta_rule`` (the gated delta rule's).
+``torch_chunk_gated_delta_rule`` / ``chunk_kimi_delta_attention`` (the gated delta rule's, Kimi's with a decay per
+key channel).
 While a model is registered, each such function of the families in :data:`FAMILIES` is replaced by one that, inside
 the registered model's forward, runs the rank's shard exactly as the whole sequence would (the state and the
 convolution's inputs carried across shards and reset at every packed document's first token), calling the original
@@ -70,6 +71,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen3_5_moe", ("Qwen3_5MoeGatedDeltaNet",), _DELTA),
     Family("olmo_hybrid", ("OlmoHybridGatedDeltaNet",), _DELTA),
     Family("lara_mini", ("LaraMiniGatedDeltaNet",), _DELTA),
+    Family("kimi_linear", ("KimiLinearDeltaAttention",), ("causal_conv1d_fn", "chunk_kimi_delta_attention")),
 )
 """Families whose sequence mixers ds_ring runs sequence-parallel (``transformers.models.<module>``)."""
 
@@ -195,7 +197,7 @@ def _replacements(shards: _Shards, originals: Mapping[str, Callable[..., Any]]) 
     def delta_rule(
         *args: Any, initial_state: Any = None, output_final_state: bool = False, **kwargs: Any
     ) -> tuple[torch.Tensor, Any]:
-        run = originals["torch_chunk_gated_delta_rule"]
+        run = originals[name_delta]
         if not shards.active:
             return run(*args, initial_state=initial_state, output_final_state=output_final_state, **kwargs)
         if initial_state is not None or output_final_state:
@@ -217,9 +219,10 @@ def _replacements(shards: _Shards, originals: Mapping[str, Callable[..., Any]]) 
         return selective_scan(run, pieces, shards.group, *args, timeout_s=shards.timeout_s, **kwargs)
 
     name_fused = next((n for n in originals if n in ("mamba2_split_conv1d_scan_combined", "mamba_inner_fn")), "")
+    name_delta = next((n for n in originals if n in ("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention")), "")
     table = {"causal_conv1d_fn": conv, "mamba2_chunk_scan": chunk_scan, "mamba_selective_scan": selective,
              "mamba2_split_conv1d_scan_combined": fused, "mamba_inner_fn": fused,
-             "torch_chunk_gated_delta_rule": delta_rule}  # fmt: skip
+             "torch_chunk_gated_delta_rule": delta_rule, "chunk_kimi_delta_attention": delta_rule}  # fmt: skip
     return {name: table[name] for name in originals}
 
 
