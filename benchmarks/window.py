@@ -13,7 +13,9 @@ import subprocess
 import sys
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from benchmarks.common import MIB, RESULTS, max_rss_bytes, write_json
 from ds_ring.testing import rank_results, spawn_ranks
@@ -22,6 +24,17 @@ PIECES_REV = "650ed12^"
 """The commit before the batched bands: its ``ds_ring/kernels/window.py`` is the ``pieces`` variant."""
 VARIANTS = ("pieces", "batched", "fused")
 HEADS, DIM, WINDOW, THREADS = 8, 64, 128, 2
+
+
+def _with_piece(band: Callable) -> Callable:
+    """A band function of the ``pieces`` revision (options as keywords) called as the kernels call theirs now:
+    tensors, then a :class:`~ds_ring.kernels.piece.Piece`."""
+
+    def call(*args: Any) -> Any:
+        *tensors, piece = args
+        return band(*tensors, d=piece.d, window=piece.window, scale=piece.scale, softcap=piece.softcap)
+
+    return call
 
 
 def _variant(rank: int, world: int, variant: str, seq: int, pieces_src: str) -> dict:
@@ -36,7 +49,9 @@ def _variant(rank: int, world: int, variant: str, seq: int, pieces_src: str) -> 
     if variant == "pieces":
         old = sys.modules["pieces_window"] = types.ModuleType("pieces_window")  # dataclasses look it up
         exec(compile(pieces_src, "pieces_window.py", "exec"), old.__dict__)
-        dilated.attend_band_into, dilated.attend_band_backward = old.attend_band_into, old.attend_band_backward
+        dilated.attend_band_into, dilated.attend_band_backward = map(
+            _with_piece, (old.attend_band_into, old.attend_band_backward)
+        )
     elif variant == "batched":
         W._fused = lambda *args: False
 

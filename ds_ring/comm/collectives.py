@@ -69,26 +69,18 @@ def all_gather(
     if len(call.span) == 1:
         parts[0].copy_(tensor)
         return parts
-    call.begin()
-    work = None
+    collective = None
     if not force_p2p and len(set(numels)) == 1 and call.span == group_members(group) and call.runs(tensor):
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        work = call.post(lambda: gather(out, tensor, group=group, async_op=True))
-    if work is None:
+        collective = lambda: gather(out, tensor, group=group, async_op=True)
+
+    def exchange() -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         parts[me].copy_(tensor)
-        exchange = [(peer, tensor, parts[j]) for j, peer in enumerate(call.span) if j != me]
-        pending = _post_exchange(call, exchange)
-    else:
-        pending = [call.pending(work)]
+        return [(peer, tensor, parts[j]) for j, peer in enumerate(call.span) if j != me]
+
     itemsize = tensor.element_size()
-    _finish(
-        call,
-        pending,
-        path="p2p" if work is None else "collective",
-        sent_bytes=tensor.numel() * itemsize * (len(call.span) - 1),
-        received_bytes=(sum(numels) - tensor.numel()) * itemsize,
-        device=tensor.device,
-    )
+    sent, received = tensor.numel() * itemsize * (len(call.span) - 1), (sum(numels) - tensor.numel()) * itemsize
+    _run(call, collective, exchange, sent_bytes=sent, received_bytes=received, device=tensor.device)
     return parts
 
 
@@ -124,27 +116,20 @@ def reduce_scatter(
         return mine.clone()
     sizes = [c.numel() for c in contributions]
     out = mine.new_empty(mine.numel())
-    call.begin()
-    work = None
+    collective = None
     if not force_p2p and len(set(sizes)) == 1 and call.span == group_members(group) and call.runs(mine):
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        work = call.post(lambda: scatter(out, torch.cat(contributions), group=group, async_op=True))
-    if work is None:
-        received = [mine if j == me else mine.new_empty(mine.numel()) for j in range(len(call.span))]
-        exchange = [(peer, contributions[j], received[j]) for j, peer in enumerate(call.span) if j != me]
-        pending = _post_exchange(call, exchange)
-    else:
-        pending = [call.pending(work)]
+        collective = lambda: scatter(out, torch.cat(contributions), group=group, async_op=True)
+    received: list[torch.Tensor] = []  # the members' contributions for this rank, on the pairwise path
+
+    def exchange() -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        received.extend(mine if j == me else mine.new_empty(mine.numel()) for j in range(len(call.span)))
+        return [(peer, contributions[j], received[j]) for j, peer in enumerate(call.span) if j != me]
+
     itemsize = mine.element_size()
-    _finish(
-        call,
-        pending,
-        path="p2p" if work is None else "collective",
-        sent_bytes=(sum(sizes) - mine.numel()) * itemsize,
-        received_bytes=mine.numel() * itemsize * (len(call.span) - 1),
-        device=mine.device,
-    )
-    if work is None:
+    sent, moved = (sum(sizes) - mine.numel()) * itemsize, mine.numel() * itemsize * (len(call.span) - 1)
+    _run(call, collective, exchange, sent_bytes=sent, received_bytes=moved, device=mine.device)
+    if collective is None:
         out.copy_(received[0])
         for term in received[1:]:
             out += term
@@ -178,21 +163,19 @@ def all_to_all(
     if p == 1:
         out.copy_(tensor)
         return out
-    call.begin()
-    work = None
+    collective = None
     if not force_p2p and call.runs(tensor):
-        work = call.post(lambda: dist.all_to_all_single(out, tensor, group=group, async_op=True))
-    if work is None:
+        collective = lambda: dist.all_to_all_single(out, tensor, group=group, async_op=True)
+
+    def exchange() -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         rows = tensor.shape[0] // p
         sends = [tensor[i * rows : (i + 1) * rows] for i in range(p)]
         recvs = [out[i * rows : (i + 1) * rows] for i in range(p)]
         recvs[me].copy_(sends[me])
-        pending = _post_exchange(call, [(call.span[i], sends[i], recvs[i]) for i in range(p) if i != me])
-    else:
-        pending = [call.pending(work)]
+        return [(call.span[i], sends[i], recvs[i]) for i in range(p) if i != me]
+
     moved = tensor.numel() // p * (p - 1) * tensor.element_size()
-    _finish(call, pending, path="p2p" if work is None else "collective", sent_bytes=moved, received_bytes=moved,
-            device=tensor.device)  # fmt: skip
+    _run(call, collective, exchange, sent_bytes=moved, received_bytes=moved, device=tensor.device)
     return out
 
 
@@ -256,6 +239,25 @@ class _Call:
 
     def post_failed(self, what: str, exc: RuntimeError) -> CommError:
         return failed(CommError(self.rank, -1, self.step, self.op, f"posting {what}", str(exc)))
+
+
+def _run(
+    call: _Call,
+    collective: Callable[[], dist.Work] | None,
+    exchange: Callable[[], list[tuple[int, torch.Tensor, torch.Tensor]]],
+    *,
+    sent_bytes: int,
+    received_bytes: int,
+    device: torch.device,
+) -> None:
+    """Start ``call``, post the backend's ``collective`` (``None``: it does not run this call) or else the
+    ``(peer, send, recv)`` pairs of ``exchange()`` as one batch, and finish it (:func:`_finish`)."""
+    call.begin()
+    if collective is None:
+        pending, path = _post_exchange(call, exchange()), "p2p"
+    else:
+        pending, path = [call.pending(call.post(collective))], "collective"
+    _finish(call, pending, path=path, sent_bytes=sent_bytes, received_bytes=received_bytes, device=device)
 
 
 def _post_exchange(call: _Call, exchange: list[tuple[int, torch.Tensor, torch.Tensor]]) -> list[Pending]:

@@ -17,10 +17,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from ds_ring.kernels.block import block_backward, block_forward
 from ds_ring.kernels.dilation import (
-    Branch,
     HeadGroup,
     Region,
     SegmentRun,
@@ -35,6 +35,7 @@ from ds_ring.kernels.dilation import (
     validate_qkv,
 )
 from ds_ring.kernels.merge import accum_dtype, merge_
+from ds_ring.kernels.piece import Grads, Piece
 from ds_ring.kernels.sinks import add_sinks_, check_sinks, sinks_grad
 from ds_ring.kernels.window import attend_band_backward, attend_band_into, check_window
 
@@ -43,8 +44,6 @@ __all__ = [
     "dilated_attention",
     "attend_into",
     "attend_backward",
-    "branch_forward_",
-    "branch_backward_",
     "regions_forward_",
     "regions_backward_",
     "regions_backward",
@@ -65,11 +64,11 @@ class Options:
     window: int | None = None
     softcap: float | None = None
 
-    def piece(self, d: int = 0, causal: bool | None = None) -> dict:
-        """The keyword arguments of :func:`attend_into` / :func:`attend_backward` for one piece: ``d``, how far
-        its queries' positions are ahead of its keys' (with a window); ``causal`` (default: the call's)."""
-        return dict(causal=self.causal if causal is None else causal, scale=self.scale, softcap=self.softcap,
-                    window=self.window, d=d)  # fmt: skip
+    def piece(self, d: int = 0, causal: bool | None = None) -> Piece:
+        """The options of one piece (:func:`attend_into` / :func:`attend_backward`): ``d``, how far its queries'
+        positions are ahead of its keys' (with a window); ``causal`` (default: the call's)."""
+        causal = self.causal if causal is None else causal
+        return Piece(causal, self.scale, self.softcap, self.window, d)
 
 
 def _to_kernel(x: torch.Tensor) -> torch.Tensor:
@@ -91,74 +90,38 @@ def _lse_from_kernel(lse: torch.Tensor, lead: torch.Size) -> torch.Tensor:
     return lse.view(*lead, *lse.shape[1:]).transpose(-1, -2)
 
 
-def attend_into(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    *,
-    causal: bool,
-    scale: float | None,
-    softcap: float | None = None,
-    window: int | None = None,
-    d: int = 0,
-) -> None:
+def attend_into(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, piece: Piece) -> None:
     """Attend ``q`` over ``k``/``v`` and LSE-merge the result into ``out``/``lse`` in place: one block, or with
-    ``window`` the band of a causal sliding window (:func:`~ds_ring.kernels.window.attend_band_into`).
+    ``piece.window`` the band of a causal sliding window (:func:`~ds_ring.kernels.window.attend_band_into`).
 
     Args:
         q: ``[*lead, m, h, D]``; k: ``[*lead, n, h, D]``; v: ``[*lead, n, h, Dv]`` (heads already matched to ``q``).
         out: accumulator view ``[*lead, m, h, Dv]`` (fp32/fp64); lse: ``[*lead, m, h]``.
-        causal: diagonal block (``m == n``, same first position); otherwise unmasked (ignored with ``window``,
-            which is causal).
-        softcap: scores capped to ``softcap·tanh(s / softcap)`` (``None``: uncapped).
-        window: a causal sliding window (``None``: none); ``d``: how far the queries' positions are ahead of
-            the keys' (with ``window``).
+        piece: causal mask, scale, softcap, window (:class:`~ds_ring.kernels.piece.Piece`).
     """
-    if window is not None:
-        attend_band_into(q, k, v, out, lse, d=d, window=window, scale=scale, softcap=softcap)
+    if piece.window is not None:
+        attend_band_into(q, k, v, out, lse, piece)
         return
     lead = q.shape[:-3]
     block_out, block_lse = block_forward(
-        _to_kernel(q), _to_kernel(k), _to_kernel(v), causal=causal, scale=scale, softcap=softcap
+        _to_kernel(q), _to_kernel(k), _to_kernel(v), causal=piece.causal, scale=piece.scale, softcap=piece.softcap
     )
     merge_(out, lse, _from_kernel(block_out, lead), _lse_from_kernel(block_lse, lead))
 
 
-def attend_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    *,
-    causal: bool,
-    scale: float | None,
-    softcap: float | None = None,
-    window: int | None = None,
-    d: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def attend_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, piece: Piece) -> Grads:
     """Gradient share of one piece, in token layout; ``out``/``lse`` are the *final* merged values.
 
     Arguments and shapes as in :func:`attend_into` (``dout`` like ``out``). Returns ``(dq, dk, dv)`` shaped like
-    ``q``, ``k``, ``v`` (``[*lead, m|n, h, D|Dv]``): views, or with ``window`` in the accumulation dtype
+    ``q``, ``k``, ``v`` (``[*lead, m|n, h, D|Dv]``): views, or with a window in the accumulation dtype
     (:func:`~ds_ring.kernels.window.attend_band_backward`).
     """
-    if window is not None:
-        return attend_band_backward(dout, q, k, v, out, lse, d=d, window=window, scale=scale, softcap=softcap)
+    if piece.window is not None:
+        return attend_band_backward(dout, q, k, v, out, lse, piece)
     lead = q.shape[:-3]
+    tensors = (_to_kernel(x) for x in (dout, q, k, v, out))
     dq, dk, dv = block_backward(
-        _to_kernel(dout),
-        _to_kernel(q),
-        _to_kernel(k),
-        _to_kernel(v),
-        _to_kernel(out),
-        _lse_to_kernel(lse),
-        causal=causal,
-        scale=scale,
-        softcap=softcap,
+        *tensors, _lse_to_kernel(lse), causal=piece.causal, scale=piece.scale, softcap=piece.softcap
     )
     return _from_kernel(dq, lead), _from_kernel(dk, lead), _from_kernel(dv, lead)
 
@@ -186,103 +149,52 @@ def _segments(x: torch.Tensor, start: int, length: int, count: int) -> torch.Ten
     return x[:, start : start + length * count].unflatten(1, (count, length))
 
 
-def _branch_pieces(
-    q: torch.Tensor, k: torch.Tensor, branch: Branch, head_offset: int, tensors: Sequence[torch.Tensor]
-) -> Iterator[tuple[HeadGroup, list[torch.Tensor]]]:
-    """Each (segment run, head group) of ``branch`` over the rows of ``q [B, S, H, D]`` (``k``
-    ``[B, S, Hkv, D]``) that keeps a row: the group, and ``tensors`` (each ``[B, S, ...]``) viewed as
-    ``[B, count, kept, ...]`` at its kept rows (all heads)."""
-    groups = head_groups(q.shape[2], k.shape[2], branch.rate, head_offset, q.device)
-    for run in segment_runs(q.shape[1], branch.segment):
-        segments = [_segments(x, run.start, run.length, run.count) for x in tensors]
-        for group in groups:
-            rows = kept_rows(0, run.length, group.offset, group.rate)
-            if rows.start < run.length:
-                yield group, [x[:, :, rows] for x in segments]
-
-
-def branch_forward_(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    branch: Branch,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    opts: Options,
-) -> None:
-    """Merge one branch of dilated attention over a whole local sequence into ``out``/``lse``.
-
-    ``q [B, S, H, D]``, ``k [B, S, Hkv, D]``, ``v [B, S, Hkv, Dv]``; the sequence starts at a segment boundary.
-    ``out [B, S, H, Dv]`` and ``lse [B, S, H]`` are accumulators (see :func:`new_accumulators`).
-    ``window``: a causal sliding window inside each segment (rate-1 branches). ``softcap``: capped scores.
-    """
-    for group, (qs, ks, vs, outs, lses) in _branch_pieces(q, k, branch, opts.head_offset, (q, k, v, out, lse)):
-        h, kv = group.q_heads, group.kv_heads
-        kg, vg = select_heads(ks, kv), select_heads(vs, kv)
-        attend_into(qs[:, :, :, h], kg, vg, outs[:, :, :, h], lses[:, :, :, h], **opts.piece())
-
-
-def branch_backward_(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    branch: Branch,
-    dq: torch.Tensor,
-    dk: torch.Tensor,
-    dv: torch.Tensor,
-    opts: Options,
-) -> None:
-    """Accumulate one branch's gradients into ``dq [B, S, H, D]``, ``dk [B, S, Hkv, D]``, ``dv [B, S, Hkv, Dv]``.
-
-    ``out``/``lse`` are the final merged output ``[B, S, H, Dv]`` and LSE ``[B, S, H]``.
-    """
-    pieces = _branch_pieces(q, k, branch, opts.head_offset, (dout, q, k, v, out, lse, dq, dk, dv))
-    for group, (douts, qs, ks, vs, outs, lses, dqs, dks, dvs) in pieces:
-        h, kv = group.q_heads, group.kv_heads
-        args = (douts[:, :, :, h], qs[:, :, :, h], select_heads(ks, kv), select_heads(vs, kv), outs[:, :, :, h],
-                lses[:, :, :, h])  # fmt: skip
-        dq_piece, dk_piece, dv_piece = attend_backward(*args, **opts.piece())
-        dqs[:, :, :, h] += dq_piece
-        add_heads_(dks, kv, dk_piece)
-        add_heads_(dvs, kv, dv_piece)
+def _pieces(
+    regions: Sequence[Region], q: Tensor, k: Tensor, head_offset: int, tensors: Sequence[Tensor]
+) -> Iterator[tuple[HeadGroup, list[Tensor]]]:
+    """Each (region, segment run, head group) over the rows of ``q [B, S, H, D]`` (``k`` ``[B, S, Hkv, D]``) that
+    keeps a row: the group, and ``tensors`` (each ``[B, S, ...]``) viewed as ``[B, count, kept, ...]`` at its
+    kept rows (all heads)."""
+    for region in regions:
+        branch, rows = region.branch, region.rows
+        groups = head_groups(q.shape[2], k.shape[2], branch.rate, head_offset, q.device)
+        for run in segment_runs(len(range(q.shape[1])[rows]), branch.segment):
+            segments = [_segments(x[:, rows], run.start, run.length, run.count) for x in tensors]
+            for group in groups:
+                kept = kept_rows(0, run.length, group.offset, group.rate)
+                if kept.start < run.length:
+                    yield group, [x[:, :, kept] for x in segments]
 
 
 def regions_forward_(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    regions: Sequence[Region],
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    opts: Options,
+    q: Tensor, k: Tensor, v: Tensor, regions: Sequence[Region], out: Tensor, lse: Tensor, opts: Options
 ) -> None:
-    """Merge each region's branch over its rows of ``q [B, S, H, D]``, ``k``/``v`` into ``out``/``lse``."""
-    for region in regions:
-        rows = region.rows
-        branch_forward_(q[:, rows], k[:, rows], v[:, rows], region.branch, out[:, rows], lse[:, rows], opts)
+    """Merge each region's branch of dilated attention over its rows into ``out``/``lse``.
+
+    ``q [B, S, H, D]``, ``k [B, S, Hkv, D]``, ``v [B, S, Hkv, Dv]``; every region starts at a segment boundary.
+    ``out [B, S, H, Dv]`` and ``lse [B, S, H]`` are accumulators (see :func:`new_accumulators`).
+    """
+    for group, (qs, ks, vs, outs, lses) in _pieces(regions, q, k, opts.head_offset, (q, k, v, out, lse)):
+        h, kv = group.q_heads, group.kv_heads
+        kg, vg = select_heads(ks, kv), select_heads(vs, kv)
+        attend_into(qs[:, :, :, h], kg, vg, outs[:, :, :, h], lses[:, :, :, h], opts.piece())
 
 
 def regions_backward_(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    regions: Sequence[Region],
-    dq: torch.Tensor,
-    dk: torch.Tensor,
-    dv: torch.Tensor,
-    opts: Options,
+    saved: Sequence[Tensor], regions: Sequence[Region], grads: Sequence[Tensor], opts: Options
 ) -> None:
-    """Accumulate each region's gradients (shapes as in :func:`branch_backward_`)."""
-    for region in regions:
-        r = region.rows
-        tensors = (dout[:, r], q[:, r], k[:, r], v[:, r], out[:, r], lse[:, r])
-        branch_backward_(*tensors, region.branch, dq[:, r], dk[:, r], dv[:, r], opts)
+    """Accumulate each region's gradients into ``grads``: ``(dq [B, S, H, D], dk [B, S, Hkv, D], dv [B, S, Hkv,
+    Dv])``. ``saved``: ``(dout, q, k, v, out, lse)``, ``out``/``lse`` the final merged output ``[B, S, H, Dv]``
+    and LSE ``[B, S, H]``."""
+    q, k = saved[1], saved[2]
+    for group, pieces in _pieces(regions, q, k, opts.head_offset, (*saved, *grads)):
+        (douts, qs, ks, vs, outs, lses, dqs, dks, dvs), h, kv = pieces, group.q_heads, group.kv_heads
+        args = (douts[:, :, :, h], qs[:, :, :, h], select_heads(ks, kv), select_heads(vs, kv), outs[:, :, :, h],
+                lses[:, :, :, h])  # fmt: skip
+        dq_piece, dk_piece, dv_piece = attend_backward(*args, opts.piece())
+        dqs[:, :, :, h] += dq_piece
+        add_heads_(dks, kv, dk_piece)
+        add_heads_(dvs, kv, dv_piece)
 
 
 def _whole_call(regions: Sequence[Region], q: torch.Tensor, k: torch.Tensor) -> tuple[Region, SegmentRun] | None:
@@ -301,34 +213,25 @@ def _whole_call(regions: Sequence[Region], q: torch.Tensor, k: torch.Tensor) -> 
     return None
 
 
-def regions_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    regions: Sequence[Region],
-    opts: Options,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def regions_backward(saved: Sequence[Tensor], regions: Sequence[Region], opts: Options) -> Grads | None:
     """Every region's gradients, when one region is a single kernel call over the whole tensors (with a
     ``window``: one band call, :func:`~ds_ring.kernels.window.attend_band_backward`).
 
     That call runs first and its dQ/dK/dV become the gradients (no zero accumulators, no added
-    copy); the other regions accumulate into them. Shapes as in :func:`branch_backward_`. Returns
-    ``(dq, dk, dv)``, or ``None`` (nothing computed) when no region is such a call.
+    copy); the other regions accumulate into them. ``saved`` and shapes as in :func:`regions_backward_`.
+    Returns ``(dq, dk, dv)``, or ``None`` (nothing computed) when no region is such a call.
     """
+    q, k, v = saved[1:4]
     whole = _whole_call(regions, q, k)
     if whole is None:
         return None
     region, run = whole
-    views = (_segments(x, 0, run.length, run.count) for x in (dout, q, k, v, out, lse))
-    pieces = attend_backward(*views, **opts.piece())
+    views = (_segments(x, 0, run.length, run.count) for x in saved)
+    pieces = attend_backward(*views, opts.piece())
     # The kernel's pieces are contiguous in token layout here, so these are views (a copy otherwise).
-    dq, dk, dv = (piece.reshape(x.shape) for piece, x in zip(pieces, (q, k, v), strict=True))
-    rest = [other for other in regions if other is not region]
-    regions_backward_(dout, q, k, v, out, lse, rest, dq, dk, dv, opts)
-    return dq, dk, dv
+    grads = tuple(piece.reshape(x.shape) for piece, x in zip(pieces, (q, k, v), strict=True))
+    regions_backward_(saved, [other for other in regions if other is not region], grads, opts)
+    return grads
 
 
 class _DilatedAttention(torch.autograd.Function):
@@ -351,11 +254,12 @@ class _DilatedAttention(torch.autograd.Function):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         regions, opts = ctx.args
         dout = dout.to(q.dtype)
-        grads = regions_backward(dout, q, k, v, out, lse, regions, opts)
+        saved = (dout, q, k, v, out, lse)
+        grads = regions_backward(saved, regions, opts)
         if grads is None:
             acc = accum_dtype(q.dtype)
             grads = tuple(torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
-            regions_backward_(dout, q, k, v, out, lse, regions, *grads, opts)
+            regions_backward_(saved, regions, grads, opts)
         dq, dk, dv = grads
         dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None

@@ -36,8 +36,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from ds_ring.kernels.merge import accum_dtype, merge_
+from ds_ring.kernels.piece import Grads, Piece
 
 __all__ = ["BAND_BYTES", "attend_band_into", "attend_band_backward", "check_window"]
 
@@ -81,7 +83,6 @@ class _Bands:
     def key_blocks(self) -> int:
         """Blocks of the padded key run: every band's last block included."""
         return self.count - 1 + self.per_band
-
 
 
 @functools.lru_cache(maxsize=32)
@@ -170,21 +171,11 @@ def _token_layout(x: torch.Tensor, lead: torch.Size, rows: int) -> torch.Tensor:
     return x.reshape(*lead, x.shape[1] * x.shape[2], *x.shape[3:]).narrow(len(lead), 0, rows)
 
 
-def attend_band_into(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    *,
-    d: int,
-    window: int,
-    scale: float | None,
-    softcap: float | None = None,
-) -> None:
-    """Merge windowed attention of ``q [*lead, m, h, D]`` over ``k [*lead, n, h, D]``, ``v [*lead, n, h, Dv]``
-    into ``out [*lead, m, h, Dv]`` / ``lse [*lead, m, h]`` (accumulators, in place); query positions are ``d``
-    ahead; ``softcap``: scores capped to ``softcap·tanh(s / softcap)``."""
+def attend_band_into(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, piece: Piece) -> None:
+    """Merge windowed attention (``piece.window``, query positions ``piece.d`` ahead) of ``q [*lead, m, h, D]``
+    over ``k [*lead, n, h, D]``, ``v [*lead, n, h, Dv]`` into ``out [*lead, m, h, Dv]`` / ``lse [*lead, m, h]``
+    (accumulators, in place), with ``piece``'s scale and softcap."""
+    d, window, scale, softcap = piece.d, piece.window, piece.scale, piece.softcap
     if _fused(q, v, softcap):
         geo = _bands(q.shape[-3], k.shape[-3], d, window, _fused_block(window))
         if geo is not None:
@@ -214,20 +205,11 @@ def attend_band_into(
 
 
 def attend_band_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    *,
-    d: int,
-    window: int,
-    scale: float | None,
-    softcap: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, piece: Piece
+) -> Grads:
     """Gradients of :func:`attend_band_into` given the *final* merged ``out``/``lse``: ``(dq, dk, dv)`` shaped
     like ``q``, ``k``, ``v``, in the accumulation dtype (zeros where no band reaches)."""
+    d, window, scale, softcap = piece.d, piece.window, piece.scale, piece.softcap
     acc, fused = accum_dtype(q.dtype), _fused(q, v, softcap)
     geo = _bands(q.shape[-3], k.shape[-3], d, window, _fused_block(window) if fused else None)
     if geo is None:

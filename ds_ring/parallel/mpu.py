@@ -12,11 +12,35 @@ Two meanings of "data parallel" meet here and must not be confused:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from torch.distributed import ProcessGroup
 
 from ds_ring.parallel.layout import RankLayout
 
 __all__ = ["DeepSpeedMpu"]
+
+
+def _role_getters(
+    role: str, size: str, position: Callable[[RankLayout, int], int]
+) -> tuple[Callable[[Any], ProcessGroup], Callable[[Any], int], Callable[[Any], int]]:
+    """DeepSpeed's three getters of ``role``'s group, as methods of :class:`DeepSpeedMpu`: the ``<role>_group``
+    attribute, the layout's ``size`` attribute (the group's rank count) and ``position(layout, rank)`` (this
+    rank's index in the group)."""
+
+    def group(self: DeepSpeedMpu) -> ProcessGroup:
+        return getattr(self, f"{role}_group")
+
+    def world_size(self: DeepSpeedMpu) -> int:
+        return getattr(self.layout, size)
+
+    def rank(self: DeepSpeedMpu) -> int:
+        return position(self.layout, self.rank)
+
+    for getter, what in ((group, "group"), (world_size, "world_size"), (rank, "rank")):
+        getter.__name__ = getter.__qualname__ = f"get_{role}_{what}"
+    return group, world_size, rank
 
 
 class DeepSpeedMpu:
@@ -41,9 +65,6 @@ class DeepSpeedMpu:
     sequence_data_parallel_group: ProcessGroup
     model_parallel_group: ProcessGroup
 
-    def _coord(self, index: int) -> int:
-        return self.layout.coords(self.rank)[index]
-
     # Data parallel: DeepSpeed's group is every rank sharing gradients; its size and rank count the replicas.
 
     def get_data_parallel_group(self) -> ProcessGroup:
@@ -60,7 +81,7 @@ class DeepSpeedMpu:
 
     def get_data_parallel_rank(self) -> int:
         """This rank's replica index ``d``."""
-        return self._coord(0)
+        return self.layout.coords(self.rank)[0]
 
     def get_data_parallel_group_ranks(self) -> list[int]:
         """The ranks of this rank's ``D`` replicas (same ring and ulysses index)."""
@@ -84,42 +105,17 @@ class DeepSpeedMpu:
     def get_tensor_model_parallel_rank(self) -> int:
         return 0
 
-    # Sequence parallel ------------------------------------------------------------------------------
+    # Sequence parallel, and its sub-groups: ``get_<role>_group``, ``get_<role>_world_size``, ``get_<role>_rank``.
 
-    def get_sequence_parallel_group(self) -> ProcessGroup:
-        return self.sequence_parallel_group
-
-    def get_sequence_parallel_world_size(self) -> int:
-        return self.layout.sequence_parallel
-
-    def get_sequence_parallel_rank(self) -> int:
-        return self.layout.sequence_parallel_rank(self.rank)
-
-    def get_sequence_data_parallel_group(self) -> ProcessGroup:
-        return self.sequence_data_parallel_group
-
-    def get_sequence_data_parallel_world_size(self) -> int:
-        return self.layout.world_size
-
-    def get_sequence_data_parallel_rank(self) -> int:
-        return self.rank
-
-    # The sub-groups of the sequence-parallel group ----------------------------------------------
-
-    def get_ulysses_group(self) -> ProcessGroup:
-        return self.ulysses_group
-
-    def get_ulysses_world_size(self) -> int:
-        return self.layout.ulysses
-
-    def get_ulysses_rank(self) -> int:
-        return self._coord(2)
-
-    def get_ring_group(self) -> ProcessGroup:
-        return self.ring_group
-
-    def get_ring_world_size(self) -> int:
-        return self.layout.ring
-
-    def get_ring_rank(self) -> int:
-        return self._coord(1)
+    get_sequence_parallel_group, get_sequence_parallel_world_size, get_sequence_parallel_rank = _role_getters(
+        "sequence_parallel", "sequence_parallel", RankLayout.sequence_parallel_rank
+    )
+    get_sequence_data_parallel_group, get_sequence_data_parallel_world_size, get_sequence_data_parallel_rank = (
+        _role_getters("sequence_data_parallel", "world_size", lambda _layout, rank: rank)
+    )
+    get_ulysses_group, get_ulysses_world_size, get_ulysses_rank = _role_getters(
+        "ulysses", "ulysses", lambda layout, rank: layout.coords(rank)[2]
+    )
+    get_ring_group, get_ring_world_size, get_ring_rank = _role_getters(
+        "ring", "ring", lambda layout, rank: layout.coords(rank)[1]
+    )

@@ -30,6 +30,11 @@ _SAME_DEGREES = (
 )
 
 
+def _layout_degree(name: str) -> property:
+    """A read-only property of a :class:`Topology`: its layout's ``name`` (a number of ranks)."""
+    return property(lambda self: getattr(self.layout, name), doc=f"The layout's ``{name}`` (ranks).")
+
+
 @dataclass(frozen=True, eq=False, init=False)
 class Topology(DeepSpeedMpu):
     """Every process group of ``data_parallel × ulysses × ring`` sequence-parallel training.
@@ -163,21 +168,10 @@ class Topology(DeepSpeedMpu):
         except KeyError:
             raise ValueError("ds_ring: control_group() takes one of this Topology's process groups") from None
 
-    @property
-    def data_parallel(self) -> int:
-        return self.layout.data_parallel
-
-    @property
-    def ulysses(self) -> int:
-        return self.layout.ulysses
-
-    @property
-    def ring(self) -> int:
-        return self.layout.ring
-
-    @property
-    def world_size(self) -> int:
-        return self.layout.world_size
+    data_parallel = _layout_degree("data_parallel")
+    ulysses = _layout_degree("ulysses")
+    ring = _layout_degree("ring")
+    world_size = _layout_degree("world_size")
 
 
 def sequence_group(

@@ -28,6 +28,7 @@ import torch
 from ds_ring.kernels.dilated import Options, attend_backward, attend_into
 from ds_ring.kernels.dilation import add_heads_, head_groups, select_heads
 from ds_ring.kernels.merge import accum_dtype
+from ds_ring.kernels.piece import Piece
 from ds_ring.strategies.plan import Run, SpanPlan, Travel, pieces
 
 __all__ = [
@@ -211,9 +212,8 @@ def block_grad(
     if run is not None and kv[0][0].dtype == accum_dtype(q.dtype):
         (kb, vb), qs, h = kv[0], run.rows, span.groups[0].q_heads
         dq_piece, dk_piece, dv_piece = attend_backward(
-            dout[:, qs, h], q[:, qs, h], kb, vb, out[:, qs, h], lse[:, qs, h], causal=False, scale=opts.scale,
-            softcap=opts.softcap,
-        )  # fmt: skip
+            dout[:, qs, h], q[:, qs, h], kb, vb, out[:, qs, h], lse[:, qs, h], opts.piece(causal=False)
+        )
         dq[:, qs, h] += dq_piece
         return dk_piece.reshape(-1), dv_piece.reshape(-1)
     grad = new_grad_block(span, member, shard)
@@ -254,7 +254,7 @@ def _visits(
                 yield g, group.q_heads, kg, vg, a, b
 
 
-def _piece(query: Run, key: Run, diagonal: bool, opts: Options) -> dict:
+def _piece(query: Run, key: Run, diagonal: bool, opts: Options) -> Piece:
     """The options of one piece's kernel call: the band of the window between the runs' positions, or a plain
     block (causal when it is a run meeting itself)."""
     return opts.piece(query.position - key.position, diagonal)
@@ -265,7 +265,7 @@ def forward_block_(span: SpanPlan, member: int, kv: list[KV], shard: Shard, opts
     q, out, lse = shard.q, shard.out, shard.lse
     for _, h, kg, vg, a, b in _visits(span, member, kv, opts):
         qs, ks = a.rows, b.packed
-        attend_into(q[:, qs, h], kg[:, ks], vg[:, ks], out[:, qs, h], lse[:, qs, h], **_piece(a, b, False, opts))
+        attend_into(q[:, qs, h], kg[:, ks], vg[:, ks], out[:, qs, h], lse[:, qs, h], _piece(a, b, False, opts))
 
 
 def backward_block_(
@@ -283,7 +283,7 @@ def backward_block_(
     for g, h, kg, vg, a, b in _visits(span, member, kv, opts):
         qs, ks = a.rows, b.packed
         dq_piece, dk_piece, dv_piece = attend_backward(
-            dout[:, qs, h], q[:, qs, h], kg[:, ks], vg[:, ks], out[:, qs, h], lse[:, qs, h], **_piece(a, b, False, opts)
+            dout[:, qs, h], q[:, qs, h], kg[:, ks], vg[:, ks], out[:, qs, h], lse[:, qs, h], _piece(a, b, False, opts)
         )
         dq[:, qs, h] += dq_piece
         dkg, dvg = dkv[g]
@@ -304,7 +304,7 @@ def forward_own_(span: SpanPlan, shard: Shard, opts: Options) -> None:
         for a, b, diagonal in pieces(span.queries[g], span.queries[g], opts.causal, opts.window):
             attend_into(
                 q[:, a.rows, h], select_heads(k[:, b.rows], kv_heads), select_heads(v[:, b.rows], kv_heads),
-                out[:, a.rows, h], lse[:, a.rows, h], **_piece(a, b, diagonal, opts),
+                out[:, a.rows, h], lse[:, a.rows, h], _piece(a, b, diagonal, opts),
             )  # fmt: skip
 
 
@@ -325,7 +325,7 @@ def backward_own_(
             qs, ks = a.rows, b.rows
             dq_piece, dk_piece, dv_piece = attend_backward(
                 dout[:, qs, h], q[:, qs, h], select_heads(k[:, ks], kv_heads), select_heads(v[:, ks], kv_heads),
-                out[:, qs, h], lse[:, qs, h], **_piece(a, b, diagonal, opts),
+                out[:, qs, h], lse[:, qs, h], _piece(a, b, diagonal, opts),
             )  # fmt: skip
             dq[:, qs, h] += dq_piece
             add_heads_(dk[:, ks], kv_heads, dk_piece)

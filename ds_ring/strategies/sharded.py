@@ -197,7 +197,7 @@ class _ShardedAttention(torch.autograd.Function):
             _attention_event(exchange, "backward", "start")
         dout = dout.to(q.dtype)
         # Shard-local work first when one kernel call covers the shard: its dQ/dK/dV become the gradients.
-        local = regions_backward(dout, q, k, v, out, lse, plan.local, opts)
+        local = regions_backward((dout, q, k, v, out, lse), plan.local, opts)
         if local is None:
             dq = torch.zeros(q.shape, dtype=accum_dtype(q.dtype), device=q.device)
             kv_grads = KVGrads(k, v)
@@ -209,7 +209,7 @@ class _ShardedAttention(torch.autograd.Function):
                 exchange.backward(chunk, shard.heads(h, kv), dout[:, :, h], dq[:, :, h], kv_grads.heads(kv), comm, opts)
         dk, dv = kv_grads()
         if local is None:
-            regions_backward_(dout, q, k, v, out, lse, plan.local, dq, dk, dv, opts)
+            regions_backward_((dout, q, k, v, out, lse), plan.local, (dq, dk, dv), opts)
         dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
         if hooks_active():
             _attention_event(exchange, "backward", "end", started)
