@@ -40,8 +40,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "minimax": {"layer_types": ["linear_attention", "full_attention"], "block_size": 8},
     "qwen3_next": {"layer_types": ["linear_attention", "full_attention"], **DELTA},
     "olmo_hybrid": {"layer_types": ["linear_attention", "full_attention"], **DELTA},
-    "kimi_linear": {"layer_types": ["linear_attention", "full_attention"], "mlp_layer_types": ["dense", "sparse"],
-                    "linear_num_heads": 4},
+    "kimi_linear": {
+        "layer_types": ["linear_attention", "full_attention"],
+        "mlp_layer_types": ["dense", "sparse"],
+        "linear_num_heads": 4,
+    },
 }
 """Family → fields set on its tiny config (:func:`tests.zoo.tiny_config`)."""
 
