@@ -23,8 +23,8 @@ LABELS = {"ulysses": "ds_ring Ulysses", "ring": "ds_ring ring (zigzag)", "hybrid
 LONG_LABELS = {"plain": "ds_ring ring", "long_context": "ds_ring long_context",
                "long_context+disk": "ds_ring long_context + disk", "alst": "ALST tutorial (checkpointing)",
                "alst full": "ALST full recipe"}  # fmt: skip
-MODEL = SimpleNamespace(dim=64, layers=2, heads=4, kv_heads=2, init_std=0.2, seed=0, lr=3e-3)  # train_hf.py's
-LONG_MODEL = SimpleNamespace(dim=256, layers=4, heads=8, kv_heads=4, init_std=0.02, seed=0, lr=1e-4)  # vocab: case.tag
+MODEL = SimpleNamespace(model_type="llama", dim=64, layers=2, heads=4, kv_heads=2, init_std=0.2, seed=0, lr=3e-3)
+LONG_MODEL = SimpleNamespace(model_type="llama", dim=256, layers=4, heads=8, kv_heads=4, init_std=0.02, seed=0, lr=1e-4)
 TILE_TOKENS, VOCABS, BUDGET_MIB = 512, (32000, 128256), 8 * 1024
 STEP_FIGURES: list[Figure] = [
     ("throughput", "tokens/s (whole job)", [("", lambda r: r.tokens_per_s, "-o")]),
