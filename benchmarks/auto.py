@@ -1,26 +1,21 @@
 """``strategy="auto"`` against every strategy timed by hand, and its memory model against measurement.
 
-What it runs and how a pick is judged (within 1.10× of the best, never the worst; the memory model within 15 % of the
-slope :func:`benchmarks.memory.measure` measures): ``docs/auto.md``, "Predicted vs measured". Every (strategy, grid
-point) is a driver case (fresh gloo ranks, one warm-up at full length, ``--calls`` timed fwd+bwd calls); the verdicts
-go to ``DIR/auto.json`` (``timing``, ``memory``) and ``DIR/auto.png`` (step time per strategy, auto's pick circled).
+How a pick is judged (within 1.10× of the best, never the worst; the memory model within 15 % of the slope
+:func:`benchmarks.memory.measure` measures): ``docs/auto.md``, "Predicted vs measured". Writes ``DIR/auto.json``
+(``timing``, ``memory``) and ``DIR/auto.png`` (step time per strategy, auto's pick circled).
 
     python -m benchmarks.auto --seqs 4096 --worlds 2 --no-memory
 """
 
-from __future__ import annotations
-
-import argparse
-import sys
+import itertools
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from benchmarks import memory, strategies
 from benchmarks.cases import Case, Protocol, RankResult, attention_rank
 from benchmarks.common import figure, fmt_seq
 from benchmarks.driver import Benchmark, Session, main
-from benchmarks.rows import Column, Row, markdown_table
+from benchmarks.rows import Column, markdown_table
 
 GRID_HEADS = ((8, 8), (8, 2))
 STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
@@ -44,55 +39,46 @@ def auto_rank(rank: int, world: int, case: Case, build: Any, protocol: Protocol)
     return result
 
 
-def verdict(world: int, seq: int, heads: int, kv_heads: int, rows: dict[str, Row]) -> dict[str, Any] | None:
-    """auto's pick at one grid point against the strategies' measured times (None while one is missing)."""
-    by_name = {name: r.fwdbwd_s for name, r in rows.items() if name != "auto" and r.fwdbwd_s}
-    auto = rows["auto"].raw[0] if rows["auto"].fwdbwd_s else {}
-    if not by_name or auto.get("pick") not in by_name:
-        return None
-    best, worst, picked = min(by_name.values()), max(by_name.values()), by_name[auto["pick"]]
-    return {
-        "ranks": world, "seq": seq, "heads": heads, "kv_heads": kv_heads, "measured_s": by_name,
-        "auto_s": rows["auto"].fwdbwd_s, "pick": auto["pick_label"], "pick_s": picked,
-        "best": min(by_name, key=by_name.get), "ratio_to_best": picked / best, "within_1_10": picked <= 1.10 * best,
-        "never_worst": len(by_name) == 1 or picked < worst, "predicted_pick_s": auto["predicted_s"],
-    }  # fmt: skip
-
-
-def admitted(name: str, world: int, heads: int) -> bool:
-    """Hybrid needs 2 × 2 ranks; Ulysses over the whole group needs the heads divisible by the ranks."""
-    return (name != "hybrid" or world == 4) and (name != "ulysses" or heads % world == 0)
-
-
 def plan(session: Session) -> None:
     args, timing = session.args, session.extra.setdefault("timing", [])
-    for world in [] if args.no_timing else args.worlds:
-        ulysses = 2 if world == 4 else 1
-        for seq in args.seqs:
-            for heads, kv_heads in GRID_HEADS:
-                names = [s for s in STRATEGIES if admitted(s, world, heads)]
-                rows = {name: session.run(Case(name, seq, world, ulysses=ulysses, heads=heads, kv_heads=kv_heads,
-                                                warmup_seq=seq)) for name in [*names, "auto"]}  # fmt: skip
-                if v := verdict(world, seq, heads, kv_heads, rows):
-                    timing.append(v)
-    lengths = tuple(args.memory_lengths)
-    session.extra["memory"] = [] if args.no_memory else memory_check(args.memory_ranks, lengths, args.timeout_s)
+    for world, seq, (heads, kv_heads) in itertools.product(
+        [] if args.no_timing else args.worlds, args.seqs, GRID_HEADS
+    ):
+        # hybrid needs 2 × 2 ranks; Ulysses over the whole group needs the heads divisible by the ranks
+        names = [s for s in STRATEGIES if (s != "hybrid" or world == 4) and (s != "ulysses" or heads % world == 0)]
+        rows = {}
+        for name in [*names, "auto"]:
+            case = Case(
+                name, seq, world, ulysses=2 if world == 4 else 1, heads=heads, kv_heads=kv_heads, warmup_seq=seq
+            )
+            rows[name] = session.run(case)
+        by_name = {name: r.fwdbwd_s for name, r in rows.items() if name != "auto" and r.fwdbwd_s}
+        auto = rows["auto"].raw[0] if rows["auto"].fwdbwd_s else {}
+        if not by_name or auto.get("pick") not in by_name:
+            continue  # no verdict while a measurement is missing
+        best, worst, picked = min(by_name.values()), max(by_name.values()), by_name[auto["pick"]]
+        timing.append({
+            "ranks": world, "seq": seq, "heads": heads, "kv_heads": kv_heads, "measured_s": by_name,
+            "auto_s": rows["auto"].fwdbwd_s, "pick": auto["pick_label"], "pick_s": picked,
+            "best": min(by_name, key=by_name.get), "ratio_to_best": picked / best, "within_1_10": picked <= 1.10 * best,
+            "never_worst": len(by_name) == 1 or picked < worst, "predicted_pick_s": auto["predicted_s"],
+        })  # fmt: skip
+    session.extra["memory"] = [] if args.no_memory else memory_check(args)
 
 
-def memory_check(world: int, lengths: tuple[int, int], timeout_s: float) -> list[dict[str, Any]]:
+def memory_check(args: Any) -> list[dict[str, Any]]:
     """Measured slope (q-shards, :func:`benchmarks.memory.measure`) vs the model's, per strategy."""
     from ds_ring.auto.model import Option, Problem, memory_q_shards
 
-    rows = []
+    rows, world, lengths = [], args.memory_ranks, tuple(args.memory_lengths)
     for name in STRATEGIES:
         comm = {"ring": "ring", "allgather": "allgather", "hybrid": "ring"}.get(name)
-        measured = memory.measure(memory.Call(name, comm, tokens_per_rank=lengths), world, "cpu", timeout_s)
+        measured = memory.measure(memory.Call(name, comm, tokens_per_rank=lengths), world, "cpu", args.timeout_s)
         measured = measured["slope_q_shards"]
         u = 2 if name == "hybrid" else (world if name == "ulysses" else 1)
         problem = Problem(seq=lengths[1] * world, heads=memory.HEADS, kv_heads=memory.HEADS, head_dim=memory.HEAD_DIM,
                           world=world, itemsize=4)  # fmt: skip
-        option = Option(name, comm, "contiguous", u, world // u, lengths[1] * u)
-        predicted = memory_q_shards(problem, option)
+        predicted = memory_q_shards(problem, Option(name, comm, "contiguous", u, world // u, lengths[1] * u))
         rows.append({"strategy": name, "ranks": world, "tokens_per_rank": lengths, "measured_q_shards": measured,
                      "predicted_q_shards": predicted, "error": predicted / measured - 1 if measured else None,
                      "within_15pct": bool(measured) and abs(predicted / measured - 1) <= 0.15})  # fmt: skip
@@ -118,11 +104,11 @@ def report(session: Session) -> str:
     ])  # fmt: skip
 
 
-def plot(verdicts: list[dict[str, Any]], path: Path) -> None:
+def plots(session: Session) -> None:
     """Measured step time per strategy at each grid point, auto's pick circled."""
-    if not verdicts:
+    if not (verdicts := session.extra["timing"]):
         return
-    with figure(path, max(6, len(verdicts) * 0.9), 4) as (ax,):
+    with figure(session.out / "auto.png", max(6, len(verdicts) * 0.9), 4) as (ax,):
         labels = [f"p{v['ranks']} {fmt_seq(v['seq'])}\n{v['heads']}/{v['kv_heads']}h" for v in verdicts]
         for j, name in enumerate(STRATEGIES):
             xs = [i + (j - 1.5) * 0.18 for i, v in enumerate(verdicts) if name in v["measured_s"]]
@@ -136,7 +122,7 @@ def plot(verdicts: list[dict[str, Any]], path: Path) -> None:
         ax.legend(fontsize=7)
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
+def add_args(p: Any) -> None:
     p.add_argument("--memory-ranks", type=int, default=4)
     p.add_argument("--memory-lengths", nargs=2, type=int, default=[2048, 4096], help="rows per rank")
     p.add_argument("--no-memory", action="store_true")
@@ -146,10 +132,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 BENCHMARK = Benchmark(
     name="auto", module="benchmarks.auto", title="strategy='auto' vs every strategy, fp32 causal, head dim 64",
-    plan=plan, build=strategies.build, report=report, plots=lambda s: plot(s.extra["timing"], s.out / "auto.png"),
-    rank=auto_rank, add_args=add_args, seqs=([2048, 4096], [2048]), worlds=[2, 4], calls=3,
+    plan=plan, build=strategies.build, report=report, plots=plots, rank=auto_rank, add_args=add_args,
+    seqs=([2048, 4096], [2048]), worlds=[2, 4], calls=3,
     label=lambda c: f"{c.impl} p={c.world} {fmt_seq(c.seq)} {c.heads}/{c.kv_heads}h",
 )  # fmt: skip
-
 if __name__ == "__main__":
-    sys.exit(main(BENCHMARK))
+    raise SystemExit(main(BENCHMARK))

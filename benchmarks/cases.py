@@ -20,8 +20,7 @@ class Skip(Exception):
 
 @dataclass(frozen=True)
 class Case:
-    """One configuration: which attention, on what shapes, on how many rank processes (the fields:
-    ``benchmarks/README.md``, "Adding a benchmark")."""
+    """One configuration: which attention, on what shapes, on how many rank processes (``benchmarks/README.md``)."""
 
     impl: str
     seq: int
@@ -48,12 +47,10 @@ class Case:
 
 
 def kept_positions(seg_len: int, offset: int, rate: int) -> int:
-    """Positions ``offset, offset + rate, ...`` inside a segment of ``seg_len``."""
     return 0 if seg_len <= offset else (seg_len - offset + rate - 1) // rate
 
 
 def causal_pairs(m: int, causal: bool) -> int:
-    """(query, key) pairs of an m×m block: all, or the m(m+1)/2 unmasked ones if causal."""
     return m * (m + 1) // 2 if causal else m * m
 
 
@@ -67,15 +64,13 @@ def pairs_dilated(seq: int, heads: int, segs: Sequence[int], rates: Sequence[int
 
 
 def case_pairs(case: Case, seq: int) -> int:
-    """Pairs of ``case``'s attention over ``seq`` positions: dense, or every head running every branch."""
     if case.segment_lengths is None:
         return case.heads * causal_pairs(seq, case.causal)
     return pairs_dilated(seq, case.heads, case.segment_lengths, case.dilation_rates or (), case.causal)
 
 
 def useful_gflop(case: Case, pairs: int | None = None) -> float:
-    """Useful forward+backward GFLOP of one call: 4·head_dim·batch flop per unmasked (query, key) pair, × 3.5
-    (``benchmarks/README.md``, "Useful flop"); ``pairs`` defaults to :func:`case_pairs`."""
+    """Useful fwd+bwd GFLOP of one call: 4·head_dim·batch flop per unmasked (query, key) pair, × 3.5 (README.md)."""
     pairs = case_pairs(case, case.seq) if pairs is None else pairs
     return (1.0 + BWD_FLOP_FACTOR) * 4.0 * case.head_dim * case.batch * pairs / 1e9
 
@@ -91,8 +86,7 @@ class Protocol:
 
 @dataclass
 class RankResult:
-    """One rank's measurements (:func:`attention_rank`), RSS of its own process in MiB: before the shards q, k, v,
-    grad_out existed and what they added; the ring fields sum ds_ring's ``ring_step`` events."""
+    """One rank's measurements (RSS in MiB before the shards existed, what they added; ds_ring's ring waits)."""
 
     threads: int
     skipped: str | None = None
@@ -112,7 +106,6 @@ class RankResult:
         return timing.baseline_rss_mib + timing.peak_extra_mib - self.rss_before_inputs_mib
 
     def __call__(self, event: Any) -> None:
-        """Hook on ds_ring's events: sum this rank's ring waits."""
         if event.kind == "ring_step":
             self.blocked_s += float(event.extra.get("wait_s", 0.0))
             self.in_flight_s += event.seconds

@@ -1,8 +1,6 @@
 """What every benchmark shares: RSS and its peak, timed calls, the machine, the CPU time others used, JSON and PNGs.
 MiB = 2**20 bytes, seconds, GFLOP = 1e9 flop."""
 
-from __future__ import annotations
-
 import contextlib
 import ctypes
 import gc
@@ -30,12 +28,11 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def current_rss_bytes() -> int:
-    """Current resident set size of this process (``/proc/self/statm``), bytes."""
     return int(Path("/proc/self/statm").read_bytes().split()[1]) * _PAGE
 
 
 def max_rss_bytes() -> int:
-    """RSS high-water mark of this process (``ru_maxrss``, KiB on Linux), bytes."""
+    """RSS high-water mark of this process (``ru_maxrss`` is in KiB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -56,8 +53,8 @@ def release_free_memory() -> None:
 
 
 class RssSampler:
-    """Context manager: peak RSS above the RSS at entry (bytes), sampled every 5 ms and checked against
-    ``ru_maxrss`` (which catches spikes between samples; it counts only if it rose in the region)."""
+    """Peak RSS above the RSS at entry, sampled every 5 ms and checked against ``ru_maxrss`` (spikes between
+    samples; it counts only if it rose in the region)."""
 
     def __init__(self, interval_s: float = 0.005) -> None:
         self.interval_s, self.samples, self._stop = interval_s, 0, threading.Event()
@@ -71,7 +68,7 @@ class RssSampler:
         while not self._stop.wait(self.interval_s):
             self.peak, self.samples = max(self.peak, self._read()), self.samples + 1
 
-    def __enter__(self) -> RssSampler:
+    def __enter__(self) -> "RssSampler":
         self.baseline = self.peak = self._read()
         self.maxrss_before = self.maxrss_after = max_rss_bytes()
         self._thread.start()
@@ -92,8 +89,7 @@ class RssSampler:
 
 @dataclass
 class Timing:
-    """One phase's calls: times (s) and the peak RSS they added above ``baseline_rss_mib``: over the first call
-    (``first_extra_mib``) and over all (``peak_extra_mib``; why both: ``benchmarks/README.md``, "How")."""
+    """One phase's calls: times (s), the peak RSS above ``baseline_rss_mib`` of the first call and of all."""
 
     times_s: list[float]
     first_call_s: float
@@ -141,7 +137,7 @@ def measure(
 
 
 def cpu_jiffies() -> tuple[int, int]:
-    """(busy, total) clock ticks of all CPUs since boot, from the first line of ``/proc/stat``."""
+    """(busy, total) clock ticks of all CPUs since boot (``/proc/stat``)."""
     with open("/proc/stat") as f:
         fields = [int(x) for x in f.readline().split()[1:]]
     total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest is inside user)
@@ -160,7 +156,7 @@ def wait_for_idle(max_busy: float, timeout_s: float) -> None:
 
 
 def source_digest() -> str:
-    """Short SHA-256 over ds_ring's ``*.py`` files (paths and contents): the exact library code measured."""
+    """Short SHA-256 over ds_ring's ``*.py`` files (paths and contents): the library code measured."""
     h = hashlib.sha256()
     for f in sorted((ROOT / "ds_ring").rglob("*.py")):
         h.update(str(f.relative_to(ROOT)).encode() + b"\0" + f.read_bytes() + b"\0")
@@ -190,8 +186,7 @@ def rel(path: str | Path) -> str:
 
 
 def write_json(path: Path, data: Any) -> None:
-    """Write ``data`` to ``path`` atomically (a temporary file renamed over it), creating its directory; the
-    repository's and the interpreter's directories in it (error tracebacks) are written relative / as ``$PREFIX``."""
+    """Write ``data`` to ``path`` atomically; the repository's and interpreter's directories as relative / $PREFIX."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp, text = path.with_name(path.name + ".tmp"), json.dumps(data, indent=1, default=str)
     for prefix, short in ((f"{ROOT}/", ""), (sys.prefix, "$PREFIX"), (sys.base_prefix, "$BASE_PREFIX")):
@@ -207,8 +202,6 @@ def fmt_seq(n: int) -> str:
 
 @dataclass
 class Series:
-    """One line of a plot: x values, y values and a matplotlib format."""
-
     label: str
     x: list[float] = field(default_factory=list)
     y: list[float] = field(default_factory=list)
@@ -220,8 +213,7 @@ def plot_panels(
     path: Path, panels: Sequence[tuple[str, Sequence[Series]]], *, xlabel: str, ylabel: str | Sequence[str],
     title: str, xticks: Sequence[int], logy: bool = True,
 ) -> None:  # fmt: skip
-    """Side-by-side panels (title, series), x on a log2 axis labelled by :func:`fmt_seq`; ``ylabel`` shared, or one
-    per panel (each its own y axis). A panel with the lines of the panel before it gets no legend of its own."""
+    """Side-by-side panels (title, series), x on a log2 axis; ``ylabel`` shared, or one per panel (own y axes)."""
     from matplotlib.ticker import NullLocator
 
     shared = isinstance(ylabel, str)

@@ -1,11 +1,5 @@
 """Single-process dilated attention: ds_ring vs dense SDPA vs ``dilated-attention-pytorch`` (issue 2).
-
-``python -m benchmarks.dilated [--quick] [--out DIR]``; what it measures and its columns: ``benchmarks/README.md``.
-"""
-
-from __future__ import annotations
-
-import sys
+``python -m benchmarks.dilated [--quick] [--out DIR]``; what it measures and its columns: ``benchmarks/README.md``."""
 
 from benchmarks import peers
 from benchmarks.cases import AttentionFn, Case
@@ -14,8 +8,7 @@ from benchmarks.rows import Column, find, markdown_table, plot_rows, ratio
 
 SEGMENT_LENGTHS, DILATION_RATES = (2048, 4096, 8192), (1, 2, 4)
 LABELS = {"ds_ring": "ds_ring", "dense": "dense SDPA", "dap": "dilated-attention-pytorch 0.2.0"}
-MATMUL_N = 4096
-"""The ``% matmul`` ceiling: fp32 ``n×n`` matmul with the cases' threads, best of the start and end of the run."""
+MATMUL_N = 4096  # the "% matmul" ceiling: fp32 n×n matmul with the cases' threads, best of the run's start and end
 
 
 def build(case: Case, rank: int, timeout_s: float) -> AttentionFn:
@@ -79,6 +72,5 @@ BENCHMARK = Benchmark(
     config=lambda args: {"batch": 1, "heads": 8, "head_dim": 64, "dtype": "float32", "threads": args.threads,
                          "segment_lengths": SEGMENT_LENGTHS, "dilation_rates": DILATION_RATES},
 )  # fmt: skip
-
 if __name__ == "__main__":
-    sys.exit(main(BENCHMARK))
+    raise SystemExit(main(BENCHMARK))

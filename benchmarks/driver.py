@@ -1,6 +1,5 @@
-"""The benchmark driver: :func:`main`, the command line every benchmark module shares, over :class:`Session`, which
-runs a :class:`Benchmark`'s cases in fresh rank processes (estimates and skips, idle waits, retries, reuse) and turns
-them into rows, a report, JSON and PNGs. How it measures: ``benchmarks/README.md`` and ``benchmarks/SUITE.md``."""
+"""The benchmark driver: :func:`main`, the command line every benchmark module shares, and :class:`Session`, which runs
+a :class:`Benchmark`'s cases in fresh rank processes and writes rows, a report, JSON and PNGs (``benchmarks/*.md``)."""
 
 from __future__ import annotations
 
@@ -22,16 +21,15 @@ from benchmarks.common import fmt_seq
 from benchmarks.rows import OTHER_CPU_WARN, Row, Target, format_targets, summarize
 from ds_ring import testing
 
-GRACE_AFTER_FAILURE_S = 10.0
-"""Once a rank has failed, the others get this many seconds to finish before they are killed."""
+GRACE_AFTER_FAILURE_S = 10.0  # once a rank has failed, the others get this long to finish before they are killed
 PRELOAD = (*testing.PRELOAD, "ds_ring", "benchmarks.cases")
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
 class Throughput:
-    """Useful GFLOP/s per busy core (min(ranks × threads, cores)) per row label, scaled by 1 − the share of the CPUs
-    others used, to estimate cases not yet run; ``efficiency × matmul_per_core`` until measured."""
+    """Useful GFLOP/s per busy core per row label (scaled by 1 − the others' CPU share), to estimate cases not yet
+    run; ``efficiency × matmul_per_core`` until measured."""
 
     cores: int
     matmul_per_core: float
@@ -41,13 +39,11 @@ class Throughput:
         return max(1, min(case.world * case.threads, self.cores))
 
     def record(self, key: str, case: Case, gflop: float, seconds: float, other: float | None) -> None:
-        """One measured call of ``case``, an implementation named ``key``: ``gflop`` useful GFLOP in ``seconds``."""
         rate = gflop / (seconds * (1.0 - min(other or 0.0, 0.9))) / self.busy_cores(case)
         self.measured[key] = self.measured[(key, case.world)] = (rate, f"{fmt_seq(case.seq)} p={case.world}")
 
     def estimate_s(self, key: str, case: Case, gflop: float, efficiency: float) -> tuple[float, str]:
-        """(seconds, how) for one forward+backward call of ``case``: as measured for ``key`` (at the same p if
-        possible), else ``efficiency`` × the matmul GFLOP/s per core."""
+        """(seconds, how) of one fwd+bwd call of ``case``: as measured for ``key`` (the same p if possible)."""
         rate, basis = self.measured.get((key, case.world)) or self.measured.get(key) or (None, "")
         how = f"measured {rate:.1f} GFLOP/s per core on {basis}" if rate else ""
         if not rate:
@@ -60,8 +56,7 @@ class Throughput:
 
 @dataclass(frozen=True)
 class Benchmark:
-    """What a benchmark module hands to :func:`main`: every field is described in ``benchmarks/README.md``,
-    "Adding a benchmark"."""
+    """What a benchmark module hands to :func:`main` (``benchmarks/README.md``, "Adding a benchmark")."""
 
     name: str
     module: str
@@ -105,7 +100,7 @@ class Session:
         print(f"{bench.name}: fp32 matmul 2048², 1 thread: {self.throughput.matmul_per_core:.1f} GFLOP/s", flush=True)
 
     def matmul(self, threads: int, n: int, when: str) -> float | None:
-        """fp32 ``n×n`` matmul GFLOP/s with ``threads`` threads in a fresh process; kept in the JSON under ``when``."""
+        """fp32 ``n×n`` matmul GFLOP/s with ``threads`` threads in a fresh process, kept under ``when``."""
         (got,) = testing.spawn_ranks(
             matmul_rank, 1, timeout_s=120, args=(n,), threads_per_rank=threads, process_group=False, preload=PRELOAD
         )
@@ -137,7 +132,7 @@ class Session:
         return row
 
     def _estimate(self, row: Row) -> tuple[float | None, str | None]:
-        """(one call's estimated seconds, the reason to skip the case or None); estimates are per label."""
+        """(one call's estimated seconds, the reason to skip the case or None)."""
         case = row.case
         if case.seq % case.world:
             return None, f"seq {case.seq} is not divisible by {case.world} ranks"
@@ -154,8 +149,7 @@ class Session:
         return est_s, None
 
     def _measure(self, row: Row, calls: int) -> None:
-        """Launch the case, re-run up to ``--retries`` times while others used over :data:`OTHER_CPU_WARN` of the
-        CPUs (``/proc/stat`` busy time minus our processes' CPU time); keep the least disturbed."""
+        """Launch the case, again (``--retries``) while others used over :data:`OTHER_CPU_WARN` of the CPUs."""
         args, case = self.args, row.case
         budget_s = getattr(args, "budget_s", None)
         assert budget_s is None or case.world == 1, "time-budgeted phases need one process"
@@ -182,7 +176,7 @@ class Session:
         summarize(row, *best, budgeted=budget_s is not None)
 
     def finish(self) -> str:
-        """Matmul ceiling and ds_ring digest at the end, the report and targets, JSON and PNGs; returns the markdown."""
+        """The matmul ceiling and ds_ring digest at the end; the report, JSON and PNGs. Returns the markdown."""
         self.matmul(1, 2048, "end")
         self.extra["ds_ring_source_sha256_end"] = common.source_digest()
         self.extra["wall_s"] = time.perf_counter() - self.started
@@ -194,7 +188,6 @@ class Session:
         return self.text
 
     def header(self) -> str:
-        """One paragraph: what ran, where, the matmul ceiling, and how disturbed the machine was."""
         m, mm, rows = self.machine, self.matmul_gflops, self.rows
         start, end = (mm.get(f"n=2048 threads=1 {w}") or math.nan for w in ("start", "end"))
         loads = max([m["loadavg_1m"], *(r.loadavg_1m or 0.0 for r in rows)])
@@ -211,7 +204,6 @@ class Session:
         )
 
     def write_json(self) -> None:
-        """Write ``<out>/<name>.json``: machine, settings, every row with every rank's numbers."""
         paths = {"out": common.rel(self.args.out), "reuse": [common.rel(p) for p in self.args.reuse or []]}
         common.write_json(self.out / f"{self.bench.name}.json", {
             "benchmark": self.bench.name, "mode": "quick" if self.args.quick else "full", "command": self.command,
@@ -222,8 +214,7 @@ class Session:
 
 
 def _reusable(paths: Sequence[str], digest: str) -> dict[Case, Row]:
-    """Measured rows of earlier JSON files of this driver, measured with this ds_ring source (start and end)
-    while other processes used at most :data:`OTHER_CPU_WARN` of the CPUs; the least disturbed per case."""
+    """The least disturbed undisturbed row per case of earlier JSON files measured with this ds_ring source."""
     best: dict[Case, Row] = {}
     for path in paths:
         old = json.loads(Path(path).read_text())
@@ -240,7 +231,6 @@ def _reusable(paths: Sequence[str], digest: str) -> dict[Case, Row]:
 
 
 def main(bench: Benchmark, argv: list[str] | None = None) -> int:
-    """Parse the command line, run the benchmark's plan, print and write the report."""
     listed = lambda v: " ".join(map(str, v)) if isinstance(v, Sequence) else f"{v:g}"
     p = argparse.ArgumentParser(prog=f"python -m {bench.module}", description=bench.title)
     p.add_argument("--quick", action="store_true", help="small sizes, one timed call")

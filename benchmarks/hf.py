@@ -1,15 +1,11 @@
-"""Training a Hugging Face Llama sequence-parallel, ds_ring vs DeepSpeed's ALST: two benchmarks on one training set-up.
-
-``python -m benchmarks.hf [--quick]`` (:data:`BENCHMARK`: ds_ring's strategies on ``launch/train_hf.py``'s small model)
-and ``python -m benchmarks.longctx [--quick] [--vocabs ...]`` (:data:`LONGCTX`, issue 22: whole-model long context).
-The models, the implementations and the derived figures: ``benchmarks/SUITE.md``.
-"""
+"""Training a Hugging Face Llama sequence-parallel, ds_ring vs DeepSpeed's ALST: ``python -m benchmarks.hf`` (ds_ring's
+strategies on ``launch/train_hf.py``'s model) and ``python -m benchmarks.longctx`` (issue 22: whole-model long context).
+The models, the implementations and the derived figures: ``benchmarks/SUITE.md``."""
 
 from __future__ import annotations
 
 import math
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -27,10 +23,8 @@ LABELS = {"ulysses": "ds_ring Ulysses", "ring": "ds_ring ring (zigzag)", "hybrid
 LONG_LABELS = {"plain": "ds_ring ring", "long_context": "ds_ring long_context",
                "long_context+disk": "ds_ring long_context + disk", "alst": "ALST tutorial (checkpointing)",
                "alst full": "ALST full recipe"}  # fmt: skip
-MODEL = SimpleNamespace(dim=64, layers=2, heads=4, kv_heads=2, init_std=0.2, seed=0, lr=3e-3)
-"""``launch/train_hf.py``'s default model (with its default vocabulary, the task's)."""
-LONG_MODEL = SimpleNamespace(dim=256, layers=4, heads=8, kv_heads=4, init_std=0.02, seed=0, lr=1e-4)
-"""The long-context model (SwiGLU 4 × dim, transformers' default init), its vocabulary from ``case.tag``."""
+MODEL = SimpleNamespace(model_type="llama", dim=64, layers=2, heads=4, kv_heads=2, init_std=0.2, seed=0, lr=3e-3)
+LONG_MODEL = SimpleNamespace(model_type="llama", dim=256, layers=4, heads=8, kv_heads=4, init_std=0.02, seed=0, lr=1e-4)
 TILE_TOKENS, VOCABS, BUDGET_MIB = 512, (32000, 128256), 8 * 1024
 STEP_FIGURES: list[Figure] = [
     ("throughput", "tokens/s (whole job)", [("", lambda r: r.tokens_per_s, "-o")]),
@@ -39,14 +33,13 @@ STEP_FIGURES: list[Figure] = [
 
 
 def zero0(case: Case, **more: Any) -> dict[str, Any]:
-    """The DeepSpeed config of every training benchmark: ZeRO 0, no clipping, ``case.batch`` per rank; ``more``."""
+    """The DeepSpeed config of every training benchmark: ZeRO 0, no clipping, ``case.batch`` per rank."""
     return {"train_micro_batch_size_per_gpu": case.batch, "gradient_clipping": 0.0, "zero_optimization": {"stage": 0},
             "zero_allow_untested_optimizer": True, "steps_per_print": 10**9, **more}  # fmt: skip
 
 
 def _model_and_batch(case: Case, spec: SimpleNamespace) -> tuple[Any, dict[str, Any]]:
-    """``launch/train_hf.py``'s model of ``spec`` and a batch of its recall task; the long-context model counts
-    every token in the loss (as in pre-training)."""
+    """``launch/train_hf.py``'s model and a recall-task batch; the long-context model's loss counts every token."""
     import torch
 
     from launch.train import VOCAB
@@ -61,8 +54,7 @@ def _model_and_batch(case: Case, spec: SimpleNamespace) -> tuple[Any, dict[str, 
 
 
 def _ds_ring_step(case: Case, model: Any, batch: dict[str, Any], section: dict[str, Any], lr: float) -> Any:
-    """``ds_ring.initialize`` (AdamW, ``section`` as ``ring_attention``, its ``long_context`` applied) and the model
-    registered with transformers: one training step on this rank's ``shard_batch``."""
+    """One training step of ``ds_ring.initialize`` (AdamW, ``section`` as ``ring_attention``) on this rank's shard."""
     import torch
 
     import ds_ring
@@ -85,7 +77,7 @@ def _ds_ring_step(case: Case, model: Any, batch: dict[str, Any], section: dict[s
 
 
 def _tiled_mlp_forward(self: Any, x: Any) -> Any:
-    """ALST's ``TiledMLP`` as its docstring patches it into ``LlamaMLP``: ``ceil(seq / hidden)`` shards."""
+    """ALST's ``TiledMLP`` as its docstring patches it into ``LlamaMLP``."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
     shards = math.ceil(x.shape[-2] / x.shape[-1])
@@ -95,9 +87,7 @@ def _tiled_mlp_forward(self: Any, x: Any) -> Any:
 
 
 def _alst_step(case: Case, rank: int, model: Any, batch: dict[str, Any], lr: float, full: bool) -> Any:
-    """DeepSpeed 0.19's ALST as its tutorial runs it (``benchmarks/SUITE.md``); ``full``: with its tiled loss (and
-    ``TiledMLP``, patched in before the model is built). Per-rank loss sums all-gathered with autograd, divided by
-    the token count and by the sequence-parallel size (ALST's all-gather sums the group's gradients)."""
+    """DeepSpeed 0.19's ALST as its tutorial runs it; ``full``: its tiled loss (and ``TiledMLP``) too (SUITE.md)."""
     import deepspeed
     import torch
     import torch.distributed.nn.functional as dist_nn
@@ -139,15 +129,8 @@ def _alst_step(case: Case, rank: int, model: Any, batch: dict[str, Any], lr: flo
     return step
 
 
-def _rank_env(case: Case, rank: int) -> None:
-    """The environment DeepSpeed reads in a rank process (CPU accelerator, this rank of ``case.world``)."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(case.world), MASTER_ADDR="127.0.0.1")
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-
 def build(case: Case, rank: int, timeout_s: float) -> Callable[[], None]:
-    """One training step of a :data:`BENCHMARK` case on this rank (the model, optimizer and shard built once here)."""
-    _rank_env(case, rank)
+    """One training step of a :data:`BENCHMARK` case on this rank."""
     if case.impl == "alst":
         return _alst_step(case, rank, *_model_and_batch(case, MODEL), MODEL.lr, full=False)
     section: dict[str, Any] = {"sequence_parallel_size": case.world, "strategy": case.impl.split()[0]}
@@ -162,7 +145,6 @@ def build_long(case: Case, rank: int, timeout_s: float) -> Callable[[], None]:
     """One training step of a :data:`LONGCTX` case on this rank."""
     from transformers.models.llama import modeling_llama
 
-    _rank_env(case, rank)
     if case.impl == "alst full":
         modeling_llama.LlamaMLP.forward = _tiled_mlp_forward
     model, batch = _model_and_batch(case, LONG_MODEL)
@@ -180,17 +162,16 @@ def build_long(case: Case, rank: int, timeout_s: float) -> Callable[[], None]:
 
 @dataclass
 class StepResult(RankResult):
-    """One rank's timed training steps (``fwdbwd``) and the CPU seconds its process used per step."""
-
     cpu_s_per_step: float | None = None
 
 
-def train_rank(
-    rank: int, world: int, case: Case, build: Callable[[Case, int, float], Callable[[], None]], protocol: Protocol
-) -> StepResult:
-    """Rank function: build the step, run one untimed warm-up step, then ``protocol.calls`` timed steps."""
+def train_rank(rank: int, world: int, case: Case, build: Callable[..., Callable[[], None]], protocol: Protocol) -> Any:
+    """Rank function (DeepSpeed's environment, CPU accelerator): build the step, one untimed warm-up step, then
+    ``protocol.calls`` timed steps and the CPU seconds this process used per step."""
     import torch
 
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     result = StepResult(threads=torch.get_num_threads())
     step = build(case, rank, protocol.timeout_s)
     step()
@@ -203,7 +184,6 @@ def train_rank(
 
 
 def step_columns(ref: Callable[[Row], Row | None], name: str, seconds: str, mib: str) -> list[Column | str]:
-    """Step time, tokens/s and step memory per rank, and the two against ``ref(row)`` (called ``name``)."""
     return [
         Column("step s", lambda r: r.fwdbwd_s, seconds), "tokens/s",
         Column(f"tokens/s ÷ {name}", lambda r: ratio(ref(r), r), "{:.2f}"),
@@ -259,8 +239,7 @@ def plan_long(session: Session) -> None:
 
 
 def slope_and_fit(rows: list[Row], impl: str, vocab: int) -> tuple[float | None, int | None]:
-    """Step MiB per 1K tokens per rank between the shortest and the longest length measured, and the longest
-    sequence (total tokens, 2 ranks) whose RSS before the step + the fitted step MiB fit ``BUDGET_MIB``."""
+    """Step MiB per 1K tokens per rank (shortest to longest length); the longest sequence within ``BUDGET_MIB``."""
     series = sorted((r for r in rows if r.case.impl == impl and r.case.tag == str(vocab) and r.peak_mib),
                     key=lambda r: r.case.seq)  # fmt: skip
     if len(series) < 2:
@@ -322,6 +301,5 @@ LONGCTX = Benchmark(
                               STEP_FIGURES, logy=False),
     flop=lambda case: LONG_MODEL.layers * useful_gflop(case), packages=("deepspeed", "transformers"),
 )  # fmt: skip
-
 if __name__ == "__main__":
-    sys.exit(main(BENCHMARK))
+    raise SystemExit(main(BENCHMARK))

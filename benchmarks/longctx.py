@@ -1,10 +1,8 @@
-"""Whole-model long context (issue 22): ``python -m benchmarks.longctx [--quick] [--vocabs 32000 128256]``; the
-benchmark is :data:`benchmarks.hf.LONGCTX` (``benchmarks/SUITE.md``)."""
-
-import sys
+"""``python -m benchmarks.longctx [--quick] [--vocabs ...]``: whole-model long context, ds_ring vs DeepSpeed's ALST
+(issue 22; the benchmark is :data:`benchmarks.hf.LONGCTX`)."""
 
 from benchmarks.driver import main
 from benchmarks.hf import LONGCTX
 
 if __name__ == "__main__":
-    sys.exit(main(LONGCTX))
+    raise SystemExit(main(LONGCTX))

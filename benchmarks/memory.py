@@ -1,14 +1,9 @@
-"""Activation memory per rank of one forward+backward as a slope in q-shards plus a fixed cost.
-
-Every (call, ranks) runs at two local lengths in fresh rank processes (1 thread, fp32, 8 heads × 64, causal): extra
-= peak RSS of one fwd+bwd (``VmHWM`` after ``clear_refs``; CUDA: the allocator's peak) above the RSS once q, k, v,
-dout exist, max over ranks; slope (q-shards) = Δextra ÷ Δ(bytes of a q shard), fixed (MiB) = extra₁ − slope · b₁
-(``benchmarks/SUITE.md``). The rows go under ``--label`` into ``DIR/memory.json``; the plot is ``DIR/memory.png``.
+"""Activation memory per rank of one forward+backward as a slope in q-shards plus a fixed cost (``SUITE.md``): each
+(call, ranks) at two local lengths in fresh rank processes; rows under ``--label`` in ``DIR/memory.json``, plot
+``DIR/memory.png``.
 
     python -m benchmarks.memory --ranks 1 2 4 --calls dense_ring dilated_ring --label before
 """
-
-from __future__ import annotations
 
 import argparse
 import json
@@ -25,8 +20,7 @@ HEADS, HEAD_DIM = 8, 64
 
 @dataclass(frozen=True)
 class Call:
-    """One attention call: strategy, K/V exchange (None: the strategy's own), layout, branches (fractions of the
-    sequence), and the two local lengths the slope is taken between (the issue's sizes)."""
+    """An attention call: strategy, K/V exchange, layout, branches (fractions of S), the two lengths per rank."""
 
     strategy: str
     communication: str | None = None
@@ -47,7 +41,7 @@ CALLS = {
 
 
 def _measure(rank: int, world: int, call: Call, local_len: int, device: str) -> dict:
-    """One rank: fwd+bwd of ``call`` on a ``local_len``-row shard; extra memory in MiB and seconds."""
+    """One rank: fwd+bwd of ``call`` on a ``local_len``-row shard; peak extra MiB over q, k, v, dout; seconds."""
     import torch
 
     import ds_ring
@@ -85,8 +79,7 @@ def _measure(rank: int, world: int, call: Call, local_len: int, device: str) -> 
 
 
 def measure(call: Call, world: int, device: str, timeout_s: float) -> dict[str, Any]:
-    """Both lengths of ``call`` on ``world`` ranks in fresh processes: ``extra_mib`` (max over ranks) and ``seconds``
-    at each, the slope (q-shards) and the fixed MiB."""
+    """Both lengths of ``call`` on ``world`` ranks: extra MiB (max over ranks), seconds, slope and fixed MiB."""
     points = []
     for local_len in call.tokens_per_rank:
         args = (call, local_len, device)
@@ -97,22 +90,6 @@ def measure(call: Call, world: int, device: str, timeout_s: float) -> dict[str, 
     slope = (e2 - e1) / (b2 - b1)
     return {"ranks": world, "tokens_per_rank": call.tokens_per_rank, "extra_mib": (e1, e2),
             "seconds": (t1, t2), "slope_q_shards": slope, "fixed_mib": e1 - slope * b1}  # fmt: skip
-
-
-def plot(results: dict[str, list[dict]], path: Path, labels: tuple[str, ...] = ("before", "after")) -> None:
-    """Slope and fixed cost against the rank count: a line per (call, label), dashed for ``before``."""
-    panels = {"slope_q_shards": [], "fixed_mib": []}
-    for label in (label for label in labels if label in results):
-        for name in sorted({r["call"] for r in results[label]}):
-            mine = [r for r in results[label] if r["call"] == name]
-            ranks, style = [r["ranks"] for r in mine], "--o" if label == "before" else "-o"
-            for key, series in panels.items():
-                series.append(Series(f"{name} ({label})", ranks, [r[key] for r in mine], style))
-    plot_panels(
-        path, [("activation memory slope", panels["slope_q_shards"]), ("fixed cost", panels["fixed_mib"])],
-        xlabel="ranks", ylabel=["slope (q-shards per rank)", "fixed MiB per rank"], xticks=[1, 2, 4, 8], logy=False,
-        title="activation memory per rank of one fwd+bwd, fp32, 8 heads × 64, causal",
-    )  # fmt: skip
 
 
 def main() -> None:
@@ -138,7 +115,18 @@ def main() -> None:
                   f"extra {e1:.0f}/{e2:.0f} MiB  time {t1:.2f}/{t2:.2f} s", flush=True)  # fmt: skip
             results[args.label] = rows = [*rows, r]
             write_json(path, results)
-    plot(results, args.out / "memory.png")
+    panels = {"activation memory slope": [], "fixed cost": []}  # a line per (call, label), dashed for "before"
+    for label in (label for label in ("before", "after") if label in results):
+        for name in sorted({r["call"] for r in results[label]}):
+            mine = [r for r in results[label] if r["call"] == name]
+            for key, series in zip(("slope_q_shards", "fixed_mib"), panels.values(), strict=True):
+                xy = [r["ranks"] for r in mine], [r[key] for r in mine]
+                series.append(Series(f"{name} ({label})", *xy, "--o" if label == "before" else "-o"))
+    plot_panels(
+        args.out / "memory.png", list(panels.items()),
+        xlabel="ranks", ylabel=["slope (q-shards per rank)", "fixed MiB per rank"], xticks=[1, 2, 4, 8], logy=False,
+        title="activation memory per rank of one fwd+bwd, fp32, 8 heads × 64, causal",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

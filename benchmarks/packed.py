@@ -1,23 +1,13 @@
 """Packed sequences: documents packed into one sequence cost what the documents cost (issue 12).
-
-``python -m benchmarks.packed [--quick] [--out DIR]``; what it measures: ``benchmarks/SUITE.md``.
-"""
-
-from __future__ import annotations
-
-import sys
-from typing import TYPE_CHECKING, Any
+``python -m benchmarks.packed [--quick] [--out DIR]``; what it measures: ``benchmarks/SUITE.md``."""
 
 from benchmarks.cases import AttentionFn, Case, case_pairs, useful_gflop
 from benchmarks.common import MIB, fmt_seq
 from benchmarks.driver import Benchmark, Session, main
 from benchmarks.rows import TIME, Column, Row, Target, compare, find, markdown_table, plot_rows, ratio
 
-if TYPE_CHECKING:
-    from torch import Tensor
-
-DOCUMENTS = 8
-RATES = (1, 2, 4)
+DOCUMENTS, RATES = 8, (1, 2, 4)
+PEERS = {"packed": "one_by_one", "ring_packed": "ring_unpacked"}  # what a packed row is compared with
 
 
 def build(case: Case, rank: int, timeout_s: float) -> AttentionFn:
@@ -26,7 +16,7 @@ def build(case: Case, rank: int, timeout_s: float) -> AttentionFn:
 
     import ds_ring
 
-    def attn(q: Tensor, k: Tensor, v: Tensor, segs: Any, rates: Any) -> Tensor:
+    def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segs: object, rates: object) -> torch.Tensor:
         total = q.shape[1] * (case.world if case.group else 1)
         cu = [i * total // DOCUMENTS for i in range(DOCUMENTS + 1)]
         if case.impl == "one_by_one":
@@ -37,9 +27,8 @@ def build(case: Case, rank: int, timeout_s: float) -> AttentionFn:
         cu = torch.tensor(cu, dtype=torch.int32) if case.impl != "ring_unpacked" else None
         if case.impl == "packed":
             return ds_ring.dilated_attention(q, k, v, segs, rates, causal=case.causal, cu_seqlens=cu)
-        return ds_ring.ring_dilated_attention(
-            q, k, v, segs, rates, causal=case.causal, cu_seqlens=cu, timeout_s=timeout_s
-        )
+        return ds_ring.ring_dilated_attention(q, k, v, segs, rates, causal=case.causal, cu_seqlens=cu,
+                                              timeout_s=timeout_s)  # fmt: skip
 
     return attn
 
@@ -65,15 +54,12 @@ def plan(session: Session) -> None:
 
 
 def peer(rows: list[Row], r: Row) -> Row | None:
-    """What a packed row is compared with: one by one, or ring unpacked."""
-    other = {"packed": "one_by_one", "ring_packed": "ring_unpacked"}.get(r.case.impl)
-    return find(rows, impl=other, seq=r.case.seq, tag=r.case.tag) if other else None
+    return find(rows, impl=PEERS[r.case.impl], seq=r.case.seq, tag=r.case.tag) if r.case.impl in PEERS else None
 
 
 def sent_mib(r: Row) -> float | None:
     """MiB of K/V (and gradients) the largest rank sent around the ring."""
-    sent = r.largest("ring_bytes_sent")
-    return None if sent is None else sent / MIB
+    return None if (sent := r.largest("ring_bytes_sent")) is None else sent / MIB
 
 
 def targets(session: Session) -> list[Target]:
@@ -110,6 +96,5 @@ BENCHMARK = Benchmark(
     config=lambda args: {"documents": DOCUMENTS, "batch": 1, "heads": 8, "head_dim": 64, "dtype": "float32",
                          "causal": True, "threads": args.threads, "world": args.world, "rates": RATES},
 )  # fmt: skip
-
 if __name__ == "__main__":
-    sys.exit(main(BENCHMARK))
+    raise SystemExit(main(BENCHMARK))

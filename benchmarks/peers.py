@@ -1,5 +1,5 @@
-"""The libraries the benchmarks compare against: pinned versions, their explicit install (``python -m benchmarks
-install-peers``, ``--no-deps``), how each is called (``benchmarks/README.md``, ``benchmarks/SUITE.md``)."""
+"""The libraries the benchmarks compare against: pinned versions, ``python -m benchmarks install-peers`` (``--no-deps``)
+and how each is called (``benchmarks/README.md``, ``benchmarks/SUITE.md``)."""
 
 from __future__ import annotations
 
@@ -21,13 +21,12 @@ RAP_BUCKET = 1024  # ring_flash_attn's default bucket_size
 
 
 def install() -> int:
-    """``pip install --no-deps`` every requirement of :data:`PEERS` into this interpreter; pip's exit status."""
     print(f"benchmarks: installing {' '.join(PEERS)} (--no-deps)", flush=True)
     return subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", *PEERS], check=False).returncode
 
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None = None) -> Tensor:
-    """PyTorch SDPA on ``[batch, seq, heads, head_dim]`` tensors (SDPA takes ``[batch, heads, seq, head_dim]``)."""
+    """PyTorch SDPA on ``[batch, seq, heads, head_dim]`` tensors."""
     import torch.nn.functional as F
 
     out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=causal, scale=scale)
@@ -117,8 +116,7 @@ def flop(case: Case) -> float:
 
 
 def _install_fake_xformers() -> None:
-    """A CPU stand-in for ``xformers.ops`` in this process: ``memory_efficient_attention`` (no bias or
-    ``LowerTriangularMask``, no dropout) runs SDPA; anything else raises."""
+    """A CPU stand-in for ``xformers.ops`` in this process: ``memory_efficient_attention`` runs SDPA."""
 
     class LowerTriangularMask:  # a causal bias, as xformers.ops.LowerTriangularMask
         pass

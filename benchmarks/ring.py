@@ -1,11 +1,5 @@
 """Dense causal ring attention on CPU ranks: ring vs all-gather vs ``ring-attention-pytorch`` (issue 3).
-
-``python -m benchmarks.ring [--quick] [--out DIR]``; rows, columns and targets: ``benchmarks/SUITE.md``.
-"""
-
-from __future__ import annotations
-
-import sys
+``python -m benchmarks.ring [--quick] [--out DIR]``; rows, columns and targets: ``benchmarks/SUITE.md``."""
 
 from benchmarks import peers, strategies
 from benchmarks.cases import Case
@@ -15,11 +9,10 @@ from benchmarks.rows import Column, Row, Target, compare, find, markdown_table, 
 
 IMPLS = {"ring": ("ring", "contiguous"), "ring_zigzag": ("ring", "zigzag"), "allgather": ("allgather", "contiguous"),
          "rap": ("rap", "contiguous"), "torch_cp": ("torch_cp", "contiguous")}  # fmt: skip
-"""Command-line name -> (implementation, layout)."""
+# the columns every multi-rank table starts and ends with (benchmarks.rows.COLUMNS)
 COLUMNS = ["impl", "seq", "procs × threads", "fwd+bwd s", "tokens/s", "useful GFLOP/s", "peak MiB/rank",
            "inputs MiB/rank"]  # fmt: skip
 TAIL = ["wall ÷ compute", "warm-up err", "other load %", "notes"]
-"""Columns every multi-rank table starts and ends with (:data:`benchmarks.rows.COLUMNS`)."""
 
 
 def plan(session: Session) -> None:
@@ -27,8 +20,7 @@ def plan(session: Session) -> None:
         for p in session.args.worlds:
             for name in session.args.impls:
                 if p > 1 or name in ("ring", "rap"):
-                    impl, layout = IMPLS[name]
-                    session.run(Case(impl, seq, p, layout=layout))
+                    session.run(Case(IMPLS[name][0], seq, p, layout=IMPLS[name][1]))
 
 
 def p1(rows: list[Row], r: Row) -> Row | None:
@@ -42,17 +34,16 @@ def rap(rows: list[Row], r: Row) -> Row | None:
 
 
 def targets(session: Session) -> list[Target]:
-    """Issue 3's targets on this run's rows."""
-    out, rows = [], session.rows
+    out, rows, cores = [], session.rows, session.cores
     for r in rows:
         seq, at = fmt_seq(r.case.seq), f"{fmt_seq(r.case.seq)} p={r.case.world}"
         if r.case.world == 4:
             aside = r.case.impl == "allgather"  # beside ring, no target
-            met = (lambda x: None) if aside else (lambda x: x <= 0.3)
             text = f"{r.label} memory per rank at p=4 ≤ 0.30 × p=1, {seq}"
+            met = (lambda x: None) if aside else (lambda x: x <= 0.3)
             out += compare(text, r, p1(rows, r), "peak_mib", met, " (beside it, no target)" if aside else "")
         if r.case.world == 2 and r.case.impl == "ring":
-            note = "" if session.cores >= 2 else f" (only {session.cores} usable core: not meaningful)"
+            note = "" if cores >= 2 else f" (only {cores} usable core: not meaningful)"
             note += f"; other load {r.other_cpu_pct or 0:.0f}%"
             text = f"{r.label}: 2 ranks on 2 cores ≥ 1.8× faster than 1 rank, {seq}"
             out += compare(text, p1(rows, r), r, met=lambda x: x >= 1.8, note=note)
@@ -72,18 +63,15 @@ def report(session: Session) -> str:
 
 
 def by_world(r: Row) -> str:
-    """The plot panel of rank count p."""
     return f"p = {r.case.world} rank{'s' if r.case.world > 1 else ''} × 1 thread"
 
 
 BENCHMARK = Benchmark(
     name="ring", module="benchmarks.ring", title="dense causal ring attention (issue 3)",
-    plan=plan, build=strategies.build, report=report, targets=targets,
-    label=strategies.label,
+    plan=plan, build=strategies.build, report=report, targets=targets, label=strategies.label,
     plots=lambda s: plot_rows(s, by_world, "dense causal ring attention, B1 H8 D64 fp32, 1 thread per rank"),
     seqs=([16384, 32768, 65536, 131072], [8192, 16384]), worlds=[1, 2, 4], impls=list(IMPLS),
     efficiency=peers.EFFICIENCY, packages=("ring-attention-pytorch", "deepspeed"),
 )  # fmt: skip
-
 if __name__ == "__main__":
-    sys.exit(main(BENCHMARK))
+    raise SystemExit(main(BENCHMARK))

@@ -1,11 +1,5 @@
 """Ring dilated attention vs dense ring vs single-process dilated attention, on CPU ranks (issue 4).
-
-``python -m benchmarks.ring_dilated [--quick] [--out DIR]``; rows and columns: ``benchmarks/SUITE.md``.
-"""
-
-from __future__ import annotations
-
-import sys
+``python -m benchmarks.ring_dilated [--quick] [--out DIR]``; rows and columns: ``benchmarks/SUITE.md``."""
 
 from benchmarks import ring, strategies
 from benchmarks.cases import Case
@@ -15,7 +9,7 @@ from benchmarks.rows import Column, Row, Target, compare, find, markdown_table, 
 
 
 def case_of(name: str, seq: int, p: int) -> Case:
-    """The case a command-line row name (``ring_dilated``, ``dense_ring``, ``single_1t``, ``single_2t``) stands for."""
+    """The case of a command-line row name: ``ring_dilated``, ``dense_ring``, ``single_1t`` or ``single_2t``."""
     branches = dict(segment_lengths=(min(2048, seq // 16), min(8192, seq // 4), seq), dilation_rates=(1, 4, 16))
     if name == "dense_ring":
         return Case("ring", seq, p, layout="zigzag")
@@ -32,7 +26,7 @@ def plan(session: Session) -> None:
 
 
 def refs(rows: list[Row], r: Row) -> tuple[Row | None, Row | None, Row | None]:
-    """What a row is compared with: its p = 1 row and, for ring dilated, dense ring and one process × 2 threads."""
+    """A row's p = 1 row and, for ring dilated, its dense ring and one process × 2 threads rows."""
     c = r.case
     p1 = find(rows, impl=c.impl, seq=c.seq, layout=c.layout, world=1, threads=c.threads)
     if not (c.group and c.segment_lengths):
@@ -71,6 +65,5 @@ BENCHMARK = Benchmark(
     seqs=([32768, 65536, 131072, 262144], [8192, 16384]), worlds=[1, 2, 4],
     impls=["ring_dilated", "dense_ring", "single_1t", "single_2t"],
 )  # fmt: skip
-
 if __name__ == "__main__":
-    sys.exit(main(BENCHMARK))
+    raise SystemExit(main(BENCHMARK))

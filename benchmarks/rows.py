@@ -21,8 +21,7 @@ OTHER_CPU_WARN = 0.10  # above this share of the CPUs used by other processes, a
 
 @dataclass
 class Row:
-    """One case's measurements over all ranks, or why it has none (``notes``); what each field means:
-    ``benchmarks/README.md`` ("Adding a benchmark") and ``benchmarks/SUITE.md``."""
+    """One case's measurements over all ranks, or why it has none (``notes``); the fields: ``benchmarks/*.md``."""
 
     case: Case
     label: str
@@ -56,7 +55,6 @@ class Row:
 
     @property
     def gflops(self) -> float | None:
-        """Useful forward+backward GFLOP/s of all ranks together."""
         return self.useful_gflop / self.fwdbwd_s if self.fwdbwd_s else None
 
     def largest(self, key: str) -> float | None:
@@ -72,7 +70,7 @@ class Row:
 def summarize(
     row: Row, outcomes: list[testing.RankOutcome], wall_s: float, other: float | None, budgeted: bool
 ) -> None:
-    """Fill ``row`` from one launch's outcomes (in place); ``budgeted``: the phases ran on a time budget."""
+    """Fill ``row`` from one launch's outcomes; ``budgeted``: the phases ran on a time budget."""
     row.raw = [
         {"rank": o.rank, "error": o.error, "cpu_s": o.cpu_s, "peak_rss_mib": o.peak_rss_mib,
          **(asdict(o.value) if o.ok else {})}
@@ -111,7 +109,7 @@ def summarize(
 
 @dataclass(frozen=True)
 class Target:
-    """A figure with a goal, reported (never asserted): ``met`` None = for information."""
+    """A figure with a goal, reported (never asserted); ``met`` None: for information."""
 
     target: str
     value: float | str
@@ -125,15 +123,13 @@ def find(rows: Iterable[Row], **fields: Any) -> Row | None:
 
 
 def ratio(num: Row | None, den: Row | None, attr: str = "fwdbwd_s") -> float | None:
-    """``num.attr ÷ den.attr`` (None when either is missing). Time of a reference ÷ a row's = how many times faster."""
+    """``num.attr ÷ den.attr`` (None when either is missing); a reference's time ÷ a row's = how many times faster."""
     a, b = (getattr(r, attr) if r is not None else None for r in (num, den))
     return a / b if a and b else None
 
 
 @dataclass(frozen=True)
 class Column:
-    """One markdown-table column: header, the row's value, and a format spec or callable."""
-
     header: str
     get: Callable[[Row], Any]
     fmt: str | Callable[[Any], str] = "{}"
@@ -161,8 +157,7 @@ def markdown_table(rows: Sequence[Any], columns: Sequence[Column | str]) -> str:
     """GitHub markdown table; a missing (None) value prints as '—'."""
 
     def cell(row: Any, col: Column) -> str:
-        value = col.get(row)
-        if value is None or (isinstance(value, float) and math.isnan(value)):
+        if (value := col.get(row)) is None or (isinstance(value, float) and math.isnan(value)):
             return "—"
         return col.fmt(value) if callable(col.fmt) else col.fmt.format(value)
 
@@ -172,7 +167,6 @@ def markdown_table(rows: Sequence[Any], columns: Sequence[Column | str]) -> str:
 
 
 def format_targets(targets: Sequence[Target]) -> str:
-    """Markdown list: met / NOT met / info, the value and what it rests on."""
     if not targets:
         return "**Targets**: nothing measured to evaluate."
     met = {True: "met", False: "NOT met", None: "info"}
@@ -185,7 +179,7 @@ def compare(
     target: str, num: Row | None, den: Row | None, attr: str = "fwdbwd_s",
     met: Callable[[float], bool | None] = lambda x: None, note: str = "",
 ) -> list[Target]:  # fmt: skip
-    """``[Target]`` of ``num.attr ÷ den.attr``, ``met(value)``, both values and ``note``; ``[]`` if one is missing."""
+    """``[Target]`` of ``num.attr ÷ den.attr``, ``met(value)``, both values and ``note`` (``[]`` if one is missing)."""
     if (x := ratio(num, den, attr)) is None:
         return []
     unit, spec = (" s", "{:.2f}") if attr.endswith("_s") else (" MiB", "{:.0f}")
@@ -202,8 +196,8 @@ def plot_rows(
     session: Session, panel: Callable[[Row], str | None], title: str,
     figures: Sequence[Figure] = (TIME, MEMORY), logy: bool = True,
 ) -> None:  # fmt: skip
-    """``<out>/<name>_<figure>.png`` per figure against the total length: a panel per ``panel(row)`` (None: left
-    out), a line per (label, phase: (line name suffix, value, matplotlib format)), a colour per label."""
+    """``<out>/<name>_<figure>.png`` per figure against the total length: a panel per ``panel(row)`` (None: left out),
+    a line per (label, phase: (suffix, value, matplotlib format)), a colour per label."""
     labels, ticks = list(dict.fromkeys(r.label for r in session.rows)), sorted({r.case.seq for r in session.rows})
     for name, ylabel, phases in figures:
         panels: dict[str, dict[str, Series]] = {}

@@ -1,13 +1,7 @@
 """Sequence-parallel strategies at p = 4: ring vs all-gather vs Ulysses vs hybrid vs DeepSpeed's Ulysses.
-
-``python -m benchmarks.strategies [--quick] [--out DIR]``; what it measures: ``benchmarks/SUITE.md``.
-"""
-
-from __future__ import annotations
+``python -m benchmarks.strategies [--quick] [--out DIR]``; what it measures: ``benchmarks/SUITE.md``."""
 
 import functools
-import sys
-from typing import Any
 
 from benchmarks import dilated, peers
 from benchmarks.cases import AttentionFn, Case
@@ -22,8 +16,7 @@ NAMES = {"ring": "ring", "allgather": "all-gather", "ulysses": "Ulysses", "hybri
 
 
 def label(case: Case) -> str:
-    """A row's name: ds_ring's strategies with their layout (``dilated`` with branches), the others by name; with
-    the threads of one process."""
+    """ds_ring's strategies with their layout (and degrees, branches), the others by name; one process's threads."""
     name = NAMES[case.impl]
     if case.impl in STRATEGIES:
         degrees = f" U{case.ulysses}×R{case.world // case.ulysses}" if case.impl == "hybrid" else ""
@@ -32,9 +25,8 @@ def label(case: Case) -> str:
 
 
 def build(case: Case, rank: int, timeout_s: float) -> AttentionFn:
-    """``ds_ring.sequence_parallel_attention`` with strategy ``case.impl`` over a Topology of ``case.ulysses``
-    × ``world / ulysses`` ranks; DeepSpeed's Ulysses over that sequence-parallel group; ring-attention-pytorch
-    or ``context_parallel`` (:mod:`benchmarks.peers`); one process (``case.group`` False): :func:`dilated.build`."""
+    """ds_ring's strategy ``case.impl`` over ``case.ulysses`` × ``world / ulysses`` ranks, or a peer over that group;
+    one-process cases (``case.group`` False): :func:`dilated.build`."""
     import ds_ring
 
     if not case.group:
@@ -58,15 +50,14 @@ def plan(session: Session) -> None:
 
 
 def report(session: Session) -> str:
-    def versus(impl: str) -> Any:
-        return lambda r: ratio(r, find(session.rows, impl=impl, seq=r.case.seq, tag=r.case.tag, causal=r.case.causal))
-
+    peer = lambda impl, r: find(session.rows, impl=impl, seq=r.case.seq, tag=r.case.tag, causal=r.case.causal)
     return markdown_table(session.rows, [
         "impl", "seq", Column("attention", lambda r: r.case.tag), "causal", "procs × threads", "fwd s", "fwd+bwd s",
         Column("fwd peak MiB/rank", lambda r: r.fwd_peak_mib, "{:.1f}"),
         Column("fwd+bwd peak MiB/rank", lambda r: r.peak_mib, "{:.1f}"),
-        Column("fwd+bwd ÷ ring", versus("ring"), "{:.2f}"),
-        Column("fwd+bwd ÷ DeepSpeed", versus("deepspeed"), "{:.2f}"), "warm-up err", "other load %", "notes",
+        Column("fwd+bwd ÷ ring", lambda r: ratio(r, peer("ring", r)), "{:.2f}"),
+        Column("fwd+bwd ÷ DeepSpeed", lambda r: ratio(r, peer("deepspeed", r)), "{:.2f}"), "warm-up err",
+        "other load %", "notes",
     ])  # fmt: skip
 
 
@@ -77,6 +68,5 @@ BENCHMARK = Benchmark(
     plots=lambda s: plot_rows(s, lambda r: f"{r.case.tag}, {'causal' if r.case.causal else 'non-causal'}",
                                      "p=4 (4 processes × 1 thread), U2×R2, B1 H8 D64 fp32", logy=False),
 )  # fmt: skip
-
 if __name__ == "__main__":
-    sys.exit(main(BENCHMARK))
+    raise SystemExit(main(BENCHMARK))

@@ -3,7 +3,6 @@ read it: ``benchmarks/SUITE.md``."""
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 from benchmarks import peers, ring, strategies
@@ -21,7 +20,7 @@ MODES = {
 FIT_WORLD = 4
 
 
-def mode(args: argparse.Namespace) -> dict[str, Any]:
+def mode(args: Any) -> dict[str, Any]:
     return {**MODES[args.quick], **{k: v for k, v in (("seq", args.seq), ("budget_mib", args.budget_mib)) if v}}
 
 
@@ -47,9 +46,8 @@ def plan(session: Session) -> None:
 
 
 def fit_search(session: Session, impl: str, m: dict[str, Any]) -> dict[str, Any]:
-    """The largest total length whose working memory per rank at p = 4 stays within ``budget_mib``
-    (``benchmarks/SUITE.md``): the strategy's ``label``, (length, MiB) measured to ``fit`` and ``over`` the budget,
-    every probe, and why the search stopped early (``notes``)."""
+    """The largest total length whose working memory per rank at p = 4 stays within ``budget_mib`` (SUITE.md): (length,
+    MiB) measured to ``fit`` and ``over`` the budget, every probe, and why the search stopped early."""
     budget, step = m["budget_mib"], m["fit_step"]
     seed = find(session.rows, impl=impl, world=FIT_WORLD, tag="scaling")
     points = [(seed.case.seq, seed.peak_mib)] if seed and seed.peak_mib else []
@@ -94,7 +92,6 @@ def next_candidate(points: list[tuple[int, float]], lo: Any, hi: Any, budget: fl
 
 
 def targets(session: Session) -> list[Target]:
-    """Issue 8's targets on this run (reported, not asserted)."""
     rows, seq, cores = [r for r in session.rows if r.case.tag != "fit"], mode(session.args)["seq"], session.cores
     at = fmt_seq(seq) + ("" if seq == 32768 else f" (the target is stated at 32K; this run uses {fmt_seq(seq)})")
     ring1, ring2, ring4 = (find(rows, impl="ring", world=p, tag="scaling") for p in (1, 2, 4))
@@ -126,7 +123,7 @@ def targets(session: Session) -> list[Target]:
 
 
 def library_targets(rows: list[Row]) -> list[Target]:
-    """At least as fast as each existing library on the same shapes (> 1: ds_ring faster); ds_ring's faster layout."""
+    """At least as fast as each library on the same shapes (> 1: ds_ring's faster layout is faster)."""
 
     def fastest(impl: str) -> Row | None:
         timed = [r for r in rows if r.case.impl == impl and r.case.world == 2 and r.fwdbwd_s]
@@ -175,8 +172,7 @@ def report(session: Session) -> str:
 
 
 def plots(session: Session) -> None:
-    """Memory and time against the rank count (dashed: the p = 1 value ÷ p), and ``suite_libraries.png``: tokens/s
-    of every measured row, and the largest S within the memory budget."""
+    """Memory and time against p (dashed: the p = 1 value ÷ p); ``suite_libraries.png``: tokens/s, the largest S."""
     m, scaling = mode(session.args), [r for r in session.rows if r.case.tag == "scaling"]
     ref, title = find(scaling, world=1), f"dense causal, S={fmt_seq(m['seq'])}, B1 H8 D64 fp32, 1 thread per rank"
     for name, ylabel, attr in (
@@ -206,7 +202,7 @@ def plots(session: Session) -> None:
             ax.invert_yaxis()
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
+def add_args(p: Any) -> None:
     p.add_argument("--seq", type=int, help="total sequence length (default 32768, quick 4096)")
     p.add_argument("--budget-mib", type=float, help="per-rank memory budget of the fit search (MiB)")
 

@@ -4,13 +4,10 @@ The job, and how the two are alternated round by round: ``benchmarks/SUITE.md``.
 ``DIR/trainer_tokens.png``; prints the median of the per-round ratios Trainer ÷ loop.
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,17 +21,11 @@ JOBS = {
 }
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tokens_per_s(script: str, config: str, pattern: str, steps: int, seq: int) -> float:
+def tokens_per_s(script: str, config: str, pattern: str, steps: int, seq: int) -> float:
+    """One job under torchrun (2 ranks on this host, a free port), its tokens/s as the script prints it."""
     torchrun = Path(sys.executable).parent / "torchrun"
-    command = [str(torchrun), "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(_port()), script, "--deepspeed_config", config, "--steps", str(steps),
-               "--seq", str(seq)]  # fmt: skip
+    command = [str(torchrun), "--standalone", "--nproc-per-node", "2", script, "--deepspeed_config", config,
+               "--steps", str(steps), "--seq", str(seq)]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
     found = re.search(pattern, done.stdout + done.stderr)
     if done.returncode != 0 or found is None:
@@ -51,27 +42,22 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     rounds = []
     for r in range(args.rounds):
-        row = {name: _tokens_per_s(*job, args.steps, args.seq) for name, job in JOBS.items()}
-        row["load"] = os.getloadavg()[0]
-        rounds.append(row)
-        print(f"round {r + 1}: " + ", ".join(f"{k} {v:.0f}" for k, v in row.items()), flush=True)
+        rounds.append({name: tokens_per_s(*job, args.steps, args.seq) for name, job in JOBS.items()})
+        rounds[-1]["load"] = os.getloadavg()[0]
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v:.0f}" for k, v in rounds[-1].items()), flush=True)
     ratios = [row["SequenceParallelTrainer"] / row["hand-written loop"] for row in rounds]
     summary = {name: statistics.median(row[name] for row in rounds) for name in JOBS}
     summary["median ratio Trainer / loop"] = statistics.median(ratios)
     result = {"settings": vars(args) | {"out": rel(args.out)}, "rounds": rounds, "ratios": ratios, "summary": summary}
     write_json(args.out / "trainer.json", result)
-    _plot(rounds, args.out / "trainer_tokens.png")
-    print(json.dumps(summary, indent=1))
-    return 0
-
-
-def _plot(rounds: list[dict], path: Path) -> None:
-    with figure(path, 6, 3.5) as (ax,):
+    with figure(args.out / "trainer_tokens.png", 6, 3.5) as (ax,):
         for name in JOBS:
             ax.plot(range(1, len(rounds) + 1), [row[name] for row in rounds], marker="o", label=name)
         ax.set(xlabel="round (alternated)", ylabel="tokens/s (2 CPU ranks)", title="Trainer vs hand-written loop")
         ax.set_ylim(bottom=0)
         ax.legend()
+    print(json.dumps(summary, indent=1))
+    return 0
 
 
 if __name__ == "__main__":

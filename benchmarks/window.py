@@ -1,10 +1,5 @@
 """One sliding-window layer's forward+backward on a CPU: the band kernels side by side (issue 33, defect 7).
-
-``python -m benchmarks.window [--seq 16384] [--rounds 3] [--out DIR]``: the variants and what each (round, variant)
-process measures: ``benchmarks/SUITE.md``. The medians go to ``DIR/window.json``.
-"""
-
-from __future__ import annotations
+``python -m benchmarks.window [--seq 16384] [--rounds 3] [--out DIR]``, medians in ``DIR/window.json`` (SUITE.md)."""
 
 import argparse
 import os
@@ -20,8 +15,7 @@ from typing import Any
 from benchmarks.common import MIB, RESULTS, max_rss_bytes, write_json
 from ds_ring.testing import rank_results, spawn_ranks
 
-PIECES_REV = "650ed12^"
-"""The commit before the batched bands: its ``ds_ring/kernels/window.py`` is the ``pieces`` variant."""
+PIECES_REV = "650ed12^"  # the commit before the batched bands: its ds_ring/kernels/window.py is the "pieces" variant
 VARIANTS = ("pieces", "batched", "fused")
 HEADS, DIM, WINDOW, THREADS = 8, 64, 128, 2
 
