@@ -25,6 +25,7 @@ import resource
 import tempfile
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -44,9 +45,10 @@ CAP_FACTOR = 20.0
 """A guard's hard cap, in units of its idle time: only a hang that keeps using CPU lasts that long."""
 _TICK_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _SAMPLE_S = 2.0
-_MOVED_S = 0.02
-"""Progress: a process used at least this many CPU seconds over one ``_SAMPLE_S`` window (1 % of a core, what a
-runnable process gets even at a load of 50 per core; a blocked one's polling threads use less)."""
+_BUSY = 0.01
+"""Progress: a process used at least this share of a core over the last idle window (1 %: a runnable process gets
+more even at a load of 50 per core). Not over one sample: the polling threads of ranks blocked in a gloo
+collective wake in bursts (0.1–0.4 % of a core on average, but now and then 20 ms within 2 s)."""
 
 
 def cpu_seconds(pids: Sequence[int]) -> dict[int, float] | None:
@@ -83,25 +85,30 @@ def cpu_seconds(pids: Sequence[int]) -> dict[int, float] | None:
 
 class Progress:
     """A hang guard that waits on progress: :meth:`stalled` is true once none of the processes ``pids()`` names
-    (each with its descendants) used CPU for ``idle_s`` seconds, or ``CAP_FACTOR × idle_s`` seconds passed.
+    (each with its descendants) used more than :data:`_BUSY` of a core over the last ``idle_s`` seconds, or
+    ``CAP_FACTOR × idle_s`` seconds passed.
 
     A loaded machine slows a job down but never stops its CPU clock; a process blocked on a peer, a lock or a
-    dead link stops it. Where CPU time cannot be read, ``idle_s`` is a plain deadline.
+    dead link all but stops it. Where CPU time cannot be read, ``idle_s`` is a plain deadline.
     """
 
     def __init__(self, pids: Callable[[], Sequence[int]], idle_s: float) -> None:
         self.pids, self.idle_s = pids, idle_s
-        self.started = self._moved_at = self._sampled_at = time.monotonic()
-        self._cpu: dict[int, float] = {}
+        self.started = self._sampled_at = time.monotonic()
+        self._samples: deque[tuple[float, dict[int, float]]] = deque([(self.started, {})])
+        self._busy = True
 
     def stalled(self) -> bool:
         now = time.monotonic()
         if now - self._sampled_at >= _SAMPLE_S:
-            self._sampled_at, before = now, self._cpu
-            self._cpu = cpu_seconds(self.pids()) or {}
-            if any(cpu >= before.get(pid, cpu) + _MOVED_S for pid, cpu in self._cpu.items()):
-                self._moved_at = now
-        return now - self._moved_at >= self.idle_s or now - self.started >= CAP_FACTOR * self.idle_s
+            self._sampled_at, cpu = now, cpu_seconds(self.pids()) or {}
+            self._samples.append((now, cpu))
+            while len(self._samples) > 2 and now - self._samples[1][0] >= self.idle_s:
+                self._samples.popleft()  # the window starts at the newest sample at least idle_s old
+            since, before = self._samples[0]
+            used = max((c - before.get(pid, 0.0) for pid, c in cpu.items()), default=0.0)
+            self._busy = now - since < self.idle_s or used >= _BUSY * (now - since)
+        return not self._busy or now - self.started >= CAP_FACTOR * self.idle_s
 
     def wait_until(self, condition: Callable[[], bool], what: str) -> None:
         """Poll ``condition`` every 0.1 s until it holds; ``TimeoutError`` naming ``what`` once :meth:`stalled`."""

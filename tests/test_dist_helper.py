@@ -43,6 +43,13 @@ def _hang_on_rank_one(rank: int, world_size: int, pid_dir: str) -> int:
     return rank
 
 
+def _deadlock(rank: int, world_size: int) -> int:
+    """Both ranks wait to receive from the other: blocked in gloo, whose threads still wake now and then."""
+    buffer = torch.zeros(1)
+    dist.recv(buffer, src=1 - rank)
+    return rank
+
+
 def _exit_on_rank_one(rank: int, world_size: int) -> int:
     if rank == 1:
         os._exit(3)
@@ -99,6 +106,17 @@ def test_a_hanging_rank_is_killed_and_named(tmp_path: Path) -> None:
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+@pytest.mark.timeout(120)
+def test_ranks_deadlocked_in_a_collective_are_found_hung() -> None:
+    run_distributed(_report, 2, tag="warm-up")
+    timeout = 6.0
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="hung: no result and no progress"):
+        run_distributed(_deadlock, 2, timeout=timeout)
+    assert time.monotonic() - started < 5 * timeout  # idle for the timeout, not the 20x cap
+    assert multiprocessing.active_children() == []
 
 
 def _no_group(rank: int, world_size: int, scale: int) -> int:

@@ -83,7 +83,7 @@ def _scan_cases(rank: int, world: int) -> list[str]:
                         def correct(h_in: torch.Tensor, decay_in=decay_in, start=start, stop=stop) -> torch.Tensor:
                             return (decay_in * h_in * lC[start:stop]).sum(-1)
 
-                        return SegmentScan(ys, h, torch.log(decay_in[-1]), correct)
+                        return SegmentScan(ys, h, decay_in[-1], correct)
 
                     def count(event, seq=seq) -> None:
                         moved[event.op, seq] = moved.get((event.op, seq), 0) + event.nbytes
