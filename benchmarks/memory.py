@@ -4,8 +4,8 @@ Every (call, ranks) runs at two local lengths in fresh rank processes (1 thread,
 = peak RSS of one fwd+bwd (``VmHWM`` after ``clear_refs``; CUDA: the allocator's peak) above the RSS once q, k, v,
 dout exist, max over ranks; slope (q-shards) = Δextra ÷ Δ(bytes of a q shard), fixed (MiB) = extra₁ − slope · b₁
 (``benchmarks/SUITE.md``). With ``--live`` (CPU) the same call also runs under ``torch.profiler`` with memory
-profiling, and ``live_mib`` is the peak of the bytes PyTorch's CPU allocator holds for tensors made during it: live
-tensors, whatever glibc keeps resident (set ``MALLOC_MMAP_THRESHOLD_`` for the RSS to follow them too).
+profiling, and ``live_mib`` is the peak of the bytes of tensors made during it and still live: allocator-independent
+(glibc may keep freed memory resident; set ``MALLOC_MMAP_THRESHOLD_`` for the RSS to follow live tensors too).
 The rows go under ``--label`` into ``DIR/memory.json``; the plot is ``DIR/memory.png``.
 
     python -m benchmarks.memory --ranks 1 2 4 --calls dense_ring dilated_ring --label before
@@ -52,13 +52,21 @@ CALLS = {
 
 
 def _peak_allocated_mib(prof) -> float:
-    """Peak MiB the CPU allocator held for tensors allocated while ``prof`` (a finished ``torch.profiler.profile``
-    with ``profile_memory``) ran: the largest ``Total Allocated`` of its memory events."""
+    """Peak MiB of tensors allocated and still live while ``prof`` (a finished ``torch.profiler.profile`` with
+    ``profile_memory``) ran: the memory events' allocations and frees summed by address in time order (their
+    ``Total Allocated`` field is kept per thread, so a buffer freed on a communication thread is never taken off it)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = json.loads(Path(f.name).read_text())["traceEvents"]
-    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
-    return max([0, *totals]) / MIB
+    live, total, peak = {}, 0, 0
+    for event in sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"]):
+        size, address = event["args"]["Bytes"], event["args"]["Addr"]
+        total -= live.pop(address, 0)  # a free, or an allocation where one was freed unseen
+        if size > 0:
+            live[address] = size
+            total += size
+        peak = max(peak, total)
+    return peak / MIB
 
 
 def _measure(rank: int, world: int, call: Call, local_len: int, device: str, live: bool = False) -> dict:
