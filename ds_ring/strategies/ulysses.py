@@ -290,6 +290,26 @@ def _dout_to_heads(
     return head_dout, _kernel_rows(delta, job.zigzag).squeeze(-1).transpose(1, 2), spare
 
 
+class _Output:
+    """The sequence-shard output the groups write, as the backward reads it (``Delta``): set once every group has
+    written it, with its version then, so a later in-place change is an error rather than a wrong gradient."""
+
+    def __init__(self) -> None:
+        self.tensor: torch.Tensor | None = None
+        self.version = 0
+
+    def set(self, out: torch.Tensor) -> None:
+        self.tensor, self.version = out.detach(), out._version
+
+    def get(self) -> torch.Tensor:
+        if self.tensor is None or self.tensor._version != self.version:
+            raise RuntimeError(
+                "ds_ring: the output of a Ulysses/hybrid attention call was modified in place after the call; its "
+                "backward needs it as it was: clone it before changing it"
+            )
+        return self.tensor
+
+
 class _AttendGroup(torch.autograd.Function):
     """One head group: attention on its head shards, its output exchanged into its heads of the sequence-shard ``out``
     (in place), and back: the group's ``dout`` exchanged only when its backward runs.
@@ -301,11 +321,11 @@ class _AttendGroup(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, out, q, k, v, sinks, job: GroupAttention):
+    def forward(ctx, out, q, k, v, sinks, job: GroupAttention, output: _Output):
         head_out, lse = job.forward(q, k, v, sinks)
         _out_to_sequence_(out, head_out, job)
         ctx.save_for_backward(q, k, v, lse, sinks)
-        ctx.out, ctx.job, ctx.labels = out.detach(), job, current_labels()
+        ctx.output, ctx.job, ctx.labels = output, job, current_labels()
         ctx.mark_dirty(out)
         ctx.mark_non_differentiable(lse, head_out)
         ctx.set_materialize_grads(False)  # no zero gradients made for lse and head_out
@@ -316,11 +336,11 @@ class _AttendGroup(torch.autograd.Function):
         q, k, v, lse, sinks = ctx.saved_tensors
         job = ctx.job
         with labelled(**ctx.labels):
-            head_dout, delta, spare = _dout_to_heads(dout, ctx.out, job)
+            head_dout, delta, spare = _dout_to_heads(dout, ctx.output.get(), job)
             stand_in = stand_in_output(head_dout, delta, spare)
             del delta, spare
             grads = job.backward((head_dout, q, k, v, stand_in, lse), sinks, sinks_wanted=ctx.needs_input_grad[4])
-        return dout, *grads, None
+        return dout, *grads, None, None
 
 
 def _lse_to_sequence(lses: Sequence[torch.Tensor], job: GroupAttention) -> torch.Tensor:
@@ -357,13 +377,14 @@ def attend_head_groups(
         emit_attention(strategy, "forward", "start", rank)
     b, seq = qs[0].shape[:2]
     out = qs[0].new_empty((b, seq // job.degree, job.degree * job.heads, vs[0].shape[-1]))
-    lses, head_outs = [], []
+    lses, head_outs, output = [], [], _Output()
     for q, k, v, sink, job in zip(qs, ks, vs, sinks, jobs, strict=True):
-        out, lse, head_out = _AttendGroup.apply(out, q, k, v, sink, job)
+        out, lse, head_out = _AttendGroup.apply(out, q, k, v, sink, job, output)
         lses.append(lse)
         if strategy is not None and hooks_active():
             head_outs.append(head_out)
         del head_out
+    output.set(out)
     if head_outs:
         event_out, event_lse = (torch.cat(x, dim=2) if len(x) > 1 else x[0] for x in (head_outs, lses))
         emit_attention(strategy, "forward", "end", rank, started, out=event_out, lse=event_lse.transpose(1, 2))
