@@ -3,10 +3,11 @@
 Sequence-parallel rank ``r·U + u`` holds shard ``r·U + u`` of ``L`` rows. The all-to-all inside a
 ulysses group (``U`` consecutive shards) gives rank ``(r, u)`` the ``U·L`` consecutive rows of
 block ``r`` for heads ``[u·H/U, (u+1)·H/U)``; the ring group (same ``u``, ``r = 0..R-1``) then
-holds consecutive blocks in order, so the ring dimension is :func:`sharded_attention` over the
-ring group on shards of ``U·L`` rows with ``head_offset + u·H/U``, and a ring exchange
-(``communication``) moves the K/V between blocks. Forward and backward compose through autograd:
-all-to-all, sharded attention (its own backward ring), all-to-all back.
+holds consecutive blocks in order, so the ring dimension is sharded attention over the ring group on
+shards of ``U·L`` rows with ``head_offset + u·H/U``, and a ring exchange (``communication``) moves the K/V
+between blocks. Each head group runs :func:`~ds_ring.strategies.sharded.sharded_forward` and
+:func:`~ds_ring.strategies.sharded.sharded_backward` (its own backward ring) inside Ulysses' group Function
+(:func:`~ds_ring.strategies.ulysses.attend_head_groups`): all-to-all, the group's ring, all-to-all back.
 
 With ``zigzag`` shards of the sequence-parallel group, the rows a rank gathers are chunks ``r``
 and ``2R-1-r`` of ``2R``: the ring group's own zigzag layout, so dense causal work stays balanced.
