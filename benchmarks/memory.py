@@ -53,13 +53,14 @@ CALLS = {
 
 def _peak_allocated_mib(prof) -> float:
     """Peak MiB of tensors allocated and still live while ``prof`` (a finished ``torch.profiler.profile`` with
-    ``profile_memory``) ran: the memory events' allocations and frees summed by address in time order (their
+    ``profile_memory``) ran: the memory events' allocations and frees summed by address in recording order (their
     ``Total Allocated`` field is kept per thread, so a buffer freed on a communication thread is never taken off it)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = json.loads(Path(f.name).read_text())["traceEvents"]
     live, total, peak = {}, 0, 0
-    for event in sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"]):
+    # In recording order ("Ev Idx"): timestamps of two threads' events can put a free before its allocation.
+    for event in sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["args"]["Ev Idx"]):
         size, address = event["args"]["Bytes"], event["args"]["Addr"]
         total -= live.pop(address, 0)  # a free, or an allocation where one was freed unseen
         if size > 0:
