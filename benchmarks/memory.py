@@ -54,7 +54,8 @@ CALLS = {
 def _peak_allocated_mib(prof) -> float:
     """Peak MiB of tensors allocated and still live while ``prof`` (a finished ``torch.profiler.profile`` with
     ``profile_memory``) ran: the memory events' allocations and frees summed by address in recording order (their
-    ``Total Allocated`` field is kept per thread, so a buffer freed on a communication thread is never taken off it)."""
+    ``Total Allocated`` field is kept per thread). A tensor freed on a thread the profiler does not record (a ring
+    buffer released by a communication thread) is never seen freed and stays counted: an upper bound."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = json.loads(Path(f.name).read_text())["traceEvents"]
