@@ -1,14 +1,24 @@
-"""Activation memory per rank of one forward+backward as a slope in q-shards plus a fixed cost (``SUITE.md``): each
-(call, ranks) at two local lengths in fresh rank processes; rows under ``--label`` in ``DIR/memory.json``, plot
-``DIR/memory.png``.
+"""Activation memory per rank of one forward+backward as a slope in q-shards plus a fixed cost.
+
+Every (call, ranks) runs at two local lengths in fresh rank processes (1 thread, fp32, 8 heads × 64, causal): extra
+= peak RSS of one fwd+bwd (``VmHWM`` after ``clear_refs``; CUDA: the allocator's peak) above the RSS once q, k, v,
+dout exist, max over ranks; slope (q-shards) = Δextra ÷ Δ(bytes of a q shard), fixed (MiB) = extra₁ − slope · b₁
+(``benchmarks/SUITE.md``). With ``--live`` (CPU) the same call also runs under ``torch.profiler`` with memory
+profiling, and ``live_mib`` is the peak of the bytes of tensors made during it and still live: allocator-independent
+(glibc may keep freed memory resident; set ``MALLOC_MMAP_THRESHOLD_`` for the RSS to follow live tensors too).
+The rows go under ``--label`` into ``DIR/memory.json``; the plot is ``DIR/memory.png``.
 
     python -m benchmarks.memory --ranks 1 2 4 --calls dense_ring dilated_ring --label before
 """
 
+from __future__ import annotations
+
 import argparse
+import contextlib
 import json
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +30,8 @@ HEADS, HEAD_DIM = 8, 64
 
 @dataclass(frozen=True)
 class Call:
-    """An attention call: strategy, K/V exchange, layout, branches (fractions of S), the two lengths per rank."""
+    """One attention call: strategy, K/V exchange (None: the strategy's own), layout, branches (fractions of the
+    sequence), and the two local lengths the slope is taken between (the issue's sizes)."""
 
     strategy: str
     communication: str | None = None
@@ -40,9 +51,31 @@ CALLS = {
 }  # fmt: skip
 
 
-def _measure(rank: int, world: int, call: Call, local_len: int, device: str) -> dict:
-    """One rank: fwd+bwd of ``call`` on a ``local_len``-row shard; peak extra MiB over q, k, v, dout; seconds."""
+def _peak_allocated_mib(prof) -> float:
+    """Peak MiB of tensors allocated and still live while ``prof`` (a finished ``torch.profiler.profile`` with
+    ``profile_memory``) ran: the memory events' allocations and frees summed by address in recording order (their
+    ``Total Allocated`` field is kept per thread). A tensor freed on a thread the profiler does not record (a ring
+    buffer released by a communication thread) is never seen freed and stays counted: an upper bound."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.loads(Path(f.name).read_text())["traceEvents"]
+    live, total, peak = {}, 0, 0
+    # In recording order ("Ev Idx"): timestamps of two threads' events can put a free before its allocation.
+    for event in sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["args"]["Ev Idx"]):
+        size, address = event["args"]["Bytes"], event["args"]["Addr"]
+        total -= live.pop(address, 0)  # a free, or an allocation where one was freed unseen
+        if size > 0:
+            live[address] = size
+            total += size
+        peak = max(peak, total)
+    return peak / MIB
+
+
+def _measure(rank: int, world: int, call: Call, local_len: int, device: str, live: bool = False) -> dict:
+    """One rank: fwd+bwd of ``call`` on a ``local_len``-row shard; extra memory in MiB (with ``live``, also the
+    peak of live tensor MiB, :func:`_peak_allocated_mib`) and seconds."""
     import torch
+    from torch.profiler import ProfilerActivity, profile
 
     import ds_ring
 
@@ -63,33 +96,59 @@ def _measure(rank: int, world: int, call: Call, local_len: int, device: str) -> 
     else:
         base = current_rss_bytes() / MIB
         Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True) if live else contextlib.nullcontext()
     start = time.perf_counter()
-    out = ds_ring.sequence_parallel_attention(
-        q, k, v, segments, rates, causal=True, topology=topology, strategy=call.strategy,
-        communication=call.communication, layout=call.layout,
-    )  # fmt: skip
-    out.backward(dout)
+    with profiler:
+        out = ds_ring.sequence_parallel_attention(
+            q, k, v, segments, rates, causal=True, topology=topology, strategy=call.strategy,
+            communication=call.communication, layout=call.layout,
+        )  # fmt: skip
+        out.backward(dout)
     seconds = time.perf_counter() - start
     if device == "cuda":
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() / MIB
     else:
         peak = proc_mib("VmHWM", "/proc/self/status")
-    return {"extra_mib": peak - base, "seconds": seconds, "q_shard_mib": q.numel() * q.element_size() / MIB}
+    result = {"extra_mib": peak - base, "seconds": seconds, "q_shard_mib": q.numel() * q.element_size() / MIB}
+    return {**result, "live_mib": _peak_allocated_mib(profiler)} if live else result
 
 
-def measure(call: Call, world: int, device: str, timeout_s: float) -> dict[str, Any]:
-    """Both lengths of ``call`` on ``world`` ranks: extra MiB (max over ranks), seconds, slope and fixed MiB."""
+def measure(call: Call, world: int, device: str, timeout_s: float, live: bool = False) -> dict[str, Any]:
+    """Both lengths of ``call`` on ``world`` ranks in fresh processes: ``extra_mib`` (max over ranks) and ``seconds``
+    at each, the slope (q-shards) and the fixed MiB; with ``live`` also ``live_mib`` and its slope."""
     points = []
     for local_len in call.tokens_per_rank:
-        args = (call, local_len, device)
+        args = (call, local_len, device, live)
         values = rank_results(spawn_ranks(_measure, world, timeout_s=timeout_s, args=args, preload=("torch",)))
-        extra, seconds = (max(v[key] for v in values) for key in ("extra_mib", "seconds"))
-        points.append((extra, seconds, values[0]["q_shard_mib"]))
-    (e1, t1, b1), (e2, t2, b2) = points
-    slope = (e2 - e1) / (b2 - b1)
-    return {"ranks": world, "tokens_per_rank": call.tokens_per_rank, "extra_mib": (e1, e2),
-            "seconds": (t1, t2), "slope_q_shards": slope, "fixed_mib": e1 - slope * b1}  # fmt: skip
+        keys = ("extra_mib", "seconds", "live_mib") if live else ("extra_mib", "seconds")
+        points.append({**{key: max(v[key] for v in values) for key in keys}, "q_shard_mib": values[0]["q_shard_mib"]})
+    first, second = points
+    shard = second["q_shard_mib"] - first["q_shard_mib"]
+    slope = (second["extra_mib"] - first["extra_mib"]) / shard
+    result = {"ranks": world, "tokens_per_rank": call.tokens_per_rank,
+              "extra_mib": (first["extra_mib"], second["extra_mib"]), "seconds": (first["seconds"], second["seconds"]),
+              "slope_q_shards": slope, "fixed_mib": first["extra_mib"] - slope * first["q_shard_mib"]}  # fmt: skip
+    if live:
+        result["live_mib"] = (first["live_mib"], second["live_mib"])
+        result["live_slope_q_shards"] = (second["live_mib"] - first["live_mib"]) / shard
+    return result
+
+
+def plot(results: dict[str, list[dict]], path: Path, labels: tuple[str, ...] = ("before", "after")) -> None:
+    """Slope and fixed cost against the rank count: a line per (call, label), dashed for ``before``."""
+    panels = {"slope_q_shards": [], "fixed_mib": []}
+    for label in (label for label in labels if label in results):
+        for name in sorted({r["call"] for r in results[label]}):
+            mine = [r for r in results[label] if r["call"] == name]
+            ranks, style = [r["ranks"] for r in mine], "--o" if label == "before" else "-o"
+            for key, series in panels.items():
+                series.append(Series(f"{name} ({label})", ranks, [r[key] for r in mine], style))
+    plot_panels(
+        path, [("activation memory slope", panels["slope_q_shards"]), ("fixed cost", panels["fixed_mib"])],
+        xlabel="ranks", ylabel=["slope (q-shards per rank)", "fixed MiB per rank"], xticks=[1, 2, 4, 8], logy=False,
+        title="activation memory per rank of one fwd+bwd, fp32, 8 heads × 64, causal",
+    )  # fmt: skip
 
 
 def main() -> None:
@@ -99,6 +158,8 @@ def main() -> None:
     parser.add_argument("--label", default="after", help="key of this run in the JSON (e.g. before / after)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: p = 1 only (gloo ranks)")
     parser.add_argument("--timeout-s", type=float, default=600)
+    parser.add_argument("--live", action="store_true", help="also the peak of live tensors (torch.profiler, CPU)")
+    parser.add_argument("--tokens-per-rank", nargs=2, type=int, help="the two local lengths (default: each call's)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -109,24 +170,18 @@ def main() -> None:
         for name in args.calls:
             if CALLS[name].strategy == "hybrid" and world % 2:
                 continue  # hybrid needs a ulysses degree of 2 here
-            r = {"call": name, **measure(CALLS[name], world, args.device, args.timeout_s)}
+            call = CALLS[name]
+            if args.tokens_per_rank:
+                call = replace(call, tokens_per_rank=tuple(args.tokens_per_rank))
+            r = {"call": name, **measure(call, world, args.device, args.timeout_s, args.live)}
             (e1, e2), (t1, t2) = r["extra_mib"], r["seconds"]
             print(f"{name:18s} p={world}  slope {r['slope_q_shards']:5.2f} q-shards  fixed {r['fixed_mib']:6.1f} MiB  "
                   f"extra {e1:.0f}/{e2:.0f} MiB  time {t1:.2f}/{t2:.2f} s", flush=True)  # fmt: skip
+            if args.live:
+                print(f"{'':18s} live tensors: slope {r['live_slope_q_shards']:5.2f} q-shards", flush=True)
             results[args.label] = rows = [*rows, r]
             write_json(path, results)
-    panels = {"activation memory slope": [], "fixed cost": []}  # a line per (call, label), dashed for "before"
-    for label in (label for label in ("before", "after") if label in results):
-        for name in sorted({r["call"] for r in results[label]}):
-            mine = [r for r in results[label] if r["call"] == name]
-            for key, series in zip(("slope_q_shards", "fixed_mib"), panels.values(), strict=True):
-                xy = [r["ranks"] for r in mine], [r[key] for r in mine]
-                series.append(Series(f"{name} ({label})", *xy, "--o" if label == "before" else "-o"))
-    plot_panels(
-        args.out / "memory.png", list(panels.items()),
-        xlabel="ranks", ylabel=["slope (q-shards per rank)", "fixed MiB per rank"], xticks=[1, 2, 4, 8], logy=False,
-        title="activation memory per rank of one fwd+bwd, fp32, 8 heads × 64, causal",
-    )  # fmt: skip
+    plot(results, args.out / "memory.png")
 
 
 if __name__ == "__main__":

@@ -119,3 +119,21 @@ def test_strategy_registry():
     assert get_strategy("hybrid") is get_strategy("hybrid")
     with pytest.raises(ValueError, match=r"strategy must be one of .* got 'tree'"):
         get_strategy("tree")
+
+
+def _modified_output_rank(rank: int, world: int) -> list[str]:
+    """The backward reads the returned output (Delta on the sequence shards): changing it in place is refused."""
+    log = CaseLog()
+    topology = Topology(ulysses=2)
+    for strategy in ("ulysses", "hybrid"):
+        with log.case(strategy), pytest.raises(RuntimeError, match=r"modified in place after the call"):
+            q, k, v = (torch.randn(1, L, 4, 4, requires_grad=True) for _ in range(3))
+            out = sequence_parallel_attention(q, k, v, topology=topology, strategy=strategy, causal=True)
+            out.mul_(2)
+            out.sum().backward()
+    return log.failures
+
+
+@pytest.mark.timeout(60)
+def test_output_changed_in_place_is_refused():
+    assert_no_failures(run_distributed(_modified_output_rank, 2, timeout=50))

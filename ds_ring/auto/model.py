@@ -49,16 +49,19 @@ BUFFERS = {
     "ring": 0.75,
     "ring_dilated": 0.9,
     "allgather": 1.0,
-    "ulysses": 0.75,
-    "ulysses_heads": 0.55,
+    "ulysses": 0.0,
+    "hybrid_ring": 2.3,
 }
 """Memory coefficients beyond the output and gradients, per unit of K/V bytes over q bytes (``kv``):
 ``ring``: in-flight K/V blocks and dK/dV (calibrated: dense causal ring, 4 ranks, 5.5 q-shards);
-``ring_dilated``: the same with dilation (5.8 q-shards); ``allgather``: per gathered remote shard;
-``ulysses_heads``: share of the head-sharded q, k, v, out and dout alive at the backward's peak (the heads
-are attended in groups, and a group's tensors are freed once its backward has run); ``ulysses``: the rest
-(calibrated: 4 ranks, 8 heads × 64 in 2 groups per rank, dense causal: Ulysses 7.55 and hybrid 2 × 2 8.0
-q-shards, live tensors measured in fresh processes)."""
+``ring_dilated``: the same with dilation (5.8 q-shards); ``allgather``: per gathered remote shard.
+Ulysses and hybrid peak in one head group's backward (:func:`_head_group_peak`); ``ulysses``: what they hold
+beyond that; ``hybrid_ring``: the ring's in-flight K/V blocks, travelling dK/dV and accumulators of the group in its
+backward, per unit of that group's K/V bytes (calibrated: 4 ranks, 8 heads × 64, dense causal, 4K–8K rows per
+rank: Ulysses 6.53 and hybrid 2 × 2 6.41 q-shards, measured in fresh processes, every block over 64 KiB mmap'ed)."""
+
+HEAD_GROUPS = 4
+"""Most head groups a rank attends to in turn (``ds_ring.strategies.ulysses.HEAD_GROUPS``)."""
 
 
 @dataclass(frozen=True)
@@ -251,21 +254,33 @@ def _a2a_part(p: Problem, degree: int, bandwidth: float, link: Link) -> tuple[fl
     return sent, sent / bandwidth + messages * link.latency_s
 
 
+def _head_groups(kv_heads: int) -> int:
+    """Head groups of a rank with ``kv_heads`` K/V heads (``ds_ring.strategies.ulysses.head_chunks``)."""
+    return max(c for c in range(1, min(HEAD_GROUPS, kv_heads) + 1) if kv_heads % c == 0)
+
+
+def _head_group_peak(heads_kv: float, out: float, groups: int, backward: bool) -> float:
+    """Ulysses' head shards at the peak, in q-shards: the saved q, k, v (``1 + heads_kv``; in the backward the
+    groups already done hold their gradients instead) and the group in its backward: its dq, dk, dv, its ``dout`` and
+    the stand-in output the kernels take for ``Delta`` (``2·out``), each a ``1/groups`` share; forward only: the q, k,
+    v and one group's output."""
+    if not backward:
+        return 1 + heads_kv + out / groups
+    return (1 + heads_kv) * (1 + 1 / groups) + 2 * out / groups
+
+
 def memory_q_shards(p: Problem, o: Option) -> float:
     """Predicted extra memory per rank of one fwd+bwd (over q, k, v, dout), in q-shards."""
     kv = p.kv_heads * (p.head_dim + p.dv) / (p.heads * p.head_dim)  # K+V bytes over q bytes
     out = p.dv / p.head_dim
     own = out + (1 + kv if p.backward else 0.0)  # out, dq, dk, dv
     dilated = p.segment_lengths is not None
-    if o.strategy == "ulysses" or (o.strategy == "hybrid" and o.ring == 1):
+    if o.strategy in ("ulysses", "hybrid"):
         u = p.world if o.strategy == "ulysses" else o.ulysses
         heads_kv = _kv_heads_sent(p, u) * (p.head_dim + p.dv) / (p.heads * p.head_dim)
-        return own + BUFFERS["ulysses_heads"] * (1 + heads_kv + 2 * out) + BUFFERS["ulysses"]
-    if o.strategy == "hybrid":  # Ulysses' head shards, then a ring on them
-        u = o.ulysses
-        heads_kv = _kv_heads_sent(p, u) * (p.head_dim + p.dv) / (p.heads * p.head_dim)
-        ring = BUFFERS["ring_dilated" if dilated else "ring"] * heads_kv
-        return own + BUFFERS["ulysses_heads"] * (1 + heads_kv + 2 * out) + ring
+        groups = _head_groups(_kv_heads_sent(p, u) // u)
+        peak = out + _head_group_peak(heads_kv, out, groups, p.backward) + BUFFERS["ulysses"]
+        return peak + (BUFFERS["hybrid_ring"] * heads_kv / groups if o.strategy == "hybrid" and o.ring > 1 else 0.0)
     if o.communication == "allgather":
         return own + BUFFERS["allgather"] * kv * (o.ring - 1)
     return own + BUFFERS["ring_dilated" if dilated else "ring"] * kv

@@ -42,6 +42,9 @@ from ds_ring.kernels.window import attend_band_backward, attend_band_into, check
 __all__ = [
     "Options",
     "dilated_attention",
+    "plan_dilated",
+    "dilated_forward",
+    "dilated_backward",
     "attend_into",
     "attend_backward",
     "regions_forward_",
@@ -234,16 +237,42 @@ def regions_backward(saved: Sequence[Tensor], regions: Sequence[Region], opts: O
     return grads
 
 
+def dilated_forward(
+    q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, regions: Sequence[Region], opts: Options
+) -> tuple[Tensor, Tensor]:
+    """All regions merged, then the sinks: ``out [B, S, H, Dv]`` in ``q``'s dtype and ``lse [B, S, H]`` (accumulation
+    dtype); shapes as in :func:`regions_forward_`, ``sinks [H]`` or ``None``."""
+    out, lse = new_accumulators(q, v)
+    regions_forward_(q, k, v, regions, out, lse, opts)
+    if sinks is not None:
+        add_sinks_(out, lse, sinks)
+    return out.to(q.dtype), lse
+
+
+def dilated_backward(
+    saved: Sequence[Tensor], sinks: Tensor | None, regions: Sequence[Region], opts: Options, sinks_wanted: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """``(dq, dk, dv, dsinks)`` in the inputs' dtypes (``dsinks``: ``None`` unless ``sinks_wanted``) from ``saved =
+    (dout, q, k, v, out, lse)``. ``out`` enters only through ``Delta = rowsum(dout ∘ out)``, so any tensor with
+    that row sum stands in for it (:func:`~ds_ring.kernels.delta.stand_in_output`)."""
+    dout, q, k, v, out, lse = saved
+    saved = (dout.to(q.dtype), q, k, v, out, lse)
+    grads = regions_backward(saved, regions, opts)
+    if grads is None:
+        acc = accum_dtype(q.dtype)
+        grads = tuple(torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
+        regions_backward_(saved, regions, grads, opts)
+    dq, dk, dv = grads
+    dsinks = sinks_grad(saved[0], out, lse, sinks) if sinks is not None and sinks_wanted else None
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks
+
+
 class _DilatedAttention(torch.autograd.Function):
     """Forward: all regions merged (then the sinks); backward: per-piece flash backward with the final out/lse."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, regions, opts: Options):
-        out_acc, lse = new_accumulators(q, v)
-        regions_forward_(q, k, v, regions, out_acc, lse, opts)
-        if sinks is not None:
-            add_sinks_(out_acc, lse, sinks)
-        out = out_acc.to(q.dtype)
+        out, lse = dilated_forward(q, k, v, sinks, regions, opts)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.args = (regions, opts)
         ctx.mark_non_differentiable(lse)
@@ -253,16 +282,8 @@ class _DilatedAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         regions, opts = ctx.args
-        dout = dout.to(q.dtype)
-        saved = (dout, q, k, v, out, lse)
-        grads = regions_backward(saved, regions, opts)
-        if grads is None:
-            acc = accum_dtype(q.dtype)
-            grads = tuple(torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
-            regions_backward_(saved, regions, grads, opts)
-        dq, dk, dv = grads
-        dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None
+        grads = dilated_backward((dout, q, k, v, out, lse), sinks, regions, opts, ctx.needs_input_grad[3])
+        return *grads, None, None
 
 
 def check_window_branches(window: int | None, causal: bool, segment_lengths: Sequence[int] | None) -> None:
@@ -320,11 +341,35 @@ def dilated_attention(
         ``lse [batch, heads, seq]`` (float32; float64 for float64 inputs; ``-inf`` for rows no
         branch covers, whose output is 0; the sinks included). ``lse`` carries no gradient.
     """
+    regions, opts = plan_dilated(
+        q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale, head_offset=head_offset,
+        cu_seqlens=cu_seqlens, window=window, sinks=sinks, softcap=softcap,
+    )  # fmt: skip
+    out, lse = _DilatedAttention.apply(q, k, v, sinks, regions, opts)
+    return (out, lse.transpose(1, 2)) if return_lse else out
+
+
+def plan_dilated(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_lengths: Sequence[int] | None,
+    dilation_rates: Sequence[int] | None,
+    *,
+    causal: bool,
+    scale: float | None,
+    head_offset: int,
+    cu_seqlens: torch.Tensor | Sequence[int] | None,
+    window: int | None,
+    sinks: torch.Tensor | None,
+    softcap: float | None,
+) -> tuple[tuple[Region, ...], Options]:
+    """Check a :func:`dilated_attention` call (arguments as there; ``ValueError`` for a bad one) and return its
+    regions and options: what :func:`dilated_forward` and :func:`dilated_backward` take."""
     validate_qkv(q, k, v, head_offset)
     check_window_branches(window, causal, segment_lengths)
     check_sinks(sinks, q)
     softcap = check_softcap(softcap)
     documents = check_cu_seqlens(cu_seqlens, q.shape[1])
     regions = document_regions(q.shape[1], segment_lengths, dilation_rates, documents)
-    out, lse = _DilatedAttention.apply(q, k, v, sinks, regions, Options(causal, scale, head_offset, window, softcap))
-    return (out, lse.transpose(1, 2)) if return_lse else out
+    return regions, Options(causal, scale, head_offset, window, softcap)

@@ -3,10 +3,11 @@
 Sequence-parallel rank ``r·U + u`` holds shard ``r·U + u`` of ``L`` rows. The all-to-all inside a
 ulysses group (``U`` consecutive shards) gives rank ``(r, u)`` the ``U·L`` consecutive rows of
 block ``r`` for heads ``[u·H/U, (u+1)·H/U)``; the ring group (same ``u``, ``r = 0..R-1``) then
-holds consecutive blocks in order, so the ring dimension is :func:`sharded_attention` over the
-ring group on shards of ``U·L`` rows with ``head_offset + u·H/U``, and a ring exchange
-(``communication``) moves the K/V between blocks. Forward and backward compose through autograd:
-all-to-all, sharded attention (its own backward ring), all-to-all back.
+holds consecutive blocks in order, so the ring dimension is sharded attention over the ring group on
+shards of ``U·L`` rows with ``head_offset + u·H/U``, and a ring exchange (``communication``) moves the K/V
+between blocks. Each head group runs :func:`~ds_ring.strategies.sharded.sharded_forward` and
+:func:`~ds_ring.strategies.sharded.sharded_backward` (its own backward ring) inside Ulysses' group Function
+(:func:`~ds_ring.strategies.ulysses.attend_head_groups`): all-to-all, the group's ring, all-to-all back.
 
 With ``zigzag`` shards of the sequence-parallel group, the rows a rank gathers are chunks ``r``
 and ``2R-1-r`` of ``2R``: the ring group's own zigzag layout, so dense causal work stays balanced.
@@ -14,18 +15,22 @@ and ``2R-1-r`` of ``2R``: the ring group's own zigzag layout, so dense causal wo
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ds_ring.kernels.dilation import make_branches
 from ds_ring.strategies.base import AttentionCall, Bound, Degrees, Shape, Strategy, Target
 from ds_ring.strategies.blocks import Options
 from ds_ring.strategies.plan import plan_shards
-from ds_ring.strategies.sharded import CommSpec, get_exchange, sharded_attention
+from ds_ring.strategies.sharded import CommSpec, get_exchange, sharded_backward, sharded_forward
 from ds_ring.strategies.ulysses import (
-    attend_local_heads,
+    attend_head_groups,
     check_layout,
+    dilated_jobs,
+    group_job,
+    group_sinks,
     head_chunks,
-    heads_to_sequence,
     split_heads,
     to_heads,
 )
@@ -80,49 +85,48 @@ class Hybrid(Strategy):
             def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None):
                 qs, ks, vs = to_heads(q, k, v, split, placement.ulysses, layout=call.layout, timeout_s=timeout_s,
                                       chunks=chunks)  # fmt: skip
-                outs, lses = attend_local_heads(
-                    qs, ks, vs, call, head_offset=offset, strategy=self.name, documents=documents,
-                    sinks=None if sinks is None else sinks[heads],
-                )  # fmt: skip
-                return heads_to_sequence(outs, lses, split, placement.ulysses, call, timeout_s)
+                local = group_sinks(None if sinks is None else sinks[heads], [width] * chunks)
+                jobs = dilated_jobs(qs, ks, vs, local, call, split, placement.ulysses, head_offset=offset,
+                                    documents=documents)  # fmt: skip
+                return attend_head_groups(qs, ks, vs, local, jobs, return_lse=call.return_lse, strategy=self.name)
 
             return run
-        else:
-            plans = [
-                plan_shards(
-                    shape.rows * degrees.ulysses,
-                    width,
-                    split.kv_heads // chunks,
-                    r,
-                    degrees.ring,
-                    _tuple(call.segment_lengths),
-                    _tuple(call.dilation_rates),
-                    layout=call.layout,
-                    head_offset=offset + i * width,
-                    device=device,
-                    causal=call.causal,
-                    documents=documents,
-                    window=call.window,
-                )  # fmt: skip
-                for i in range(chunks)
-            ]
-            exchange, comm = get_exchange(call.communication), CommSpec(placement.ring, timeout_s)
-            options = [
-                Options(call.causal, call.scale, offset + i * width, call.window, call.softcap) for i in range(chunks)
-            ]
-
-            def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None):
-                return sharded_attention(q, k, v, plans[i], exchange, comm, options[i], sinks)
+        plans = [
+            plan_shards(
+                shape.rows * degrees.ulysses,
+                width,
+                split.kv_heads // chunks,
+                r,
+                degrees.ring,
+                _tuple(call.segment_lengths),
+                _tuple(call.dilation_rates),
+                layout=call.layout,
+                head_offset=offset + i * width,
+                device=device,
+                causal=call.causal,
+                documents=documents,
+                window=call.window,
+            )
+            for i in range(chunks)
+        ]
+        exchange, comm = get_exchange(call.communication), CommSpec(placement.ring, timeout_s)
+        jobs = [
+            group_job(
+                functools.partial(sharded_forward, plan=plan, exchange=exchange, comm=comm, opts=opts),
+                functools.partial(sharded_backward, plan=plan, exchange=exchange, comm=comm, opts=opts),
+                slice(i * width, (i + 1) * width),
+                split,
+                placement.ulysses,
+                call,
+            )
+            for i, plan in enumerate(plans)
+            for opts in [Options(call.causal, call.scale, offset + i * width, call.window, call.softcap)]
+        ]
 
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None):
             qs, ks, vs = to_heads(q, k, v, split, placement.ulysses, layout=call.layout, timeout_s=timeout_s,
                                   chunks=chunks)  # fmt: skip
-            local = None if sinks is None else sinks[heads]
-            outs, lses = [], []
-            for i, (qh, kh, vh) in enumerate(zip(qs, ks, vs, strict=True)):
-                out, lse = attend(i, qh, kh, vh, None if local is None else local[i * width : (i + 1) * width])
-                outs.append(out)
-                lses.append(lse)
-            return heads_to_sequence(outs, lses, split, placement.ulysses, call, timeout_s)
+            local = group_sinks(None if sinks is None else sinks[heads], [width] * chunks)
+            return attend_head_groups(qs, ks, vs, local, jobs, return_lse=call.return_lse, strategy=None)
 
         return run

@@ -44,6 +44,8 @@ __all__ = [
     "get_exchange",
     "exchanges",
     "sharded_attention",
+    "sharded_forward",
+    "sharded_backward",
 ]
 
 
@@ -153,67 +155,95 @@ def _attention_event(exchange: Exchange, direction: str, phase: str, started: fl
     emit_attention(_exchange_name(exchange), direction, phase, group_rank(None), started, **extra)
 
 
+def sharded_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: torch.Tensor | None,
+    plan: ShardPlan,
+    exchange: Exchange,
+    comm: CommSpec,
+    opts: Options,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward of :func:`sharded_attention` (no autograd): ``out [B, L, H, Dv]`` in ``q``'s dtype and ``lse [B, L,
+    H]``, with its attention events."""
+    started = time.perf_counter()
+    if hooks_active("start"):
+        _attention_event(exchange, "forward", "start")
+    out, lse = new_accumulators(q, v)
+
+    def local_regions() -> None:
+        regions_forward_(q, k, v, plan.local, out, lse, opts)
+
+    overlap: Callable[[], None] | None = local_regions
+    shard = Shard(q, k, v, out, lse)
+    for span in plan.spans:
+        for chunk, h, kv in head_chunks(span, shard):
+            exchange.forward(chunk, shard.heads(h, kv), comm, opts, overlap)
+            overlap = None
+    if overlap is not None:
+        overlap()
+    if sinks is not None:
+        add_sinks_(out, lse, sinks)
+    out = out.to(q.dtype)
+    if hooks_active():
+        _attention_event(exchange, "forward", "end", started, out=out, lse=lse)
+    return out, lse
+
+
+def sharded_backward(
+    saved: tuple[torch.Tensor, ...],
+    sinks: torch.Tensor | None,
+    plan: ShardPlan,
+    exchange: Exchange,
+    comm: CommSpec,
+    opts: Options,
+    sinks_wanted: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The backward of :func:`sharded_attention` (no autograd) from ``saved = (dout, q, k, v, out, lse)``: ``(dq, dk,
+    dv, dsinks)`` in the inputs' dtypes (``dsinks``: ``None`` unless ``sinks_wanted``), with its attention events.
+    ``out`` enters only through ``Delta = rowsum(dout ∘ out)`` (:mod:`ds_ring.kernels.delta`)."""
+    started = time.perf_counter()
+    dout, q, k, v, out, lse = saved
+    if hooks_active("start"):
+        _attention_event(exchange, "backward", "start")
+    dout = dout.to(q.dtype)
+    # Shard-local work first when one kernel call covers the shard: its dQ/dK/dV become the gradients.
+    local = regions_backward((dout, q, k, v, out, lse), plan.local, opts)
+    if local is None:
+        dq = torch.zeros(q.shape, dtype=accum_dtype(q.dtype), device=q.device)
+        kv_grads = KVGrads(k, v)
+    else:
+        dq, kv_grads = local[0], KVGrads(k, v, local[1:])
+    shard = Shard(q, k, v, out, lse)
+    for span in plan.spans:
+        for chunk, h, kv in head_chunks(span, shard):
+            exchange.backward(chunk, shard.heads(h, kv), dout[:, :, h], dq[:, :, h], kv_grads.heads(kv), comm, opts)
+    dk, dv = kv_grads()
+    if local is None:
+        regions_backward_((dout, q, k, v, out, lse), plan.local, (dq, dk, dv), opts)
+    dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and sinks_wanted else None
+    if hooks_active():
+        _attention_event(exchange, "backward", "end", started)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks
+
+
 class _ShardedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, plan: ShardPlan, exchange: Exchange, comm: CommSpec, opts: Options):
-        started = time.perf_counter()
-        if hooks_active("start"):
-            _attention_event(exchange, "forward", "start")
-        out, lse = new_accumulators(q, v)
-
-        def local_regions() -> None:
-            regions_forward_(q, k, v, plan.local, out, lse, opts)
-
-        overlap: Callable[[], None] | None = local_regions
-        shard = Shard(q, k, v, out, lse)
-        for span in plan.spans:
-            for chunk, h, kv in head_chunks(span, shard):
-                exchange.forward(chunk, shard.heads(h, kv), comm, opts, overlap)
-                overlap = None
-        if overlap is not None:
-            overlap()
-        if sinks is not None:
-            add_sinks_(out, lse, sinks)
-        out = out.to(q.dtype)
+        out, lse = sharded_forward(q, k, v, sinks, plan, exchange, comm, opts)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.args = (plan, exchange, comm, opts)
         ctx.labels = current_labels()
         ctx.mark_non_differentiable(lse)
-        if hooks_active():
-            _attention_event(exchange, "forward", "end", started, out=out, lse=lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        with labelled(**ctx.labels):
-            return _ShardedAttention._backward(ctx, dout)
-
-    @staticmethod
-    def _backward(ctx, dout):
-        started = time.perf_counter()
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        plan, exchange, comm, opts = ctx.args
-        if hooks_active("start"):
-            _attention_event(exchange, "backward", "start")
-        dout = dout.to(q.dtype)
-        # Shard-local work first when one kernel call covers the shard: its dQ/dK/dV become the gradients.
-        local = regions_backward((dout, q, k, v, out, lse), plan.local, opts)
-        if local is None:
-            dq = torch.zeros(q.shape, dtype=accum_dtype(q.dtype), device=q.device)
-            kv_grads = KVGrads(k, v)
-        else:
-            dq, kv_grads = local[0], KVGrads(k, v, local[1:])
-        shard = Shard(q, k, v, out, lse)
-        for span in plan.spans:
-            for chunk, h, kv in head_chunks(span, shard):
-                exchange.backward(chunk, shard.heads(h, kv), dout[:, :, h], dq[:, :, h], kv_grads.heads(kv), comm, opts)
-        dk, dv = kv_grads()
-        if local is None:
-            regions_backward_((dout, q, k, v, out, lse), plan.local, (dq, dk, dv), opts)
-        dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
-        if hooks_active():
-            _attention_event(exchange, "backward", "end", started)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None
+        with labelled(**ctx.labels):
+            grads = sharded_backward((dout, q, k, v, out, lse), sinks, *ctx.args, ctx.needs_input_grad[3])
+        return *grads, None, None, None, None
 
 
 def sharded_attention(

@@ -11,18 +11,25 @@ GQA: K/V heads travel with the query heads that use them. When the ``kv_heads`` 
 evenly over the ranks (e.g. fewer K/V heads than ranks), the K/V heads a rank needs are
 replicated for it before the exchange; their gradients are summed back by autograd.
 
+Memory: one all-to-all per tensor, each buffer freed as soon as consumed; a rank attends its heads in groups
+(:func:`head_chunks`), each group's output exchanged back as soon as it exists; the backward computes
+``Delta = rowsum(dout ∘ out)`` on the sequence shards and exchanges a group's ``dout`` only when that group's
+backward runs (:class:`_AttendGroup`), so it holds the head-sharded ``q``, ``k``, ``v`` and one group's ``dout``,
+stand-in output and gradients (docs/auto.md, "Ulysses and hybrid memory").
+
 Why not ``deepspeed.sequence.layer.DistributedAttention`` (which wraps a local attention the same
 way): strategies do not import DeepSpeed (docs/design.md §Import rules); its ``_SeqAllToAll`` waits only on the
 process-group timeout and a hang names no peer, while every wait here is bounded and names the
 rank, op and peers (:func:`ds_ring.comm.all_to_all`); it rejects fewer K/V heads than ranks; it
-sends q, k and v in three all-to-alls (here one packed exchange per direction); and the local
+sends every tensor whole (here the output and ``dout`` go per head group); and the local
 attention here needs its global head offset and, for ``zigzag``, the gathered rows reordered.
 """
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,8 +37,10 @@ from torch.distributed import ProcessGroup
 
 from ds_ring.comm.collectives import all_to_all
 from ds_ring.comm.groups import group_rank
-from ds_ring.hooks import emit_attention, hooks_active
-from ds_ring.kernels.dilated import dilated_attention
+from ds_ring.hooks import current_labels, emit_attention, hooks_active, labelled
+from ds_ring.kernels.delta import stand_in_output
+from ds_ring.kernels.dilated import dilated_backward, dilated_forward, plan_dilated
+from ds_ring.kernels.merge import accum_dtype
 from ds_ring.parallel.order import ORDERS as LAYOUTS
 from ds_ring.strategies.base import AttentionCall, Bound, Degrees, Shape, Strategy, Target
 
@@ -41,9 +50,12 @@ __all__ = [
     "split_heads",
     "check_layout",
     "to_heads",
-    "to_sequence",
-    "heads_to_sequence",
-    "attend_local_heads",
+    "GroupAttention",
+    "attend_head_groups",
+    "dilated_jobs",
+    "group_job",
+    "group_sinks",
+    "head_chunks",
 ]
 
 
@@ -181,33 +193,6 @@ class _ToHeads(torch.autograd.Function):
         return _rows_to_heads(recv), None, None, None, None, None, None
 
 
-class _ToSequence(torch.autograd.Function):
-    """Head shards → sequence shards: ``chunks`` tensors ``[B, p·L, h/chunks, D]`` (any strides) → a new
-    ``[B, L, p·h, D]``; the backward returns each chunk's gradient as a view of its own contiguous
-    ``[B, h/chunks, p·L, D]`` (kernel layout, no copy there; freed once that chunk's backward has run)."""
-
-    @staticmethod
-    def forward(ctx, degree, group, zigzag, op, timeout_s, *xs):
-        ctx.args = (degree, group, zigzag, op, timeout_s, len(xs))
-        b, seq, h, d = xs[0].shape
-        send = xs[0].new_empty((degree, b, seq // degree, h * len(xs), d))
-        for part, x in zip(_slices(h * len(xs), len(xs)), xs, strict=True):
-            _source_chunks_into(send[:, :, :, part], x, zigzag)
-        recv = _exchange(send, group, op, timeout_s)
-        del send
-        return _rows_to_heads(recv)
-
-    @staticmethod
-    def backward(ctx, grad):
-        degree, group, zigzag, op, timeout_s, chunks = ctx.args
-        send = _heads_to_rows(grad, degree)
-        del grad
-        recv = _exchange(send, group, op + "_grad", timeout_s)
-        del send
-        parts = _slices(recv.shape[3], chunks)
-        return None, None, None, None, None, *(_kernel_rows(recv[:, :, :, p], zigzag).transpose(1, 2) for p in parts)
-
-
 HEAD_GROUPS = 4
 """Most head groups a rank attends to in turn (1: all its heads at once, one set of buffers)."""
 
@@ -249,51 +234,212 @@ def to_heads(
     )
 
 
-def to_sequence(
-    xs: tuple[torch.Tensor, ...], degree: int, group: ProcessGroup | None, *, layout: str, op: str,
-    timeout_s: float | None,
-) -> torch.Tensor:  # fmt: skip
-    """Head shards → sequence shards (differentiable): head groups ``[B, p·L, h/n, ...]`` → ``[B, L, p·h, ...]``."""
-    return _ToSequence.apply(degree, group, layout == "zigzag", op, timeout_s, *xs)
+def _group_columns(x: torch.Tensor, degree: int, heads: int, columns: slice) -> torch.Tensor:
+    """``[B, L, p·heads, D]`` → the view ``[B, L, p, w, D]`` of each rank's heads ``columns`` (``w`` of them)."""
+    return x.unflatten(2, (degree, heads))[:, :, :, columns]
 
 
-def attend_local_heads(
+@dataclass(frozen=True)
+class GroupAttention:
+    """How one head group attends on its head shards, without autograd.
+
+    ``forward(q, k, v, sinks) -> (out, lse)``: ``q [B, S, w, D]``, ``k``/``v`` ``[B, S, wkv, D|Dv]``, ``sinks [w]`` or
+    ``None`` → ``out [B, S, w, Dv]`` (``q``'s dtype), ``lse [B, S, w]``. ``backward(saved, sinks, sinks_wanted=...) ->
+    (dq, dk, dv, dsinks)`` from ``saved = (dout, q, k, v, out, lse)``, where ``out`` may be any tensor with the output's
+    ``rowsum(dout ∘ out)`` (:mod:`ds_ring.kernels.delta`). ``columns``: the group's heads among the rank's ``heads``.
+    """
+
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    backward: Callable[..., tuple[torch.Tensor | None, ...]]
+    columns: slice
+    heads: int
+    degree: int
+    group: ProcessGroup | None
+    zigzag: bool
+    timeout_s: float | None
+
+
+def _out_to_sequence_(out: torch.Tensor, head_out: torch.Tensor, job: GroupAttention) -> None:
+    """Write the group's ``head_out [B, S, w, Dv]`` into its heads of the sequence shard ``out [B, L, p·h, Dv]``."""
+    send = head_out.new_empty((job.degree, out.shape[0], out.shape[1], head_out.shape[2], head_out.shape[3]))
+    _source_chunks_into(send, head_out, job.zigzag)
+    recv = _exchange(send, job.group, "ulysses_out", job.timeout_s)
+    del send
+    _group_columns(out, job.degree, job.heads, job.columns).copy_(recv.permute(1, 2, 0, 3, 4))
+
+
+def _dout_to_heads(
+    dout: torch.Tensor, out: torch.Tensor, job: GroupAttention
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The group's ``dout`` and ``Delta`` on head shards, from the sequence shards ``dout``/``out [B, L, p·h, Dv]``.
+
+    ``Delta = rowsum(dout ∘ out)`` is taken here, before the exchange, so the head-sharded ``out`` is never needed.
+    Returns ``dout [B, S, w, Dv]`` (a view of a contiguous ``[B, w, S, Dv]``: the kernels' layout), ``Delta [B, S, w]``
+    (accumulation dtype) and the consumed receive buffer viewed like ``dout``, free for the backward to write into.
+    """
+    douts, outs = (_group_columns(x, job.degree, job.heads, job.columns) for x in (dout, out))
+    acc = accum_dtype(out.dtype)
+    delta = (douts.to(acc) * outs.to(acc)).sum(-1).permute(2, 0, 1, 3).contiguous()
+    send = douts.permute(2, 0, 1, 3, 4).contiguous()
+    recv = _exchange(send, job.group, "ulysses_dout", job.timeout_s)
+    del send
+    head_dout = _kernel_rows(recv, job.zigzag).transpose(1, 2)
+    p, b, rows, w, dv = recv.shape
+    spare = recv.view(b, w, p * rows, dv).transpose(1, 2)
+    delta = _exchange(delta, job.group, "ulysses_delta", job.timeout_s).unsqueeze(-1)
+    return head_dout, _kernel_rows(delta, job.zigzag).squeeze(-1).transpose(1, 2), spare
+
+
+class _Output:
+    """The sequence-shard output the groups write, as the backward reads it (``Delta``): set once every group has
+    written it, with its version then, so a later in-place change is an error rather than a wrong gradient."""
+
+    def __init__(self) -> None:
+        self.tensor: torch.Tensor | None = None
+        self.version = 0
+
+    def set(self, out: torch.Tensor) -> None:
+        self.tensor, self.version = out.detach(), out._version
+
+    def get(self) -> torch.Tensor:
+        if self.tensor is None or self.tensor._version != self.version:
+            raise RuntimeError(
+                "ds_ring: the output of a Ulysses/hybrid attention call was modified in place after the call; its "
+                "backward needs it as it was: clone it before changing it"
+            )
+        return self.tensor
+
+
+class _AttendGroup(torch.autograd.Function):
+    """One head group: attention on its head shards, its output exchanged into its heads of the sequence-shard ``out``
+    (in place), and back: the group's ``dout`` exchanged only when its backward runs.
+
+    The groups are chained through ``out`` (each takes the previous one's), so autograd runs them last to first, one
+    at a time: a group's ``dout``, stand-in output and gradients exist only during its own backward. The gradient
+    passed on to the previous group is ``dout`` as it came: each group reads only its own heads of it. Saves the
+    head-sharded ``q``, ``k``, ``v`` and ``lse``, not the output: the backward takes ``Delta`` from the sequence shards.
+    """
+
+    @staticmethod
+    def forward(ctx, out, q, k, v, sinks, job: GroupAttention, output: _Output):
+        head_out, lse = job.forward(q, k, v, sinks)
+        _out_to_sequence_(out, head_out, job)
+        ctx.save_for_backward(q, k, v, lse, sinks)
+        ctx.output, ctx.job, ctx.labels = output, job, current_labels()
+        ctx.mark_dirty(out)
+        ctx.mark_non_differentiable(lse, head_out)
+        ctx.set_materialize_grads(False)  # no zero gradients made for lse and head_out
+        return out, lse, head_out
+
+    @staticmethod
+    def backward(ctx, dout, _dlse, _dhead_out):
+        q, k, v, lse, sinks = ctx.saved_tensors
+        job = ctx.job
+        with labelled(**ctx.labels):
+            head_dout, delta, spare = _dout_to_heads(dout, ctx.output.get(), job)
+            stand_in = stand_in_output(head_dout, delta, spare)
+            del delta, spare
+            grads = job.backward((head_dout, q, k, v, stand_in, lse), sinks, sinks_wanted=ctx.needs_input_grad[4])
+        return dout, *grads, None, None
+
+
+def _lse_to_sequence(lses: Sequence[torch.Tensor], job: GroupAttention) -> torch.Tensor:
+    """The groups' ``lse [B, S, w]`` → the sequence shard's ``[B, L, p·h]`` (no gradient: the LSE carries none)."""
+    b, seq, width = lses[0].shape
+    send = lses[0].new_empty((job.degree, b, seq // job.degree, width * len(lses), 1))
+    for part, lse in zip(_slices(width * len(lses), len(lses)), lses, strict=True):
+        _source_chunks_into(send[:, :, :, part], lse.unsqueeze(-1), job.zigzag)
+    recv = _exchange(send, job.group, "ulysses_lse", job.timeout_s)
+    del send
+    return _rows_to_heads(recv).squeeze(-1)
+
+
+def attend_head_groups(
     qs: Sequence[torch.Tensor],
     ks: Sequence[torch.Tensor],
     vs: Sequence[torch.Tensor],
+    sinks: Sequence[torch.Tensor | None],
+    jobs: Sequence[GroupAttention],
+    *,
+    return_lse: bool,
+    strategy: str | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attend the head groups in turn and return the output to sequence shards (differentiable).
+
+    Group ``i``: ``qs[i] [B, S, w, D]``, ``ks[i]``/``vs[i]`` ``[B, S, wkv, D|Dv]`` (from :func:`to_heads`), ``sinks[i]
+    [w]`` or ``None``, attended by ``jobs[i]``. Returns ``out [B, L, p·h, Dv]`` and, with ``return_lse``, ``lse [B, L,
+    p·h]``. ``strategy``: the name one pair of attention events carries for the whole call (start, then end with the
+    head-sharded ``out`` and ``lse`` concatenated over the groups, only while a hook listens); ``None``: the jobs emit
+    their own.
+    """
+    rank, started, job = group_rank(None), time.perf_counter(), jobs[0]
+    if strategy is not None and hooks_active("start"):
+        emit_attention(strategy, "forward", "start", rank)
+    b, seq = qs[0].shape[:2]
+    out = qs[0].new_empty((b, seq // job.degree, job.degree * job.heads, vs[0].shape[-1]))
+    lses, head_outs, output = [], [], _Output()
+    for q, k, v, sink, job in zip(qs, ks, vs, sinks, jobs, strict=True):
+        out, lse, head_out = _AttendGroup.apply(out, q, k, v, sink, job, output)
+        lses.append(lse)
+        if strategy is not None and hooks_active():
+            head_outs.append(head_out)
+        del head_out
+    output.set(out)
+    if head_outs:
+        event_out, event_lse = (torch.cat(x, dim=2) if len(x) > 1 else x[0] for x in (head_outs, lses))
+        emit_attention(strategy, "forward", "end", rank, started, out=event_out, lse=event_lse.transpose(1, 2))
+    return out, _lse_to_sequence(lses, job) if return_lse else None
+
+
+def dilated_jobs(
+    qs: Sequence[torch.Tensor],
+    ks: Sequence[torch.Tensor],
+    vs: Sequence[torch.Tensor],
+    sinks: Sequence[torch.Tensor | None],
     call: AttentionCall,
+    split: HeadSplit,
+    group: ProcessGroup | None,
     *,
     head_offset: int,
-    strategy: str,
     documents: tuple[int, ...] | None,
-    sinks: torch.Tensor | None = None,
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Dilated attention over the whole sequence on this rank's heads, group by group, with one pair of
-    attention events for the call.
-
-    Group ``i``: ``qs[i] [B, S, h, D]``, ``ks[i]``/``vs[i]`` ``[B, S, hkv, D]`` after the all-to-all (rows in
-    sequence order, so ``documents`` — checked ``call.cu_seqlens`` — apply as they are; its global heads start
-    at ``head_offset + i·h``; ``sinks [n·h]``: this rank's heads' sink logits); returns every group's
-    ``out [B, S, h, D]`` and ``lse [B, S, h]``. The end event carries the call's whole ``out`` and ``lse``
-    (concatenated over the groups, only while a hook listens).
-    """
-    rank, started = group_rank(None), time.perf_counter()
-    if hooks_active("start"):
-        emit_attention(strategy, "forward", "start", rank)
-    outs, lses = [], []
-    for i, (q, k, v) in enumerate(zip(qs, ks, vs, strict=True)):
+) -> list[GroupAttention]:
+    """One :class:`GroupAttention` per head group for dilated attention over the whole sequence on this rank's heads
+    (rows in sequence order after the all-to-all, so ``documents`` — checked ``call.cu_seqlens`` — apply as they are;
+    group ``i``'s global heads start at ``head_offset + i·w``). Shapes as in :func:`attend_head_groups`."""
+    jobs, start = [], 0
+    for q, k, v, sink in zip(qs, ks, vs, sinks, strict=True):
         width = q.shape[2]
-        out, lse = dilated_attention(
+        regions, opts = plan_dilated(
             q, k, v, call.segment_lengths, call.dilation_rates, causal=call.causal, scale=call.scale,
-            head_offset=head_offset + i * width, return_lse=True, cu_seqlens=documents, window=call.window,
-            sinks=None if sinks is None else sinks[i * width : (i + 1) * width], softcap=call.softcap,
+            head_offset=head_offset + start, cu_seqlens=documents, window=call.window, sinks=sink, softcap=call.softcap,
         )  # fmt: skip
-        outs.append(out)
-        lses.append(lse.transpose(1, 2))
-    if hooks_active():
-        out, lse = (torch.cat(x, dim=2) if len(x) > 1 else x[0] for x in (outs, lses))
-        emit_attention(strategy, "forward", "end", rank, started, out=out, lse=lse.transpose(1, 2))
-    return outs, lses
+        jobs.append(group_job(
+            functools.partial(dilated_forward, regions=regions, opts=opts),
+            functools.partial(dilated_backward, regions=regions, opts=opts),
+            slice(start, start + width), split, group, call,
+        ))  # fmt: skip
+        start += width
+    return jobs
+
+
+def group_job(
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    backward: Callable[..., tuple[torch.Tensor | None, ...]],
+    columns: slice,
+    split: HeadSplit,
+    group: ProcessGroup | None,
+    call: AttentionCall,
+) -> GroupAttention:
+    """The :class:`GroupAttention` of heads ``columns`` of a rank's ``split.heads``, exchanged over ``group``."""
+    return GroupAttention(forward, backward, columns, split.heads, split.degree, group, call.layout == "zigzag",
+                          call.timeout_s)  # fmt: skip
+
+
+def group_sinks(sinks: torch.Tensor | None, widths: Sequence[int]) -> list[torch.Tensor | None]:
+    """This rank's ``sinks [h]`` (or ``None``) cut per head group of ``widths`` heads."""
+    if sinks is None:
+        return [None] * len(widths)
+    return list(sinks.split(list(widths)))
 
 
 class Ulysses(Strategy):
@@ -334,30 +480,8 @@ class Ulysses(Strategy):
 
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None):
             qs, ks, vs = to_heads(q, k, v, split, group, layout=call.layout, timeout_s=call.timeout_s, chunks=chunks)
-            outs, lses = attend_local_heads(
-                qs, ks, vs, call, head_offset=offset, strategy=self.name, documents=documents,
-                sinks=None if sinks is None else sinks[heads],
-            )  # fmt: skip
-            return heads_to_sequence(outs, lses, split, group, call, call.timeout_s)
+            local = group_sinks(None if sinks is None else sinks[heads], [x.shape[2] for x in qs])
+            jobs = dilated_jobs(qs, ks, vs, local, call, split, group, head_offset=offset, documents=documents)
+            return attend_head_groups(qs, ks, vs, local, jobs, return_lse=call.return_lse, strategy=self.name)
 
         return run
-
-
-def heads_to_sequence(
-    outs: list[torch.Tensor],
-    lses: list[torch.Tensor],
-    split: HeadSplit,
-    group: ProcessGroup | None,
-    call: AttentionCall,
-    timeout_s: float | None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Return the head groups' ``out [B, p·L, h/n, D]`` and, with ``call.return_lse``, ``lse [B, p·L, h/n]`` to
-    sequence shards ``[B, L, H, D]`` / ``[B, L, H]`` (``None``: the LSE stays where it is)."""
-    layout = call.layout
-    out = to_sequence(tuple(outs), split.degree, group, layout=layout, op="ulysses_out", timeout_s=timeout_s)
-    if not call.return_lse:
-        return out, None
-    lse = to_sequence(
-        tuple(x.unsqueeze(-1) for x in lses), split.degree, group, layout=layout, op="ulysses_lse", timeout_s=timeout_s
-    )
-    return out, lse.squeeze(-1)
