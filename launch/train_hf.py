@@ -189,9 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
         monitor.begin_step(step + 1)
         outputs = engine(**batch)  # with the tiled loss: the loss, and no logits
         loss = (
-            outputs.loss
-            if outputs.loss is not None
-            else causal_lm_loss(session, outputs.logits, batch["shift_labels"])
+            outputs.loss if outputs.loss is not None else causal_lm_loss(session, outputs.logits, batch["shift_labels"])
         )
         if not monitor.skip_step():  # numerics_guard "skip_step": the batch is dropped on every rank
             engine.backward(loss)

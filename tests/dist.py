@@ -79,4 +79,3 @@ def cases_test(*cases: Callable[[int, int], list[str]], worlds: Sequence[int], t
         assert_no_failures(run_distributed(case, world_size, timeout=timeout))
 
     return test
-

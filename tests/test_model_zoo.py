@@ -32,13 +32,27 @@ REASONS = {
 EXPECTED_REFUSALS: dict[str, str] = {
     **dict.fromkeys(["axk2", "deepseek_v32", "doge", "glm_moe_dsa", "hy_v4"], "mask built on"),
     **dict.fromkeys(
-        ["bailing_hybrid", "inkling_text", "qwen4_exp", "qwen4_exp_text", "recurrent_gemma", "zamba",
-         "zaya"],
+        ["bailing_hybrid", "inkling_text", "qwen4_exp", "qwen4_exp_text", "recurrent_gemma", "zamba", "zaya"],
         "sequence mixer",
     ),  # fmt: skip
     **dict.fromkeys(
-        ["big_bird", "bloom", "cpmant", "falcon", "gpt_neo", "gpt_neox_japanese", "megatron-bert", "mpt",
-         "openai-gpt", "rembert", "roformer", "rwkv", "trocr", "xglm", "xlm"],
+        [
+            "big_bird",
+            "bloom",
+            "cpmant",
+            "falcon",
+            "gpt_neo",
+            "gpt_neox_japanese",
+            "megatron-bert",
+            "mpt",
+            "openai-gpt",
+            "rembert",
+            "roformer",
+            "rwkv",
+            "trocr",
+            "xglm",
+            "xlm",
+        ],
         "own attention code",
     ),  # fmt: skip
     **dict.fromkeys(

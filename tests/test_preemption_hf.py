@@ -64,8 +64,10 @@ def _preempt(run: Path, script: str, *args: str) -> str:
 
 def _assert_equal(whole: Path, resumed: Path) -> None:
     expected, final = torch.load(whole), torch.load(resumed)
-    pairs = zip(expected.values(), final.values(), strict=True) if isinstance(expected, dict) else zip(
-        expected, final, strict=True
+    pairs = (
+        zip(expected.values(), final.values(), strict=True)
+        if isinstance(expected, dict)
+        else zip(expected, final, strict=True)
     )
     assert all(torch.equal(a, b) for a, b in pairs), "parameters differ from the uninterrupted run"
 

@@ -105,7 +105,9 @@ def build(family: str, attention: str = "eager") -> torch.nn.Module:
         raise ValueError(f"not tiny: {size:,} parameters")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(
-        config, attn_implementation=attention, experts_implementation="eager"  # grouped_mm has no float64
+        config,
+        attn_implementation=attention,
+        experts_implementation="eager",  # grouped_mm has no float64
     ).double()
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
@@ -122,9 +124,9 @@ def build_failures(names: Iterable[str]) -> dict[str, str]:
             try:
                 build(family)
             except Exception as err:  # noqa: BLE001 - every reason is listed, none is fatal
-                failures[family] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}" if str(err) else type(
-                    err
-                ).__name__
+                failures[family] = (
+                    f"{type(err).__name__}: {str(err).splitlines()[0][:120]}" if str(err) else type(err).__name__
+                )
     return failures
 
 

@@ -260,9 +260,7 @@ class SequenceParallelAttention:
             timeout_s=self.topology.timeout_s, fix=_SAME_SEQUENCE,
         )  # fmt: skip
 
-    def _check_mask(
-        self, module: nn.Module, mask: torch.Tensor, bounds: tuple[int, ...], window: int | None
-    ) -> None:
+    def _check_mask(self, module: nn.Module, mask: torch.Tensor, bounds: tuple[int, ...], window: int | None) -> None:
         """A mask tensor the model built itself must say no more than causal, the window and the documents."""
         tokens = shard_sequence(
             torch.arange(bounds[-1]), self.topology.sequence_parallel_group, layout=self.section.layout, dim=0

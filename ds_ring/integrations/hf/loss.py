@@ -29,9 +29,7 @@ from ds_ring.loss import sequence_parallel_cross_entropy
 __all__ = ["causal_lm_loss", "shard_loss"]
 
 
-def causal_lm_loss(
-    session: SequenceParallelSession, logits: torch.Tensor, shift_labels: torch.Tensor
-) -> torch.Tensor:
+def causal_lm_loss(session: SequenceParallelSession, logits: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over every counted token of the whole sequence group.
 
     Args:
@@ -83,7 +81,6 @@ def shard_loss(original: Callable[..., torch.Tensor], session: SequenceParallelS
         ``session.gradient_scale / sp`` times transformers' (the module docstring says why).
     """
     sp = session.topology.get_sequence_parallel_world_size()
-
 
     def loss(logits: torch.Tensor, labels: torch.Tensor | None, vocab_size: int, **kwargs: Any) -> torch.Tensor:
         value = original(logits, labels, vocab_size, **kwargs)

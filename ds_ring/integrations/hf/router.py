@@ -58,9 +58,7 @@ def router_aux_loss(
     return share + (whole - share).detach()
 
 
-def add_router_aux_loss(
-    session: SequenceParallelSession, loss: torch.Tensor, outputs: Any, model: Any
-) -> torch.Tensor:
+def add_router_aux_loss(session: SequenceParallelSession, loss: torch.Tensor, outputs: Any, model: Any) -> torch.Tensor:
     """``loss`` plus the model's ``router_aux_loss_coef × router_aux_loss`` when it returned router logits (what
     transformers adds to a whole model's loss when labels are given); ``loss`` unchanged otherwise. ``session``: what
     ``register_with_transformers`` returned (its topology and gradient scale, as
