@@ -1,12 +1,13 @@
 """Linear recurrences and causal convolutions over a sequence split across ranks, exact.
 
-A linear recurrence ``h_t = a_t ⊙ h_{t-1} + u_t`` (``a_t`` a per-head scalar or an elementwise decay) run over a
-chunk from an initial state ``h_in`` ends in ``h_end = A ⊙ h_in + h_end⁰`` (``A = ∏ a_t``, ``h_end⁰`` the end
-state from zero) and outputs ``y_t = y⁰_t + C_t · (∏_{s≤t} a_s ⊙ h_in)``. Each rank runs its chunks from zero,
-all-gathers every chunk's ``(A, h_end⁰)`` (:mod:`ds_ring.recurrent.exchange`), folds the earlier chunks' summaries
-in sequence order into its true ``h_in`` (:func:`carry_states`) and adds the ``h_in`` term to its outputs
-(:func:`run_chunks`). A document starting inside a chunk cuts it: the state carried in reaches only the tokens
-before that start (``A = 0`` for the chunk). Memory stays that of one shard; the exchange is a few states per rank.
+A linear recurrence ``h_t = a_t ⊙ h_{t-1} + u_t`` (``a_t`` a per-head scalar or an elementwise decay; or a matrix
+applied from the left, the delta rule's, with ``⊙`` read as that product: ``apply``) run over a chunk from an
+initial state ``h_in`` ends in ``h_end = A ⊙ h_in + h_end⁰`` (``A = ∏ a_t``, ``h_end⁰`` the end state from zero)
+and outputs ``y_t = y⁰_t + C_t · (∏_{s≤t} a_s ⊙ h_in)``. Each rank runs its chunks from zero, all-gathers every
+chunk's ``(A, h_end⁰)`` (:mod:`ds_ring.recurrent.exchange`), folds the earlier chunks' summaries in sequence order
+into its true ``h_in`` (:func:`carry_states`) and adds the ``h_in`` term to its outputs (:func:`run_chunks`). A
+document starting inside a chunk cuts it: the state carried in reaches only the tokens before that start (``A = 0``
+for the chunk). Memory stays that of one shard; the exchange is a few states per rank.
 
 A causal depthwise convolution of width ``k`` needs the ``k - 1`` inputs before each chunk (:func:`causal_conv`).
 """

@@ -1,4 +1,4 @@
-"""transformers' state-space and short-convolution layers run sequence-parallel, exactly (:mod:`ds_ring.recurrent`).
+"""transformers' state-space, delta-rule and convolution layers, sequence-parallel and exact (:mod:`ds_ring.recurrent`).
 
 These layers mix the sequence through a few module-level functions of their modeling file: ``causal_conv1d_fn``
 (a causal depthwise convolution), ``mamba2_chunk_scan`` (Mamba2's scan), ``mamba_selective_scan`` (Mamba1's) and
