@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,11 +40,6 @@ class Case:
     head_dim: int = 64
     kv_heads: int | None = None
 
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Case:
-        branches = {k: tuple(data[k]) if data[k] is not None else None for k in ("segment_lengths", "dilation_rates")}
-        return cls(**{**data, **branches})
-
 
 def kept_positions(seg_len: int, offset: int, rate: int) -> int:
     return 0 if seg_len <= offset else (seg_len - offset + rate - 1) // rate
@@ -77,10 +72,9 @@ def useful_gflop(case: Case, pairs: int | None = None) -> float:
 
 @dataclass(frozen=True)
 class Protocol:
-    """``calls`` timed calls per phase after a warm-up, or ``budget_s`` per phase; ``timeout_s`` bounds every wait."""
+    """``calls`` timed calls per phase after a warm-up; ``timeout_s`` bounds every wait."""
 
     calls: int
-    budget_s: float | None
     timeout_s: float
 
 
@@ -134,29 +128,25 @@ def attention_rank(
         return [torch.randn((case.batch, total // world, h, case.head_dim), generator=gen) for h in heads]
 
     segs, rates = case.segment_lengths, case.dilation_rates
-    if protocol.budget_s is None:
-        dense = case.warmup_seq is None
-        q, k, v, grad_out = (
-            t.requires_grad_(i < 3) for i, t in enumerate(shards(case.warmup_seq or max(1024, 256 * world)))
-        )
-        t0 = time.perf_counter()
-        out = attn(q, k, v, None if dense else segs, None if dense else rates)
-        out.backward(grad_out)
-        result.warmup_s = time.perf_counter() - t0
-        if dense and case.group:
-            with torch.no_grad():
-                ref = ds_ring.ring_dilated_attention(
-                    q, k, v, causal=case.causal, layout=case.layout, timeout_s=protocol.timeout_s
-                )
-            result.warmup_max_abs_err = float((out.detach() - ref).abs().max())
-        del q, k, v, grad_out, out
+    dense, warmup = case.warmup_seq is None, case.warmup_seq or max(1024, 256 * world)
+    q, k, v, grad_out = (t.requires_grad_(i < 3) for i, t in enumerate(shards(warmup)))
+    t0 = time.perf_counter()
+    out = attn(q, k, v, None if dense else segs, None if dense else rates)
+    out.backward(grad_out)
+    result.warmup_s = time.perf_counter() - t0
+    if dense and case.group:
+        with torch.no_grad():
+            ref = ds_ring.ring_dilated_attention(q, k, v, causal=case.causal, layout=case.layout,
+                                                 timeout_s=protocol.timeout_s)  # fmt: skip
+        result.warmup_max_abs_err = float((out.detach() - ref).abs().max())
+    del q, k, v, grad_out, out
     release_free_memory()
     rss0 = current_rss_bytes()
     q, k, v, grad_out = shards(case.seq)
     result.rss_before_inputs_mib, result.inputs_mib = rss0 / MIB, (current_rss_bytes() - rss0) / MIB
     if case.fwd:
         with torch.no_grad():
-            result.fwd = measure(lambda: attn(q, k, v, segs, rates), calls=protocol.calls, budget_s=protocol.budget_s)
+            result.fwd = measure(lambda: attn(q, k, v, segs, rates), calls=protocol.calls)
     for t in (q, k, v):
         t.requires_grad_(True)
 
@@ -165,7 +155,7 @@ def attention_rank(
 
     with ds_ring.register_hook(result):
         step = lambda: attn(q, k, v, segs, rates).backward(grad_out)
-        result.fwdbwd = measure(step, calls=protocol.calls, setup=clear_grads, budget_s=protocol.budget_s)
+        result.fwdbwd = measure(step, calls=protocol.calls, setup=clear_grads)
     return result
 
 

@@ -9,11 +9,9 @@ import importlib.metadata
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -31,11 +29,6 @@ def current_rss_bytes() -> int:
     return int(Path("/proc/self/statm").read_bytes().split()[1]) * _PAGE
 
 
-def max_rss_bytes() -> int:
-    """RSS high-water mark of this process (``ru_maxrss`` is in KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def proc_mib(key: str, path: str = "/proc/meminfo") -> float | None:
     """A ``key: N kB`` field of ``path`` (``/proc/meminfo``, ``/proc/self/status``) in MiB, or None."""
     with contextlib.suppress(OSError), open(path) as f:
@@ -45,6 +38,17 @@ def proc_mib(key: str, path: str = "/proc/meminfo") -> float | None:
     return None
 
 
+def reset_peak_rss() -> float:
+    """Reset this process's RSS high-water mark (``VmHWM``) to its current RSS; return that RSS in MiB."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return current_rss_bytes() / MIB
+
+
+def peak_rss_mib() -> float:
+    """This process's RSS high-water mark since the last :func:`reset_peak_rss`, MiB (the kernel's: no sampling)."""
+    return proc_mib("VmHWM", "/proc/self/status") or 0.0
+
+
 def release_free_memory() -> None:
     """Collect garbage and return freed heap pages to the OS (glibc ``malloc_trim``) before a baseline."""
     gc.collect()
@@ -52,88 +56,31 @@ def release_free_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-class RssSampler:
-    """Peak RSS above the RSS at entry, sampled every 5 ms and checked against ``ru_maxrss`` (spikes between
-    samples; it counts only if it rose in the region)."""
-
-    def __init__(self, interval_s: float = 0.005) -> None:
-        self.interval_s, self.samples, self._stop = interval_s, 0, threading.Event()
-        self._fd = os.open("/proc/self/statm", os.O_RDONLY)
-        self._thread = threading.Thread(target=self._loop, name="rss-sampler", daemon=True)
-
-    def _read(self) -> int:
-        return int(os.pread(self._fd, 128, 0).split()[1]) * _PAGE
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.peak, self.samples = max(self.peak, self._read()), self.samples + 1
-
-    def __enter__(self) -> "RssSampler":
-        self.baseline = self.peak = self._read()
-        self.maxrss_before = self.maxrss_after = max_rss_bytes()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak, self.maxrss_after = max(self.peak, self._read()), max_rss_bytes()
-        os.close(self._fd)
-
-    def extra(self) -> tuple[int, int]:
-        """(sampled, high-water-mark) peak above the baseline so far (or, after exit, in the region), bytes."""
-        running = self._thread.is_alive()
-        peak, maxrss = (max(self.peak, self._read()), max_rss_bytes()) if running else (self.peak, self.maxrss_after)
-        return max(0, peak - self.baseline), max(0, maxrss - self.baseline) if maxrss > self.maxrss_before else 0
-
-
 @dataclass
 class Timing:
-    """One phase's calls: times (s), the peak RSS above ``baseline_rss_mib`` of the first call and of all."""
+    """One phase's calls: times (s), the peak RSS above ``baseline_rss_mib`` over the first call and over all."""
 
     times_s: list[float]
-    first_call_s: float
-    warm: bool
     baseline_rss_mib: float
     first_extra_mib: float
     peak_extra_mib: float
-    sampled_extra_mib: float
-    maxrss_extra_mib: float
-    rss_samples: int
 
     @property
     def median_s(self) -> float:
         return statistics.median(self.times_s)
 
 
-def measure(
-    fn: Callable[[], object], *, calls: int, setup: Callable[[], object] | None = None, budget_s: float | None = None
-) -> Timing:
-    """Time calls of ``fn()`` (``setup()`` untimed before each) and the peak RSS they add: exactly ``calls``, or
-    with ``budget_s`` a warm-up then up to ``calls`` while they fit (``benchmarks/README.md``, "Timing")."""
-
-    def timed() -> float:
+def measure(fn: Callable[[], object], *, calls: int, setup: Callable[[], object] | None = None) -> Timing:
+    """Time ``calls`` calls of ``fn()`` (``setup()`` untimed before each) and the peak RSS they add."""
+    release_free_memory()
+    base, times, first = reset_peak_rss(), [], 0.0
+    for i in range(calls):
         (setup or (lambda: None))()
         t0 = time.perf_counter()
         fn()
-        return time.perf_counter() - t0
-
-    release_free_memory()
-    with RssSampler() as rss:
-        start = time.perf_counter()
-        first = timed()
-        first_extra = max(rss.extra())
-        times = [first] if budget_s is None else []
-        if budget_s is None or first <= budget_s / 2:
-            while len(times) < calls and (
-                budget_s is None or time.perf_counter() - start + (times or [first])[-1] <= budget_s
-            ):
-                times.append(timed())
-    sampled, maxrss = rss.extra()
-    return Timing(
-        times or [first], first, budget_s is not None and bool(times), rss.baseline / MIB, first_extra / MIB,
-        max(sampled, maxrss) / MIB, sampled / MIB, maxrss / MIB, rss.samples,
-    )  # fmt: skip
+        times.append(time.perf_counter() - t0)
+        first = peak_rss_mib() - base if i == 0 else first
+    return Timing(times, base, first, peak_rss_mib() - base)
 
 
 def cpu_jiffies() -> tuple[int, int]:

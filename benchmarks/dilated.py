@@ -68,7 +68,7 @@ BENCHMARK = Benchmark(
     name="dilated", module="benchmarks.dilated", title="single-process dilated attention (issue 2)",
     plan=plan, build=build, report=report, plots=plots, threads=2, label=lambda case: LABELS[case.impl],
     seqs=([8192, 16384, 32768, 65536], [8192, 16384]), impls=list(LABELS), flop=peers.flop,
-    packages=("dilated-attention-pytorch", "deepspeed"), calls=3, max_call_s=(150.0, 60.0), budget_s=(30.0, 8.0),
+    packages=("dilated-attention-pytorch", "deepspeed"), calls=3, max_call_s=(150.0, 60.0),
     config=lambda args: {"batch": 1, "heads": 8, "head_dim": 64, "dtype": "float32", "threads": args.threads,
                          "segment_lengths": SEGMENT_LENGTHS, "dilation_rates": DILATION_RATES},
 )  # fmt: skip

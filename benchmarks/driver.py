@@ -4,54 +4,25 @@ a :class:`Benchmark`'s cases in fresh rank processes and writes rows, a report, 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import resource
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from benchmarks import common
 from benchmarks.cases import AttentionFn, Case, Protocol, RankResult, attention_rank, matmul_rank, useful_gflop
 from benchmarks.common import fmt_seq
-from benchmarks.rows import OTHER_CPU_WARN, Row, Target, format_targets, summarize
+from benchmarks.rows import OTHER_CPU_WARN, Row, summarize
 from ds_ring import testing
 
 GRACE_AFTER_FAILURE_S = 10.0  # once a rank has failed, the others get this long to finish before they are killed
 PRELOAD = (*testing.PRELOAD, "ds_ring", "benchmarks.cases")
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-@dataclass
-class Throughput:
-    """Useful GFLOP/s per busy core per row label (scaled by 1 − the others' CPU share), to estimate cases not yet
-    run; ``efficiency × matmul_per_core`` until measured."""
-
-    cores: int
-    matmul_per_core: float
-    measured: dict[Any, tuple[float, str]] = field(default_factory=dict)
-
-    def busy_cores(self, case: Case) -> int:
-        return max(1, min(case.world * case.threads, self.cores))
-
-    def record(self, key: str, case: Case, gflop: float, seconds: float, other: float | None) -> None:
-        rate = gflop / (seconds * (1.0 - min(other or 0.0, 0.9))) / self.busy_cores(case)
-        self.measured[key] = self.measured[(key, case.world)] = (rate, f"{fmt_seq(case.seq)} p={case.world}")
-
-    def estimate_s(self, key: str, case: Case, gflop: float, efficiency: float) -> tuple[float, str]:
-        """(seconds, how) of one fwd+bwd call of ``case``: as measured for ``key`` (the same p if possible)."""
-        rate, basis = self.measured.get((key, case.world)) or self.measured.get(key) or (None, "")
-        how = f"measured {rate:.1f} GFLOP/s per core on {basis}" if rate else ""
-        if not rate:
-            rate = efficiency * self.matmul_per_core
-            how = f"assumed {rate:.1f} GFLOP/s per core ({efficiency:.0%} of matmul; not measured yet)"
-        cores = self.busy_cores(case)
-        seconds = gflop / (rate * cores)
-        return seconds, f"{gflop / 1e3:.2f} TFLOP useful at {how} × {cores} cores = {seconds:.0f} s"
 
 
 @dataclass(frozen=True)
@@ -65,7 +36,6 @@ class Benchmark:
     build: Callable[[Case, int, float], AttentionFn]
     report: Callable[[Session], str]
     plots: Callable[[Session], None]
-    targets: Callable[[Session], list[Target]] | None = None
     seqs: tuple[Sequence[int], Sequence[int]] | None = None
     worlds: Sequence[int] | None = None
     impls: Sequence[str] = ()
@@ -74,11 +44,9 @@ class Benchmark:
     config: Callable[[argparse.Namespace], dict[str, Any]] = lambda args: {}
     label: Callable[[Case], str] = lambda case: case.impl
     flop: Callable[[Case], float] = useful_gflop
-    efficiency: Mapping[str, float] = field(default_factory=dict)
     packages: tuple[str, ...] = ()
     calls: int = 2
     max_call_s: tuple[float, float] = (600.0, 120.0)
-    budget_s: tuple[float, float] | None = None
     rank: Callable[..., RankResult] = attention_rank
 
 
@@ -90,14 +58,11 @@ class Session:
         argv = [common.rel(a) if os.path.isabs(a) else a for a in sys.argv[1:]]  # the JSON holds no machine path
         self.command = " ".join(["python", "-m", bench.module, *argv])
         self.rows: list[Row] = []
-        self.targets: list[Target] = []
         self.extra: dict[str, Any] = {}  # more for the JSON (the suite's fit search)
         self.machine, self.matmul_gflops = common.machine_info(bench.packages), {}
         self.cores: int = self.machine["usable_cpus"]
-        self.throughput = Throughput(self.cores, self.matmul(1, 2048, "start") or 50.0)
-        self.memory_seen: dict[tuple[str, int], tuple[int, float]] = {}  # (label, p): (seq, MiB per rank) last seen
-        self.reuse = _reusable(args.reuse or [], self.machine["ds_ring_source_sha256"])
-        print(f"{bench.name}: fp32 matmul 2048², 1 thread: {self.throughput.matmul_per_core:.1f} GFLOP/s", flush=True)
+        self.seen: dict[tuple[str, int], tuple[int, float, float]] = {}  # (label, p): (seq, s, MiB) last measured
+        print(f"{bench.name}: fp32 matmul 2048², 1 thread: {self.matmul(1, 2048, 'start') or 0:.1f} GFLOP/s")
 
     def matmul(self, threads: int, n: int, when: str) -> float | None:
         """fp32 ``n×n`` matmul GFLOP/s with ``threads`` threads in a fresh process, kept under ``when``."""
@@ -108,23 +73,18 @@ class Session:
         return got.value
 
     def run(self, case: Case, *, calls: int | None = None) -> Row:
-        """Measure ``case`` (or reuse, or skip it with the reason); append, print and save its row."""
+        """Measure ``case`` (or skip it with the reason); append, print and save its row."""
         over = case.world * case.threads > self.cores
         procs = f"{case.world}×{case.threads}" + (f" (>{self.cores} cores)" if over else "")
         row = Row(case, self.bench.label(case), procs, self.bench.flop(case))
-        if case in self.reuse:
-            old = self.reuse[case]
-            row = replace(old, label=row.label, procs=procs, notes=[*old.notes, f"reused from {old.reused_from}"])
+        row.estimated_call_s, why = self._estimate(row)
+        if why is not None:
+            row.notes.append("skipped: " + why)
         else:
-            row.estimated_call_s, why = self._estimate(row)
-            if why is not None:
-                row.notes.append("skipped: " + why)
-            else:
-                single = row.estimated_call_s > self.args.single_call_above_s
-                self._measure(row, calls or (1 if single else self.args.calls))
+            single = (row.estimated_call_s or 0.0) > self.args.single_call_above_s
+            self._measure(row, calls or (1 if single else self.args.calls))
         if row.fwdbwd_s:
-            self.throughput.record(row.label, case, row.useful_gflop, row.fwdbwd_s, (row.other_cpu_pct or 0.0) / 100)
-            self.memory_seen[(row.label, case.world)] = (case.seq, row.peak_mib or 0.0)
+            self.seen[(row.label, case.world)] = (case.seq, row.fwdbwd_s, row.peak_mib or 0.0)
         self.rows.append(row)
         print(f"  {row.label:>44} {fmt_seq(case.seq):>5} {procs:>5} fwd+bwd={row.fwdbwd_s or math.nan:.3f}s "
               f"peak={row.peak_mib or math.nan:.0f}MiB/rank {'; '.join(row.notes)[:300]}", flush=True)  # fmt: skip
@@ -132,28 +92,25 @@ class Session:
         return row
 
     def _estimate(self, row: Row) -> tuple[float | None, str | None]:
-        """(one call's estimated seconds, the reason to skip the case or None)."""
+        """(one call's seconds, scaled as S² from the last length measured for the label and p; the reason to skip
+        the case or None): above ``--max-call-s``, or memory (∝ S) over 80 % of what is available."""
         case = row.case
         if case.seq % case.world:
             return None, f"seq {case.seq} is not divisible by {case.world} ranks"
-        efficiency = self.bench.efficiency.get(case.impl, 0.35)
-        est_s, how = self.throughput.estimate_s(row.label, case, row.useful_gflop, efficiency)
-        if est_s > self.args.max_call_s:
-            return est_s, f"one fwd+bwd call estimated {how} > --max-call-s {self.args.max_call_s:.0f}"
-        seen, available = self.memory_seen.get((row.label, case.world)), common.proc_mib("MemAvailable")
-        if seen and seen[1] and available and seen[1] * case.seq / seen[0] * case.world > 0.8 * available:
-            return est_s, (
-                f"estimated {seen[1] * case.seq / seen[0]:.0f} MiB per rank × {case.world} ranks (from "
-                f"{fmt_seq(seen[0])}: {seen[1]:.0f} MiB, ∝ seq) > 80% of the {available:.0f} MiB available"
-            )
+        if (seen := self.seen.get((row.label, case.world))) is None:
+            return None, None
+        (seq, seconds, mib), available = seen, common.proc_mib("MemAvailable")
+        grow, at, limit = case.seq / seq, f"from {fmt_seq(seq)}", self.args.max_call_s
+        if (est_s := seconds * grow**2) > limit:
+            return est_s, f"one fwd+bwd call estimated {est_s:.0f} s (∝ S² {at}) > --max-call-s {limit:.0f}"
+        if available and mib * grow * case.world > 0.8 * available:
+            return est_s, f"{mib * grow:.0f} MiB/rank (∝ S {at}) × {case.world} > 80% of {available:.0f} MiB available"
         return est_s, None
 
     def _measure(self, row: Row, calls: int) -> None:
         """Launch the case, again (``--retries``) while others used over :data:`OTHER_CPU_WARN` of the CPUs."""
         args, case = self.args, row.case
-        budget_s = getattr(args, "budget_s", None)
-        assert budget_s is None or case.world == 1, "time-budgeted phases need one process"
-        protocol = Protocol(calls, budget_s, args.timeout_s)
+        protocol = Protocol(calls, args.timeout_s)
         timeout_s = max(300.0, 4.0 * (row.estimated_call_s or 0.0) * (calls + 1) + 120.0)
         best: tuple[list[testing.RankOutcome], float, float | None] | None = None
         own_cpu_s = lambda: sum(resource.getrusage(resource.RUSAGE_SELF)[:2])  # this process's user + system s
@@ -173,16 +130,13 @@ class Session:
                 best = (outcomes, wall, other)
             if not all(o.ok and o.value.fwdbwd for o in outcomes) or (other or 0.0) <= OTHER_CPU_WARN:
                 break
-        summarize(row, *best, budgeted=budget_s is not None)
+        summarize(row, *best)
 
     def finish(self) -> str:
-        """The matmul ceiling and ds_ring digest at the end; the report, JSON and PNGs. Returns the markdown."""
+        """The matmul ceiling at the end; the report, JSON and PNGs. Returns the markdown."""
         self.matmul(1, 2048, "end")
-        self.extra["ds_ring_source_sha256_end"] = common.source_digest()
         self.extra["wall_s"] = time.perf_counter() - self.started
-        self.targets = self.bench.targets(self) if self.bench.targets else []
-        targets = [format_targets(self.targets)] if self.bench.targets else []
-        self.text = "\n\n".join([self.header(), self.bench.report(self), *targets])
+        self.text = "\n\n".join([self.header(), self.bench.report(self)])
         self.write_json()
         self.bench.plots(self)
         return self.text
@@ -191,7 +145,6 @@ class Session:
         m, mm, rows = self.machine, self.matmul_gflops, self.rows
         start, end = (mm.get(f"n=2048 threads=1 {w}") or math.nan for w in ("start", "end"))
         loads = max([m["loadavg_1m"], *(r.loadavg_1m or 0.0 for r in rows)])
-        reused = sum(r.reused_from is not None for r in rows)
         return (
             f"**{self.bench.title}** ({'quick' if self.args.quick else 'full'}; `{self.command}`): "
             f"{m['cpu_model']}, {self.cores} usable CPUs, {m['mem_total_gib']:.0f} GiB; torch "
@@ -200,34 +153,16 @@ class Session:
             f"the cores (their times include that; their memory does not). Run took {self.extra['wall_s']:.0f} s; "
             f"other processes used at most {max((r.other_cpu_pct or 0.0 for r in rows), default=0.0):.0f}% of the "
             f"CPUs during a configuration ('other load %'); highest 1-min load average {loads:.1f}."
-            + (f" {reused} of {len(rows)} rows were reused from earlier undisturbed runs (--reuse)." if reused else "")
         )
 
     def write_json(self) -> None:
-        paths = {"out": common.rel(self.args.out), "reuse": [common.rel(p) for p in self.args.reuse or []]}
+        paths = {"out": common.rel(self.args.out)}
         common.write_json(self.out / f"{self.bench.name}.json", {
             "benchmark": self.bench.name, "mode": "quick" if self.args.quick else "full", "command": self.command,
             "args": vars(self.args) | paths, "config": self.bench.config(self.args), "machine": self.machine,
             "matmul_gflops": self.matmul_gflops, "rows": [asdict(r) for r in self.rows],
-            "targets": [asdict(t) for t in self.targets], "report": self.text, **self.extra,
+            "report": self.text, **self.extra,
         })  # fmt: skip
-
-
-def _reusable(paths: Sequence[str], digest: str) -> dict[Case, Row]:
-    """The least disturbed undisturbed row per case of earlier JSON files measured with this ds_ring source."""
-    best: dict[Case, Row] = {}
-    for path in paths:
-        old = json.loads(Path(path).read_text())
-        measured = old.get("machine", {}).get("ds_ring_source_sha256"), old.get("ds_ring_source_sha256_end", digest)
-        if set(measured) != {digest}:
-            print(f"--reuse {path}: not measured with this ds_ring code by this driver, ignored", file=sys.stderr)
-            continue
-        for row in map(Row.from_json, old["rows"]):
-            undisturbed = row.fwdbwd_s and row.other_cpu_pct is not None and row.other_cpu_pct <= 100 * OTHER_CPU_WARN
-            if undisturbed and (row.case not in best or row.other_cpu_pct < (best[row.case].other_cpu_pct or 0.0)):
-                row.reused_from = row.reused_from or f"{common.rel(path)} ({old['machine']['date_utc']})"
-                best[row.case] = row
-    return best
 
 
 def main(bench: Benchmark, argv: list[str] | None = None) -> int:
@@ -239,7 +174,6 @@ def main(bench: Benchmark, argv: list[str] | None = None) -> int:
     for flag, pair, kind, text, extra in (
         ("--calls", (bench.calls, 1), int, "timed calls per phase", {}),
         ("--max-call-s", bench.max_call_s, float, "skip a case estimated above this many s per fwd+bwd call", {}),
-        ("--budget-s", bench.budget_s, float, "s per phase", {}),
         ("--seqs", bench.seqs, int, "total sequence lengths", {"nargs": "+"}),
         ("--worlds", bench.worlds and (bench.worlds,) * 2, int, "rank counts", {"nargs": "+"}),
         ("--impls", bench.impls and (bench.impls,) * 2, str, "implementations", {"nargs": "+", "choices": bench.impls}),
@@ -258,7 +192,6 @@ def main(bench: Benchmark, argv: list[str] | None = None) -> int:
         ("--malloc-mmap-threshold", int, None, "glibc's MALLOC_MMAP_THRESHOLD_ for the ranks: large tensors mmap'ed"),
     ):
         p.add_argument(flag, type=kind, default=default, help=text)
-    p.add_argument("--reuse", nargs="+", metavar="JSON", help="take undisturbed rows of earlier runs (same ds_ring)")
     bench.add_args(p)
     args = p.parse_args(argv)
     for name, pair in by_mode.items():  # the option's value if given, else the benchmark's default for this mode

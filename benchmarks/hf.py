@@ -14,9 +14,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from benchmarks.cases import Case, Protocol, RankResult, useful_gflop
-from benchmarks.common import MIB, current_rss_bytes, fmt_seq, measure, release_free_memory
+from benchmarks.common import MIB, current_rss_bytes, measure, release_free_memory
 from benchmarks.driver import Benchmark, Session, main
-from benchmarks.rows import Column, Figure, Row, Target, compare, find, markdown_table, plot_rows, ratio
+from benchmarks.rows import Column, Figure, Row, find, markdown_table, plot_rows, ratio
 
 LABELS = {"ulysses": "ds_ring Ulysses", "ring": "ds_ring ring (zigzag)", "hybrid": "ds_ring hybrid U2×R1",
           "ring dilated": "ds_ring ring dilated", "alst": "DeepSpeed ALST (UlyssesSPAttentionHF)"}  # fmt: skip
@@ -204,22 +204,6 @@ def plan(session: Session) -> None:
             ))  # fmt: skip
 
 
-def targets(session: Session) -> list[Target]:
-    rows, out = session.rows, []
-    seqs = sorted({r.case.seq for r in rows})
-    for seq in seqs:
-        alst, ulysses = find(rows, impl="alst", seq=seq), find(rows, impl="ulysses", seq=seq)
-        cpu = [r.largest("cpu_s_per_step") if r else None for r in (alst, ulysses)]
-        work = f"; CPU s/step ALST ÷ ds_ring Ulysses {cpu[0] / cpu[1]:.2f}" if None not in cpu else ""
-        out += compare(f"ds_ring Ulysses ≥ ALST throughput, {fmt_seq(seq)}", alst, ulysses, met=lambda x: x >= 1.0,
-                       note=f" step time (ALST vs ds_ring Ulysses){work}")  # fmt: skip
-    if seqs:
-        ring, alst = find(rows, impl="ring", seq=seqs[-1]), find(rows, impl="alst", seq=seqs[-1])
-        text = f"ring uses less memory per rank than ALST, {fmt_seq(seqs[-1])}"
-        out += compare(text, ring, alst, "peak_mib", lambda x: x < 1.0, " step MiB/rank (ds_ring ring vs ALST)")
-    return out
-
-
 def report(session: Session) -> str:
     alst = lambda r: find(session.rows, impl="alst", seq=r.case.seq)
     return markdown_table(session.rows, [
@@ -254,18 +238,6 @@ def slope_and_fit(rows: list[Row], impl: str, vocab: int) -> tuple[float | None,
     return slope, int(fit_k * 1000 * last.case.world) if fit_k > 0 else 0
 
 
-def targets_long(session: Session) -> list[Target]:
-    out = []
-    for r in (r for r in session.rows if r.case.impl == "long_context"):
-        alst = find(session.rows, impl="alst full", seq=r.case.seq, tag=r.case.tag)
-        where = f"{fmt_seq(r.case.seq)}, vocab {r.case.tag}"
-        out += compare(f"long_context step memory ≤ 0.8 × ALST full recipe, {where}", r, alst, "peak_mib",
-                       lambda x: x <= 0.8, " step MiB/rank (long_context vs ALST full)")  # fmt: skip
-        out += compare(f"long_context tokens/s ≥ ALST full recipe, {where}", alst, r, met=lambda x: x >= 1.0,
-                       note=" step time (ALST full vs long_context)")  # fmt: skip
-    return out
-
-
 def report_long(session: Session) -> str:
     args, rows = session.args, session.rows
     alst = lambda r: find(rows, impl="alst full", seq=r.case.seq, tag=r.case.tag)
@@ -284,7 +256,7 @@ def report_long(session: Session) -> str:
 
 BENCHMARK = Benchmark(
     name="hf", module="benchmarks.hf", title="HF Llama training steps: ds_ring strategies vs DeepSpeed ALST, p = 2",
-    plan=plan, build=build, report=report, targets=targets, label=lambda case: LABELS[case.impl],
+    plan=plan, build=build, report=report, label=lambda case: LABELS[case.impl],
     seqs=([4096, 8192, 16384], [2048, 4096]), impls=list(LABELS), calls=3, rank=train_rank,
     plots=lambda s: plot_rows(s, lambda r: "", "HF Llama training step, 2 ranks × 1 thread, batch 1, fp32",
                               STEP_FIGURES, logy=False),
@@ -293,7 +265,7 @@ BENCHMARK = Benchmark(
 LONGCTX = Benchmark(
     name="longctx", module="benchmarks.longctx",
     title="Whole-model long context: Llama 4 layers, hidden 256, 2 ranks — ds_ring vs DeepSpeed ALST",
-    plan=plan_long, build=build_long, report=report_long, targets=targets_long,
+    plan=plan_long, build=build_long, report=report_long,
     label=lambda case: f"{LONG_LABELS[case.impl]}, vocab {case.tag}",
     add_args=lambda p: p.add_argument("--vocabs", type=int, nargs="+", default=list(VOCABS), help="vocabulary sizes"),
     seqs=([2048, 4096, 8192], [1024, 2048]), impls=list(LONG_LABELS), calls=1, rank=train_rank,

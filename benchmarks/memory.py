@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import MIB, Series, current_rss_bytes, plot_panels, proc_mib, release_free_memory, write_json
+from benchmarks.common import MIB, Series, peak_rss_mib, plot_panels, release_free_memory, reset_peak_rss, write_json
 from ds_ring.testing import rank_results, spawn_ranks
 
 HEADS, HEAD_DIM = 8, 64
@@ -94,8 +94,7 @@ def _measure(rank: int, world: int, call: Call, local_len: int, device: str, liv
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated() / MIB
     else:
-        base = current_rss_bytes() / MIB
-        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+        base = reset_peak_rss()
     profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True) if live else contextlib.nullcontext()
     start = time.perf_counter()
     with profiler:
@@ -109,7 +108,7 @@ def _measure(rank: int, world: int, call: Call, local_len: int, device: str, liv
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() / MIB
     else:
-        peak = proc_mib("VmHWM", "/proc/self/status")
+        peak = peak_rss_mib()
     result = {"extra_mib": peak - base, "seconds": seconds, "q_shard_mib": q.numel() * q.element_size() / MIB}
     return {**result, "live_mib": _peak_allocated_mib(profiler)} if live else result
 
@@ -135,15 +134,14 @@ def measure(call: Call, world: int, device: str, timeout_s: float, live: bool = 
     return result
 
 
-def plot(results: dict[str, list[dict]], path: Path, labels: tuple[str, ...] = ("before", "after")) -> None:
-    """Slope and fixed cost against the rank count: a line per (call, label), dashed for ``before``."""
+def plot(results: dict[str, list[dict]], path: Path) -> None:
+    """Slope and fixed cost against the rank count: a line per (call, label in the JSON), dashed for ``before``."""
     panels = {"slope_q_shards": [], "fixed_mib": []}
-    for label in (label for label in labels if label in results):
-        for name in sorted({r["call"] for r in results[label]}):
-            mine = [r for r in results[label] if r["call"] == name]
-            ranks, style = [r["ranks"] for r in mine], "--o" if label == "before" else "-o"
-            for key, series in panels.items():
-                series.append(Series(f"{name} ({label})", ranks, [r[key] for r in mine], style))
+    for label, name in sorted({(label, r["call"]) for label, rows in results.items() for r in rows}):
+        mine = [r for r in results[label] if r["call"] == name]
+        for key, series in panels.items():
+            xy = [r["ranks"] for r in mine], [r[key] for r in mine]
+            series.append(Series(f"{name} ({label})", *xy, "--o" if label == "before" else "-o"))
     plot_panels(
         path, [("activation memory slope", panels["slope_q_shards"]), ("fixed cost", panels["fixed_mib"])],
         xlabel="ranks", ylabel=["slope (q-shards per rank)", "fixed MiB per rank"], xticks=[1, 2, 4, 8], logy=False,

@@ -2,9 +2,9 @@
 ``python -m benchmarks.packed [--quick] [--out DIR]``; what it measures: ``benchmarks/SUITE.md``."""
 
 from benchmarks.cases import AttentionFn, Case, case_pairs, useful_gflop
-from benchmarks.common import MIB, fmt_seq
+from benchmarks.common import MIB
 from benchmarks.driver import Benchmark, Session, main
-from benchmarks.rows import TIME, Column, Row, Target, compare, find, markdown_table, plot_rows, ratio
+from benchmarks.rows import TIME, Column, Row, find, markdown_table, plot_rows, ratio
 
 DOCUMENTS, RATES = 8, (1, 2, 4)
 PEERS = {"packed": "one_by_one", "ring_packed": "ring_unpacked"}  # what a packed row is compared with
@@ -62,19 +62,6 @@ def sent_mib(r: Row) -> float | None:
     return None if (sent := r.largest("ring_bytes_sent")) is None else sent / MIB
 
 
-def targets(session: Session) -> list[Target]:
-    out = []
-    for r in session.rows:
-        other, at = peer(session.rows, r), f"{r.case.tag} {fmt_seq(r.case.seq)}"
-        if r.case.impl == "packed":
-            out += compare(f"packed ÷ one-by-one time, {at}", r, other, met=lambda x: x <= 1.10, note="; target ≤ 1.10")
-        if r.case.impl == "ring_packed" and other:
-            note = f"; {sent_mib(r) or 0:.1f} vs {sent_mib(other) or 0:.1f} MiB sent per rank"
-            text = f"ring p={r.case.world} {fmt_seq(r.case.seq)}: packed speed-up over unpacked dense causal"
-            out += compare(text, other, r, note=note)
-    return out
-
-
 def report(session: Session) -> str:
     rows = session.rows
     return markdown_table(rows, [
@@ -88,7 +75,7 @@ def report(session: Session) -> str:
 
 BENCHMARK = Benchmark(
     name="packed", module="benchmarks.packed", title="packed sequences (issue 12)", plan=plan, build=build,
-    report=report, targets=targets, seqs=([8192, 32768], [8192]), threads=2,
+    report=report, seqs=([8192, 32768], [8192]), threads=2,
     add_args=lambda p: p.add_argument("--world", type=int, default=4, help="ranks of the ring rows (default 4)"),
     plots=lambda s: plot_rows(s, lambda r: r.case.tag, f"packed: {DOCUMENTS} documents, B1 H8 D64 fp32, causal",
                                      [TIME]),

@@ -16,7 +16,6 @@ if TYPE_CHECKING:
 RAP = "ring-attention-pytorch==0.5.20"
 DAP = "dilated-attention-pytorch==0.2.0"
 PEERS = [RAP, DAP, "einops>=0.8.0", "beartype", "jaxtyping"]  # installed with --no-deps
-EFFICIENCY = {"rap": 0.05}  # assumed share of matmul GFLOP/s per core until measured (ds_ring: 0.35)
 RAP_BUCKET = 1024  # ring_flash_attn's default bucket_size
 
 
@@ -51,26 +50,6 @@ def rap_attention(case: Case) -> AttentionFn:
         raise missing(RAP, exc) from exc
     p, causal, bucket = case.world, case.causal, lambda q: min(RAP_BUCKET, q.shape[1])
     return lambda q, k, v, *_: ring_flash_attn(q, k, v, None, causal, bucket(q), p > 1, False, None, p)
-
-
-def torch_cp_attention(case: Case) -> AttentionFn:
-    """PyTorch context parallelism around SDPA on the gathered sequence (it shards it itself); fails on CPU."""
-    _dense_only(case, "context_parallel runs SDPA: no dilated attention")
-    import torch.nn.functional as F
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.experimental import context_parallel
-
-    import ds_ring
-
-    mesh = init_device_mesh("cpu", (case.world,))
-
-    def attn(q: Tensor, k: Tensor, v: Tensor, segs: Any, rates: Any) -> Tensor:
-        full = [ds_ring.gather_sequence(t.detach()).transpose(1, 2).contiguous() for t in (q, k, v)]
-        with context_parallel(mesh, buffers=full, buffer_seq_dims=[2, 2, 2], no_restore_buffers=set(full)):
-            out = F.scaled_dot_product_attention(*(t.requires_grad_() for t in full), is_causal=case.causal)
-        return out.transpose(1, 2)
-
-    return attn
 
 
 def deepspeed_attention(case: Case, rank: int, group: Any) -> AttentionFn:

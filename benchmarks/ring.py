@@ -1,64 +1,63 @@
-"""Dense causal ring attention on CPU ranks: ring vs all-gather vs ``ring-attention-pytorch`` (issue 3).
-``python -m benchmarks.ring [--quick] [--out DIR]``; rows, columns and targets: ``benchmarks/SUITE.md``."""
+"""Ring attention on CPU ranks, dense and dilated: ring vs all-gather vs ``ring-attention-pytorch`` (issue 3); ring
+dilated vs dense ring vs one process (issue 4). ``python -m benchmarks.ring [--quick] [--impls ...] [--out DIR]``;
+rows, columns and the goals they are read against: ``benchmarks/SUITE.md``."""
 
-from benchmarks import peers, strategies
+from benchmarks import strategies
 from benchmarks.cases import Case
 from benchmarks.common import fmt_seq
 from benchmarks.driver import Benchmark, Session, main
-from benchmarks.rows import Column, Row, Target, compare, find, markdown_table, plot_rows, ratio
+from benchmarks.rows import Column, Row, find, markdown_table, plot_rows, ratio
 
-IMPLS = {"ring": ("ring", "contiguous"), "ring_zigzag": ("ring", "zigzag"), "allgather": ("allgather", "contiguous"),
-         "rap": ("rap", "contiguous"), "torch_cp": ("torch_cp", "contiguous")}  # fmt: skip
+IMPLS = ["ring", "ring_zigzag", "allgather", "rap", "ring_dilated", "single_1t", "single_2t"]
 # the columns every multi-rank table starts and ends with (benchmarks.rows.COLUMNS)
 COLUMNS = ["impl", "seq", "procs × threads", "fwd+bwd s", "tokens/s", "useful GFLOP/s", "peak MiB/rank",
            "inputs MiB/rank"]  # fmt: skip
 TAIL = ["wall ÷ compute", "warm-up err", "other load %", "notes"]
 
 
+def case_of(name: str, seq: int, p: int) -> Case:
+    """The case of a row name on ``p`` ranks; dilated: w = [min(2K, S/16), min(8K, S/4), S], r = [1, 4, 16]."""
+    branches = dict(segment_lengths=(min(2048, seq // 16), min(8192, seq // 4), seq), dilation_rates=(1, 4, 16))
+    if name.startswith("single"):
+        return Case("ds_ring", seq, 1, threads=int(name[-2]), group=False, **branches)
+    if name == "ring_dilated":
+        return Case("ring", seq, p, **branches)
+    return Case(name.removesuffix("_zigzag"), seq, p, layout="zigzag" if name.endswith("zigzag") else "contiguous")
+
+
 def plan(session: Session) -> None:
     for seq in session.args.seqs:
-        for p in session.args.worlds:
-            for name in session.args.impls:
-                if p > 1 or name in ("ring", "rap"):
-                    session.run(Case(IMPLS[name][0], seq, p, layout=IMPLS[name][1]))
+        for name in session.args.impls:
+            for p in [1] if name.startswith("single") else session.args.worlds:
+                if p > 1 or name in ("ring", "rap", "ring_dilated", "single_1t", "single_2t"):
+                    session.run(case_of(name, seq, p))
 
 
-def p1(rows: list[Row], r: Row) -> Row | None:
-    """The p = 1 ds_ring row of ``r``'s length, for ds_ring rows."""
-    return find(rows, impl="ring", seq=r.case.seq, world=1) if r.case.impl in ("ring", "allgather") else None
-
-
-def rap(rows: list[Row], r: Row) -> Row | None:
-    """The ring-attention-pytorch row of ``r``'s length and ranks, for the other rows."""
-    return find(rows, impl="rap", seq=r.case.seq, world=r.case.world) if r.case.impl != "rap" else None
-
-
-def targets(session: Session) -> list[Target]:
-    out, rows, cores = [], session.rows, session.cores
-    for r in rows:
-        seq, at = fmt_seq(r.case.seq), f"{fmt_seq(r.case.seq)} p={r.case.world}"
-        if r.case.world == 4:
-            aside = r.case.impl == "allgather"  # beside ring, no target
-            text = f"{r.label} memory per rank at p=4 ≤ 0.30 × p=1, {seq}"
-            met = (lambda x: None) if aside else (lambda x: x <= 0.3)
-            out += compare(text, r, p1(rows, r), "peak_mib", met, " (beside it, no target)" if aside else "")
-        if r.case.world == 2 and r.case.impl == "ring":
-            note = "" if cores >= 2 else f" (only {cores} usable core: not meaningful)"
-            note += f"; other load {r.other_cpu_pct or 0:.0f}%"
-            text = f"{r.label}: 2 ranks on 2 cores ≥ 1.8× faster than 1 rank, {seq}"
-            out += compare(text, p1(rows, r), r, met=lambda x: x >= 1.8, note=note)
-        if r.case.impl in ("ring", "allgather"):
-            text = f"{r.label} ≥ 5× faster than ring-attention-pytorch, {at}"
-            out += compare(text, rap(rows, r), r, met=lambda x: x >= 5.0)
-    return out
+def refs(rows: list[Row], r: Row) -> tuple[Row | None, ...]:
+    """A ring row's p = 1 row and ring-attention-pytorch's row; a dilated ring row's dense ring (zigzag; p = 1: the
+    one ring row) and its one process × 2 threads row."""
+    c, dilated = r.case, r.case.segment_lengths is not None
+    if c.impl not in ("ring", "allgather") or not c.group:
+        return None, None, None, None
+    p1 = find(rows, impl="ring", seq=c.seq, world=1, segment_lengths=c.segment_lengths)
+    if not dilated:
+        return p1, find(rows, impl="rap", seq=c.seq, world=c.world), None, None
+    layout = "zigzag" if c.world > 1 else "contiguous"
+    dense = find(rows, impl="ring", seq=c.seq, world=c.world, segment_lengths=None, layout=layout)
+    return p1, None, dense, find(rows, seq=c.seq, group=False, threads=2)
 
 
 def report(session: Session) -> str:
-    rows = session.rows
-    return markdown_table(rows, [
-        *COLUMNS, Column("mem ÷ p=1", lambda r: ratio(r, p1(rows, r), "peak_mib"), "{:.2f}"),
-        Column("speed-up vs p=1", lambda r: ratio(p1(rows, r), r), "{:.2f}"),
-        Column("× faster than rap", lambda r: ratio(rap(rows, r), r), "{:.1f}"), *TAIL,
+    ref = lambda i: lambda r: refs(session.rows, r)[i]
+    segs = lambda c: f"[{', '.join(map(fmt_seq, c.segment_lengths))}] / {list(c.dilation_rates)}"
+    return markdown_table(session.rows, [
+        *COLUMNS, Column("w / r", lambda r: segs(r.case) if r.case.segment_lengths else "dense"),
+        Column("mem ÷ p=1", lambda r: ratio(r, ref(0)(r), "peak_mib"), "{:.2f}"),
+        Column("speed-up vs p=1", lambda r: ratio(ref(0)(r), r), "{:.2f}"),
+        Column("× faster than rap", lambda r: ratio(ref(1)(r), r), "{:.1f}"),
+        Column("× faster than dense ring", lambda r: ratio(ref(2)(r), r), "{:.1f}"),
+        Column("mem ÷ dense ring", lambda r: ratio(r, ref(2)(r), "peak_mib"), "{:.2f}"),
+        Column("× faster than 1 proc × 2 thr", lambda r: ratio(ref(3)(r), r), "{:.2f}"), *TAIL,
     ])  # fmt: skip
 
 
@@ -67,11 +66,11 @@ def by_world(r: Row) -> str:
 
 
 BENCHMARK = Benchmark(
-    name="ring", module="benchmarks.ring", title="dense causal ring attention (issue 3)",
-    plan=plan, build=strategies.build, report=report, targets=targets, label=strategies.label,
-    plots=lambda s: plot_rows(s, by_world, "dense causal ring attention, B1 H8 D64 fp32, 1 thread per rank"),
-    seqs=([16384, 32768, 65536, 131072], [8192, 16384]), worlds=[1, 2, 4], impls=list(IMPLS),
-    efficiency=peers.EFFICIENCY, packages=("ring-attention-pytorch", "deepspeed"),
+    name="ring", module="benchmarks.ring", title="ring attention, dense and dilated (issues 3 and 4)",
+    plan=plan, build=strategies.build, report=report, label=strategies.label,
+    plots=lambda s: plot_rows(s, by_world, "ring attention, causal, B1 H8 D64 fp32, 1 thread per rank"),
+    seqs=([16384, 32768, 65536, 131072, 262144], [8192, 16384]), worlds=[1, 2, 4], impls=IMPLS,
+    packages=("ring-attention-pytorch", "deepspeed"),
 )  # fmt: skip
 if __name__ == "__main__":
     raise SystemExit(main(BENCHMARK))

@@ -1,11 +1,11 @@
-"""A measured case as a table row (:class:`Row`), lookups and ratios between rows, tables, targets and plots."""
+"""A measured case as a table row (:class:`Row`), lookups and ratios between rows, tables and plots."""
 
 from __future__ import annotations
 
 import itertools
 import math
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +45,6 @@ class Row:
     attempts_other_cpu_pct: list[float | None] = field(default_factory=list)
     loadavg_1m: float | None = None
     launch_wall_s: float | None = None
-    reused_from: str | None = None
     notes: list[str] = field(default_factory=list)
     raw: list[dict[str, Any]] = field(default_factory=list)
 
@@ -62,15 +61,9 @@ class Row:
         values = [r.get(key) for r in self.raw]
         return max(values) if values and None not in values else None
 
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Row:
-        return cls(**{**data, "case": Case.from_json(data["case"])})
 
-
-def summarize(
-    row: Row, outcomes: list[testing.RankOutcome], wall_s: float, other: float | None, budgeted: bool
-) -> None:
-    """Fill ``row`` from one launch's outcomes; ``budgeted``: the phases ran on a time budget."""
+def summarize(row: Row, outcomes: list[testing.RankOutcome], wall_s: float, other: float | None) -> None:
+    """Fill ``row`` from one launch's outcomes."""
     row.raw = [
         {"rank": o.rank, "error": o.error, "cpu_s": o.cpu_s, "peak_rss_mib": o.peak_rss_mib,
          **(asdict(o.value) if o.ok else {})}
@@ -101,20 +94,8 @@ def summarize(
         row.blocked_s_per_rank = [r.blocked_s for r in results]
         row.compute_s_per_rank = [w - r.blocked_s for w, r in zip(walls, results, strict=True)]
         row.overlap_ratio = max(walls) / max(row.compute_s_per_rank) if max(row.compute_s_per_rank) > 0 else None
-    cold = [name for name, t in (("fwd", results[0].fwd), ("fwd+bwd", fb[0])) if budgeted and t and not t.warm]
-    row.notes += [f"{name}: single cold call" for name in cold]
     if other is not None and other > OTHER_CPU_WARN:
         row.notes.append(f"other processes used {100 * other:.0f}% of the CPUs: timing disturbed")
-
-
-@dataclass(frozen=True)
-class Target:
-    """A figure with a goal, reported (never asserted); ``met`` None: for information."""
-
-    target: str
-    value: float | str
-    met: bool | None
-    detail: str
 
 
 def find(rows: Iterable[Row], **fields: Any) -> Row | None:
@@ -164,27 +145,6 @@ def markdown_table(rows: Sequence[Any], columns: Sequence[Column | str]) -> str:
     cols = [COLUMNS[c] if isinstance(c, str) else c for c in columns]
     lines = ["| " + " | ".join(c.header for c in cols) + " |", "|" + "---|" * len(cols)]
     return "\n".join(lines + ["| " + " | ".join(cell(r, c) for c in cols) + " |" for r in rows])
-
-
-def format_targets(targets: Sequence[Target]) -> str:
-    if not targets:
-        return "**Targets**: nothing measured to evaluate."
-    met = {True: "met", False: "NOT met", None: "info"}
-    shown = lambda v: f"{v:.2f}" if isinstance(v, float) else v
-    lines = [f"- [{met[t.met]}] {t.target}: **{shown(t.value)}** — {t.detail}" for t in targets]
-    return "\n".join(["**Targets** (reported, not asserted):", "", *lines])
-
-
-def compare(
-    target: str, num: Row | None, den: Row | None, attr: str = "fwdbwd_s",
-    met: Callable[[float], bool | None] = lambda x: None, note: str = "",
-) -> list[Target]:  # fmt: skip
-    """``[Target]`` of ``num.attr ÷ den.attr``, ``met(value)``, both values and ``note`` (``[]`` if one is missing)."""
-    if (x := ratio(num, den, attr)) is None:
-        return []
-    unit, spec = (" s", "{:.2f}") if attr.endswith("_s") else (" MiB", "{:.0f}")
-    a, b = (spec.format(getattr(r, attr)) + unit for r in (num, den))
-    return [Target(target, x, met(x), f"{a} vs {b}{note}")]
 
 
 Figure = tuple[str, str, Sequence[tuple[str, Callable[["Row"], float | None], str]]]  # (file suffix, y label, lines)

@@ -11,7 +11,7 @@ from benchmarks.rows import Column, find, markdown_table, plot_rows, ratio
 STRATEGIES = ["ring", "allgather", "ulysses", "hybrid"]
 NAMES = {"ring": "ring", "allgather": "all-gather", "ulysses": "Ulysses", "hybrid": "hybrid", "dense": "dense SDPA",
          "deepspeed": "DeepSpeed DistributedAttention + SDPA", "rap": "ring-attention-pytorch 0.5.20",
-         "torch_cp": "PyTorch context_parallel + SDPA", "ds_ring": "ds_ring.dilated_attention",
+         "ds_ring": "ds_ring.dilated_attention",
          "dap": "dilated-attention-pytorch 0.2.0"}  # fmt: skip
 
 
@@ -31,8 +31,8 @@ def build(case: Case, rank: int, timeout_s: float) -> AttentionFn:
 
     if not case.group:
         return dilated.build(case, rank, timeout_s)
-    if case.impl in ("rap", "torch_cp"):
-        return peers.rap_attention(case) if case.impl == "rap" else peers.torch_cp_attention(case)
+    if case.impl == "rap":
+        return peers.rap_attention(case)
     topology = ds_ring.Topology(ulysses=case.ulysses, ring=case.world // case.ulysses, timeout_s=timeout_s)
     if case.impl == "deepspeed":
         return peers.deepspeed_attention(case, rank, topology.sequence_parallel_group)

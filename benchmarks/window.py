@@ -1,103 +1,102 @@
-"""One sliding-window layer's forward+backward on a CPU: the band kernels side by side (issue 33, defect 7).
-``python -m benchmarks.window [--seq 16384] [--rounds 3] [--out DIR]``, medians in ``DIR/window.json`` (SUITE.md)."""
+"""One sliding-window layer's forward+backward in one process: the band kernels side by side (issue 33, defect 7).
+``python -m benchmarks.window [--seqs 16384] [--rounds 3] [--out DIR]`` (SUITE.md)."""
 
-import argparse
-import os
 import statistics
 import subprocess
 import sys
-import time
 import types
-from collections.abc import Callable
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.common import MIB, RESULTS, max_rss_bytes, write_json
-from ds_ring.testing import rank_results, spawn_ranks
+from benchmarks.cases import AttentionFn, Case, Protocol, RankResult, attention_rank
+from benchmarks.common import figure
+from benchmarks.driver import Benchmark, Session, main
+from benchmarks.rows import Column, Row, markdown_table
 
 PIECES_REV = "650ed12^"  # the commit before the batched bands: its ds_ring/kernels/window.py is the "pieces" variant
 VARIANTS = ("pieces", "batched", "fused")
-HEADS, DIM, WINDOW, THREADS = 8, 64, 128, 2
+WINDOW = 128
 
 
-def _with_piece(band: Callable) -> Callable:
-    """A band function of the ``pieces`` revision (options as keywords) called as the kernels call theirs now:
-    tensors, then a :class:`~ds_ring.kernels.piece.Piece`."""
-
-    def call(*args: Any) -> Any:
-        *tensors, piece = args
-        return band(*tensors, d=piece.d, window=piece.window, scale=piece.scale, softcap=piece.softcap)
-
-    return call
-
-
-def _variant(rank: int, world: int, variant: str, seq: int, pieces_src: str) -> dict:
-    """In a fresh process: warm up on 256 tokens, then the layer once (its extra peak RSS), once timed, once counted."""
-    import torch
-
+def build(case: Case, rank: int, timeout_s: float) -> AttentionFn:
+    """``case.impl``'s band kernel patched into this rank process; the layer (causal, window :data:`WINDOW`)."""
     import ds_ring
     from ds_ring.kernels import dilated
     from ds_ring.kernels import window as W
+
+    if case.impl == "pieces":  # its band functions take options as keywords; the kernels now pass a Piece
+        source = subprocess.run(["git", "show", f"{PIECES_REV}:ds_ring/kernels/window.py"], capture_output=True,
+                                text=True, check=True).stdout  # fmt: skip
+        old = sys.modules["pieces_window"] = types.ModuleType("pieces_window")  # dataclasses look it up
+        exec(compile(source, "pieces_window.py", "exec"), old.__dict__)
+        adapt = lambda band: lambda *a: band(*a[:-1], d=a[-1].d, window=a[-1].window, scale=a[-1].scale,
+                                             softcap=a[-1].softcap)  # fmt: skip
+        dilated.attend_band_into = adapt(old.attend_band_into)
+        dilated.attend_band_backward = adapt(old.attend_band_backward)
+    elif case.impl == "batched":
+        W._fused = lambda *args: False
+    return lambda q, k, v, segs, rates: ds_ring.dilated_attention(q, k, v, causal=True, window=WINDOW)
+
+
+@dataclass
+class WindowResult(RankResult):
+    ops: int | None = None
+
+
+def window_rank(rank: int, world: int, case: Case, build: Any, protocol: Protocol) -> WindowResult:
+    """:func:`~benchmarks.cases.attention_rank`, then the ops one call dispatches (``tests.op_count.OpCount``)."""
+    import torch
+
     from tests.op_count import OpCount
 
-    if variant == "pieces":
-        old = sys.modules["pieces_window"] = types.ModuleType("pieces_window")  # dataclasses look it up
-        exec(compile(pieces_src, "pieces_window.py", "exec"), old.__dict__)
-        dilated.attend_band_into, dilated.attend_band_backward = map(
-            _with_piece, (old.attend_band_into, old.attend_band_backward)
-        )
-    elif variant == "batched":
-        W._fused = lambda *args: False
-
-    def layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor) -> None:
-        for x in (q, k, v):
-            x.grad = None
-        ds_ring.dilated_attention(q, k, v, causal=True, window=WINDOW).backward(dout)
-
-    shards = lambda n: [torch.randn(1, n, HEADS, DIM, requires_grad=i < 3) for i in range(4)]
-    layer(*shards(256))
-    q, k, v, dout = shards(seq)
-    base = max_rss_bytes()
-    layer(q, k, v, dout)
-    extra = (max_rss_bytes() - base) / MIB
-    start = time.perf_counter()
-    layer(q, k, v, dout)
-    seconds = time.perf_counter() - start
+    result = WindowResult(**vars(attention_rank(rank, world, case, build, protocol)))
+    q, k, v, dout = (torch.randn(1, case.seq, case.heads, case.head_dim, requires_grad=i < 3) for i in range(4))
     with OpCount() as ops:
-        layer(q, k, v, dout)
-    q_shard = q.numel() * q.element_size() / MIB
-    return {"seconds": seconds, "extra_mib": extra, "extra_q_shards": extra / q_shard, "ops": ops.total}
+        build(case, rank, protocol.timeout_s)(q, k, v, None, None).backward(dout)
+    result.ops = ops.total
+    return result
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq", type=int, default=16384)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args(argv)
-    pieces_src = subprocess.run(
-        ["git", "show", f"{PIECES_REV}:ds_ring/kernels/window.py"], capture_output=True, text=True, check=True
-    ).stdout
-    os.environ["OMP_NUM_THREADS"] = str(THREADS)  # read by the fork server the ranks come from
-    load_before = os.getloadavg()
-    runs: dict[str, list[dict]] = {name: [] for name in args.variants}
-    for r in range(args.rounds):
-        for name in args.variants if r % 2 == 0 else args.variants[::-1]:
-            outcomes = spawn_ranks(_variant, 1, timeout_s=1800, args=(name, args.seq, pieces_src),
-                                   threads_per_rank=THREADS, process_group=False)  # fmt: skip
-            runs[name] += rank_results(outcomes)
-            print(f"round {r} {name}: {runs[name][-1]}", flush=True)
-    median = lambda rs, key: statistics.median(x[key] for x in rs)
-    write_json(args.out / "window.json", {
-        "seq": args.seq, "heads": HEADS, "head_dim": DIM, "window": WINDOW, "dtype": "float32", "threads": THREADS,
-        "rounds": args.rounds, "load_before": load_before, "load_after": os.getloadavg(),
-        "variants": {name: {"median_seconds": median(rs, "seconds"), "seconds": [x["seconds"] for x in rs],
-                            "extra_mib": median(rs, "extra_mib"), "extra_q_shards": median(rs, "extra_q_shards"),
-                            "ops": rs[0]["ops"]} for name, rs in runs.items()},
-    })  # fmt: skip
-    print((args.out / "window.json").read_text())
+def plan(session: Session) -> None:
+    for r in range(session.args.rounds):  # the variants' order alternates between rounds
+        for impl in session.args.impls if r % 2 == 0 else session.args.impls[::-1]:
+            session.run(Case(impl, session.args.seqs[0], threads=2, group=False, warmup_seq=256, tag=f"round {r}"))
 
 
+def by_variant(session: Session) -> list[list[Row]]:
+    rows = [[r for r in session.rows if r.case.impl == impl and r.fwdbwd_s] for impl in session.args.impls]
+    return [rs for rs in rows if rs]
+
+
+def median(rows: list[Row], attr: str) -> float:
+    return statistics.median(getattr(r, attr) for r in rows)
+
+
+def report(session: Session) -> str:
+    """The median over rounds per variant; extra memory in MiB and in q shards (``[1, S, 8, 64]`` fp32)."""
+    q_mib = session.args.seqs[0] * 8 * 64 * 4 / 2**20
+    return markdown_table(by_variant(session), [
+        Column("variant", lambda rs: rs[0].case.impl), Column("ops", lambda rs: rs[0].raw[0]["ops"], "{:,}"),
+        Column("fwd+bwd s, median", lambda rs: median(rs, "fwdbwd_s"), "{:.2f}"),
+        Column("each round", lambda rs: ", ".join(f"{r.fwdbwd_s:.2f}" for r in rs)),
+        Column("extra MiB", lambda rs: median(rs, "first_extra_mib"), "{:.0f}"),
+        Column("q shards", lambda rs: median(rs, "first_extra_mib") / q_mib, "{:.1f}"),
+    ])  # fmt: skip
+
+
+def plots(session: Session) -> None:
+    """``window.png``: median fwd+bwd time and extra memory per variant."""
+    rows = by_variant(session)
+    with figure(session.out / "window.png", 9, 3.5, 2) as axes:
+        for ax, attr, ylabel in zip(axes, ("fwdbwd_s", "first_extra_mib"), ("fwd+bwd s", "extra MiB"), strict=True):
+            ax.bar([rs[0].case.impl for rs in rows], [median(rs, attr) for rs in rows])
+            ax.set(ylabel=ylabel, title=f"window {WINDOW}, {session.args.seqs[0]} tokens, median of rounds")
+
+
+BENCHMARK = Benchmark(
+    name="window", module="benchmarks.window", title=f"one sliding-window layer (window {WINDOW}), fp32, 2 threads",
+    plan=plan, build=build, report=report, plots=plots, rank=window_rank, seqs=([16384], [4096]), impls=list(VARIANTS),
+    add_args=lambda p: p.add_argument("--rounds", type=int, default=3, help="rounds, the order alternating"),
+)  # fmt: skip
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    raise SystemExit(main(BENCHMARK))
