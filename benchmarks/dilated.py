@@ -1,10 +1,8 @@
-"""Single-process dilated attention: ds_ring vs dense SDPA vs ``dilated-attention-pytorch`` (issue 2).
-``python -m benchmarks.dilated [--quick] [--out DIR]``; what it measures and its columns: ``benchmarks/README.md``."""
+"""Single-process dilated attention, ds_ring vs dense SDPA vs dilated-attention-pytorch (issue 2; README.md)."""
 
 from benchmarks import peers
-from benchmarks.cases import AttentionFn, Case
-from benchmarks.driver import Benchmark, Session, main
-from benchmarks.rows import Column, find, markdown_table, plot_rows, ratio
+from benchmarks.common import AttentionFn, Case
+from benchmarks.driver import Benchmark, Column, Session, find, main, markdown_table, plot_rows, ratio
 
 SEGMENT_LENGTHS, DILATION_RATES = (2048, 4096, 8192), (1, 2, 4)
 LABELS = {"ds_ring": "ds_ring", "dense": "dense SDPA", "dap": "dilated-attention-pytorch 0.2.0"}
