@@ -70,6 +70,24 @@ def test_estimates_scale_the_last_measured_call(tmp_path):
     assert "not divisible" in session._estimate(row(4097))[1]
 
 
+def test_ring_runs_one_dense_row_per_length_at_one_rank():
+    def planned(*impls: str) -> list[tuple[str, int, str, bool]]:
+        cases: list[Case] = []
+        args = argparse.Namespace(seqs=[4096], worlds=[1, 2], impls=list(impls))
+        ring.plan(argparse.Namespace(args=args, run=cases.append))
+        return [(c.impl, c.world, c.layout, c.segment_lengths is None) for c in cases]
+
+    # issue 4's rows: ring_zigzag gives the p = 1 dense reference (one contiguous shard) when ring is not run
+    assert planned("ring_dilated", "ring_zigzag") == [
+        ("ring", 1, "contiguous", False), ("ring", 2, "contiguous", False),
+        ("ring", 1, "contiguous", True), ("ring", 2, "zigzag", True),
+    ]  # fmt: skip
+    assert planned("ring", "ring_zigzag", "allgather") == [
+        ("ring", 1, "contiguous", True), ("ring", 2, "contiguous", True), ("ring", 2, "zigzag", True),
+        ("allgather", 2, "contiguous", True),
+    ]  # fmt: skip
+
+
 def test_fit_search_candidates_stay_inside_the_bracket():
     assert suite.next_candidate([(4096, 50.0)], (4096, 50.0), None, 100.0, 1024) == 8192
     assert suite.next_candidate([(4096, 50.0), (8192, 120.0)], (4096, 50.0), (8192, 120.0), 100.0, 1024) == 6144
