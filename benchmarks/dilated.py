@@ -27,8 +27,9 @@ def plan(session: Session) -> None:
         for causal in (False, True):
             for impl in args.impls:
                 segs, rates = (None, None) if impl == "dense" else (SEGMENT_LENGTHS, DILATION_RATES)
+                warmup_seq = max(SEGMENT_LENGTHS) if impl == "dap" else None  # dap has no dense attention
                 session.run(Case(impl, seq, threads=args.threads, causal=causal, segment_lengths=segs,
-                                 dilation_rates=rates, group=False, fwd=True))  # fmt: skip
+                                 dilation_rates=rates, group=False, fwd=True, warmup_seq=warmup_seq))  # fmt: skip
     session.matmul(args.threads, MATMUL_N, "end")
 
 
