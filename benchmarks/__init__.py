@@ -1,2 +1,1 @@
-"""Benchmarks for ds_ring, each configuration in fresh rank processes (:mod:`benchmarks.driver`); run one from the
-repository root, e.g. ``python -m benchmarks.dilated --quick`` (``python -m benchmarks``: the suite; see README.md)."""
+"""ds_ring's benchmarks, each configuration in fresh rank processes: ``python -m benchmarks.<name>`` (README.md)."""

@@ -1,10 +1,8 @@
-"""``python -m benchmarks [--quick] [--out DIR]``: the suite (:mod:`benchmarks.suite`);
-``python -m benchmarks install-peers``: install the pinned comparison libraries (:mod:`benchmarks.peers`)."""
+"""``python -m benchmarks``: the suite (:mod:`benchmarks.suite`); ``... install-peers``: the pinned peers (peers.py)."""
 
 import sys
 
-from benchmarks import peers, suite
-from benchmarks.driver import main
+from benchmarks import driver, peers, suite
 
 if __name__ == "__main__":
-    sys.exit(peers.install() if sys.argv[1:] == ["install-peers"] else main(suite.BENCHMARK))
+    sys.exit(peers.install() if sys.argv[1:] == ["install-peers"] else driver.main(suite.BENCHMARK))

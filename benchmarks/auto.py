@@ -1,21 +1,14 @@
-"""``strategy="auto"`` against every strategy timed by hand, and its memory model against measurement.
-
-How a pick is judged (within 1.10× of the best, never the worst; the memory model within 15 % of the slope
-:func:`benchmarks.memory.measure` measures): ``docs/auto.md``, "Predicted vs measured". Writes ``DIR/auto.json``
-(``timing``, ``memory``) and ``DIR/auto.png`` (step time per strategy, auto's pick circled).
-
-    python -m benchmarks.auto --seqs 4096 --worlds 2 --no-memory
-"""
+"""``strategy="auto"`` against every strategy timed by hand, and its memory model against measurement
+(``python -m benchmarks.auto --seqs 4096 --worlds 2 --no-memory``). How a pick is judged (within 1.10× of the best,
+never the worst; the model within 15 % of the slope :func:`benchmarks.memory.measure` measures): ``docs/auto.md``."""
 
 import itertools
 from dataclasses import dataclass
 from typing import Any
 
 from benchmarks import memory, strategies
-from benchmarks.cases import Case, Protocol, RankResult, attention_rank
-from benchmarks.common import figure, fmt_seq
-from benchmarks.driver import Benchmark, Session, main
-from benchmarks.rows import Column, markdown_table
+from benchmarks.common import Case, Protocol, RankResult, attention_rank, figure, fmt_seq
+from benchmarks.driver import Benchmark, Column, Session, main, markdown_table
 
 GRID_HEADS = ((8, 8), (8, 2))
 STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
@@ -41,17 +34,13 @@ def auto_rank(rank: int, world: int, case: Case, build: Any, protocol: Protocol)
 
 def plan(session: Session) -> None:
     args, timing = session.args, session.extra.setdefault("timing", [])
-    for world, seq, (heads, kv_heads) in itertools.product(
-        [] if args.no_timing else args.worlds, args.seqs, GRID_HEADS
-    ):
+    worlds = [] if args.no_timing else args.worlds
+    for world, seq, (heads, kv_heads) in itertools.product(worlds, args.seqs, GRID_HEADS):
         # hybrid needs 2 × 2 ranks; Ulysses over the whole group needs the heads divisible by the ranks
         names = [s for s in STRATEGIES if (s != "hybrid" or world == 4) and (s != "ulysses" or heads % world == 0)]
-        rows = {}
+        rows, u = {}, 2 if world == 4 else 1
         for name in [*names, "auto"]:
-            case = Case(
-                name, seq, world, ulysses=2 if world == 4 else 1, heads=heads, kv_heads=kv_heads, warmup_seq=seq
-            )
-            rows[name] = session.run(case)
+            rows[name] = session.run(Case(name, seq, world, ulysses=u, heads=heads, kv_heads=kv_heads, warmup_seq=seq))
         by_name = {name: r.fwdbwd_s for name, r in rows.items() if name != "auto" and r.fwdbwd_s}
         auto = rows["auto"].raw[0] if rows["auto"].fwdbwd_s else {}
         if not by_name or auto.get("pick") not in by_name:
@@ -93,14 +82,12 @@ def report(session: Session) -> str:
         markdown_table(session.extra["timing"], [
             point, times, Column("auto picks", lambda v: v["pick"]),
             Column("× best", lambda v: v["ratio_to_best"], "{:.2f}"), Column("within 1.10", lambda v: v["within_1_10"]),
-            Column("never worst", lambda v: v["never_worst"]),
-        ]),
+            Column("never worst", lambda v: v["never_worst"])]),
         markdown_table(session.extra["memory"], [
             Column("strategy", lambda m: m["strategy"]), Column("p", lambda m: m["ranks"]),
             Column("measured q-shards", lambda m: m["measured_q_shards"], "{:.2f}"),
             Column("predicted q-shards", lambda m: m["predicted_q_shards"], "{:.2f}"),
-            Column("within 15 %", lambda m: m["within_15pct"]),
-        ]),
+            Column("within 15 %", lambda m: m["within_15pct"])]),
     ])  # fmt: skip
 
 

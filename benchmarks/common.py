@@ -1,5 +1,5 @@
-"""What every benchmark shares: RSS and its peak, timed calls, the machine, the CPU time others used, JSON and PNGs.
-MiB = 2**20 bytes, seconds, GFLOP = 1e9 flop."""
+"""What every benchmark shares: RSS and its peak, timed calls, the :class:`Case`, its useful work, the rank functions
+(what runs in rank processes), machine info, others' CPU time, JSON and PNGs. MiB = 2**20 B, GFLOP = 1e9 flop."""
 
 import contextlib
 import ctypes
@@ -22,11 +22,11 @@ from typing import Any
 MIB = float(2**20)
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"  # where the JSON and PNGs go unless --out says otherwise
-_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def current_rss_bytes() -> int:
-    return int(Path("/proc/self/statm").read_bytes().split()[1]) * _PAGE
+    """This process's resident set size now, bytes (``/proc/self/statm``)."""
+    return int(Path("/proc/self/statm").read_bytes().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def proc_mib(key: str, path: str = "/proc/meminfo") -> float | None:
@@ -83,6 +83,160 @@ def measure(fn: Callable[[], object], *, calls: int, setup: Callable[[], object]
     return Timing(times, base, first, peak_rss_mib() - base)
 
 
+BWD_FLOP_FACTOR = 2.5  # backward flop ÷ forward flop (the FlashAttention convention)
+
+AttentionFn = Callable[..., Any]  # attn(q, k, v, segment_lengths, dilation_rates) -> this rank's output shard
+
+
+class Skip(Exception):
+    """Raised by a ``build`` when a case cannot run here (e.g. a peer not installed): recorded, not an error."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """One configuration: which attention, on what shapes, on how many rank processes (``benchmarks/README.md``)."""
+
+    impl: str
+    seq: int
+    world: int = 1
+    threads: int = 1
+    causal: bool = True
+    segment_lengths: tuple[int, ...] | None = None
+    dilation_rates: tuple[int, ...] | None = None
+    layout: str = "contiguous"
+    ulysses: int = 1
+    group: bool = True
+    fwd: bool = False
+    warmup_seq: int | None = None
+    tag: str = ""
+    batch: int = 1
+    heads: int = 8
+    head_dim: int = 64
+    kv_heads: int | None = None
+
+
+def kept_positions(seg_len: int, offset: int, rate: int) -> int:
+    return 0 if seg_len <= offset else (seg_len - offset + rate - 1) // rate
+
+
+def causal_pairs(m: int, causal: bool) -> int:
+    return m * (m + 1) // 2 if causal else m * m
+
+
+def pairs_dilated(seq: int, heads: int, segs: Sequence[int], rates: Sequence[int], causal: bool) -> int:
+    """Pairs of LongNet dilated attention, every head running every branch at offset ``h % r`` (ds_ring)."""
+    total = 0
+    for w, r in zip(segs, rates, strict=True):
+        lens = [w] * (seq // w) + ([seq % w] if seq % w else [])
+        total += sum(causal_pairs(kept_positions(n, h % r, r), causal) for h in range(heads) for n in lens)
+    return total
+
+
+def case_pairs(case: Case, seq: int) -> int:
+    if case.segment_lengths is None:
+        return case.heads * causal_pairs(seq, case.causal)
+    return pairs_dilated(seq, case.heads, case.segment_lengths, case.dilation_rates or (), case.causal)
+
+
+def useful_gflop(case: Case, pairs: int | None = None) -> float:
+    """Useful fwd+bwd GFLOP of one call: 4·head_dim·batch flop per unmasked (query, key) pair, × 3.5 (README.md)."""
+    pairs = case_pairs(case, case.seq) if pairs is None else pairs
+    return (1.0 + BWD_FLOP_FACTOR) * 4.0 * case.head_dim * case.batch * pairs / 1e9
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """``calls`` timed calls per phase after a warm-up; ``timeout_s`` bounds every wait."""
+
+    calls: int
+    timeout_s: float
+
+
+@dataclass
+class RankResult:
+    """One rank's measurements (RSS in MiB before the shards existed, what they added; ds_ring's ring waits)."""
+
+    threads: int
+    skipped: str | None = None
+    warmup_s: float | None = None
+    warmup_max_abs_err: float | None = None
+    rss_before_inputs_mib: float = 0.0
+    inputs_mib: float | None = None
+    fwd: Timing | None = None
+    fwdbwd: Timing | None = None
+    blocked_s: float = 0.0
+    in_flight_s: float = 0.0
+    ring_steps: int = 0
+    ring_bytes_sent: int = 0
+
+    def working_mib(self, timing: Timing) -> float:
+        """Peak RSS of a phase above the RSS before the shards existed (``benchmarks/SUITE.md``, working memory)."""
+        return timing.baseline_rss_mib + timing.peak_extra_mib - self.rss_before_inputs_mib
+
+    def __call__(self, event: Any) -> None:
+        if event.kind == "ring_step":
+            self.blocked_s += float(event.extra.get("wait_s", 0.0))
+            self.in_flight_s += event.seconds
+            self.ring_steps += 1
+            self.ring_bytes_sent += event.nbytes
+
+
+def attention_rank(rank: int, world: int, case: Case, build: Callable[[Case, int, float], AttentionFn],
+                   protocol: Protocol) -> RankResult:  # fmt: skip
+    """Rank function: build the attention, warm up, time ``fwd`` (if asked) and fwd+bwd calls on random shards."""
+    import torch
+
+    import ds_ring
+
+    result = RankResult(threads=torch.get_num_threads())
+    try:
+        attn = build(case, rank, protocol.timeout_s)
+    except Skip as exc:
+        result.skipped = str(exc)
+        return result
+    gen = torch.Generator().manual_seed(1000 + rank)
+
+    def shards(total: int) -> list[torch.Tensor]:  # q, k, v, grad_out
+        heads = (case.heads, case.kv_heads or case.heads, case.kv_heads or case.heads, case.heads)
+        return [torch.randn((case.batch, total // world, h, case.head_dim), generator=gen) for h in heads]
+
+    segs, rates = case.segment_lengths, case.dilation_rates
+    dense, warmup = case.warmup_seq is None, case.warmup_seq or max(1024, 256 * world)
+    q, k, v, grad_out = (t.requires_grad_(i < 3) for i, t in enumerate(shards(warmup)))
+    t0 = time.perf_counter()
+    out = attn(q, k, v, None if dense else segs, None if dense else rates)
+    out.backward(grad_out)
+    result.warmup_s = time.perf_counter() - t0
+    if dense and case.group:
+        with torch.no_grad():
+            ref = ds_ring.ring_dilated_attention(q, k, v, causal=case.causal, layout=case.layout,
+                                                 timeout_s=protocol.timeout_s)  # fmt: skip
+        result.warmup_max_abs_err = float((out.detach() - ref).abs().max())
+    del q, k, v, grad_out, out
+    release_free_memory()
+    rss0 = current_rss_bytes()
+    q, k, v, grad_out = shards(case.seq)
+    result.rss_before_inputs_mib, result.inputs_mib = rss0 / MIB, (current_rss_bytes() - rss0) / MIB
+    if case.fwd:
+        with torch.no_grad():
+            result.fwd = measure(lambda: attn(q, k, v, segs, rates), calls=protocol.calls)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    with ds_ring.register_hook(result):
+        step = lambda: attn(q, k, v, segs, rates).backward(grad_out)
+        clear_grads = lambda: [setattr(t, "grad", None) for t in (q, k, v)]  # untimed, before each call
+        result.fwdbwd = measure(step, calls=protocol.calls, setup=clear_grads)
+    return result
+
+
+def matmul_rank(rank: int, world: int, n: int) -> float:
+    """Rank function: best fp32 ``n×n @ n×n`` GFLOP/s (2·n³ flop) of 5 timed calls after one warm-up."""
+    import torch
+
+    a, b, c = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
+    times = measure(lambda: torch.mm(a, b, out=c), calls=6).times_s
+    return 2.0 * n**3 / min(times[1:]) / 1e9
+
+
 def cpu_jiffies() -> tuple[int, int]:
     """(busy, total) clock ticks of all CPUs since boot (``/proc/stat``)."""
     with open("/proc/stat") as f:
@@ -102,16 +256,12 @@ def wait_for_idle(max_busy: float, timeout_s: float) -> None:
             return
 
 
-def source_digest() -> str:
-    """Short SHA-256 over ds_ring's ``*.py`` files (paths and contents): the library code measured."""
+def machine_info(packages: Iterable[str]) -> dict[str, Any]:
+    """Date, CPU, cores, memory, load, Python, platform, versions of torch and ``packages``, commit, and a short
+    SHA-256 over ds_ring's ``*.py`` files (paths and contents): the library code measured."""
     h = hashlib.sha256()
     for f in sorted((ROOT / "ds_ring").rglob("*.py")):
         h.update(str(f.relative_to(ROOT)).encode() + b"\0" + f.read_bytes() + b"\0")
-    return h.hexdigest()[:16]
-
-
-def machine_info(packages: Iterable[str]) -> dict[str, Any]:
-    """Date, CPU, cores, memory, load, Python, platform, versions of torch and ``packages``, commit, ds_ring digest."""
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     cpu = next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), "")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
@@ -123,7 +273,7 @@ def machine_info(packages: Iterable[str]) -> dict[str, Any]:
         "date_utc": datetime.now(UTC).isoformat(timespec="seconds"), "cpu_model": cpu or platform.processor(),
         "usable_cpus": len(os.sched_getaffinity(0)), "mem_total_gib": (proc_mib("MemTotal") or 0.0) / 1024,
         "loadavg_1m": os.getloadavg()[0], "python": platform.python_version(), "platform": platform.platform(),
-        "versions": versions, "git_commit": commit.stdout.strip() or None, "ds_ring_source_sha256": source_digest(),
+        "versions": versions, "git_commit": commit.stdout.strip() or None, "ds_ring_source_sha256": h.hexdigest()[:16],
     }  # fmt: skip
 
 
@@ -156,10 +306,8 @@ class Series:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def plot_panels(
-    path: Path, panels: Sequence[tuple[str, Sequence[Series]]], *, xlabel: str, ylabel: str | Sequence[str],
-    title: str, xticks: Sequence[int], logy: bool = True,
-) -> None:  # fmt: skip
+def plot_panels(path: Path, panels: Sequence[tuple[str, Sequence[Series]]], *, xlabel: str, ylabel: str | Sequence[str],
+                title: str, xticks: Sequence[int], logy: bool = True) -> None:  # fmt: skip
     """Side-by-side panels (title, series), x on a log2 axis; ``ylabel`` shared, or one per panel (own y axes)."""
     from matplotlib.ticker import NullLocator
 
@@ -172,8 +320,7 @@ def plot_panels(
                 xs, ys = zip(*sorted(zip(s.x, s.y, strict=True)), strict=True)
                 ax.plot(xs, ys, s.style, label=s.label, **s.kwargs)
             ax.set_xscale("log", base=2)
-            if logy:
-                ax.set_yscale("log")
+            ax.set_yscale("log" if logy else "linear")
             ax.set_xticks(list(xticks), [fmt_seq(int(t)) for t in xticks])
             ax.xaxis.set_minor_locator(NullLocator())
             ax.set(title=panel_title, xlabel=xlabel, ylabel=axis_label)

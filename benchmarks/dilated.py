@@ -1,10 +1,8 @@
-"""Single-process dilated attention: ds_ring vs dense SDPA vs ``dilated-attention-pytorch`` (issue 2).
-``python -m benchmarks.dilated [--quick] [--out DIR]``; what it measures and its columns: ``benchmarks/README.md``."""
+"""Single-process dilated attention, ds_ring vs dense SDPA vs dilated-attention-pytorch (issue 2; README.md)."""
 
 from benchmarks import peers
-from benchmarks.cases import AttentionFn, Case
-from benchmarks.driver import Benchmark, Session, main
-from benchmarks.rows import Column, find, markdown_table, plot_rows, ratio
+from benchmarks.common import AttentionFn, Case
+from benchmarks.driver import Benchmark, Column, Session, find, main, markdown_table, plot_rows, ratio
 
 SEGMENT_LENGTHS, DILATION_RATES = (2048, 4096, 8192), (1, 2, 4)
 LABELS = {"ds_ring": "ds_ring", "dense": "dense SDPA", "dap": "dilated-attention-pytorch 0.2.0"}
@@ -29,8 +27,9 @@ def plan(session: Session) -> None:
         for causal in (False, True):
             for impl in args.impls:
                 segs, rates = (None, None) if impl == "dense" else (SEGMENT_LENGTHS, DILATION_RATES)
+                warmup_seq = max(SEGMENT_LENGTHS) if impl == "dap" else None  # dap has no dense attention
                 session.run(Case(impl, seq, threads=args.threads, causal=causal, segment_lengths=segs,
-                                 dilation_rates=rates, group=False, fwd=True))  # fmt: skip
+                                 dilation_rates=rates, group=False, fwd=True, warmup_seq=warmup_seq))  # fmt: skip
     session.matmul(args.threads, MATMUL_N, "end")
 
 

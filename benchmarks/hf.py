@@ -1,8 +1,5 @@
-"""Training a Hugging Face Llama sequence-parallel, ds_ring vs DeepSpeed's ALST: ``python -m benchmarks.hf`` (ds_ring's
-strategies on ``launch/train_hf.py``'s model) and ``python -m benchmarks.longctx`` (issue 22: whole-model long context).
-The models, the implementations and the derived figures: ``benchmarks/SUITE.md``."""
-
-from __future__ import annotations
+"""Training an HF Llama, ds_ring vs DeepSpeed's ALST: ``python -m benchmarks.hf`` (ds_ring's strategies on the model
+of ``launch/train_hf.py``) and ``.longctx`` (issue 22, whole-model long context); details: ``benchmarks/SUITE.md``."""
 
 import math
 import os
@@ -13,10 +10,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from benchmarks.cases import Case, Protocol, RankResult, useful_gflop
-from benchmarks.common import MIB, current_rss_bytes, measure, release_free_memory
-from benchmarks.driver import Benchmark, Session, main
-from benchmarks.rows import Column, Figure, Row, find, markdown_table, plot_rows, ratio
+from benchmarks.common import Case, Protocol, RankResult, measure, useful_gflop
+from benchmarks.driver import Benchmark, Column, Figure, Row, Session, find, main, markdown_table, plot_rows, ratio
 
 LABELS = {"ulysses": "ds_ring Ulysses", "ring": "ds_ring ring (zigzag)", "hybrid": "ds_ring hybrid U2×R1",
           "ring dilated": "ds_ring ring dilated", "alst": "DeepSpeed ALST (UlyssesSPAttentionHF)"}  # fmt: skip
@@ -80,10 +75,9 @@ def _tiled_mlp_forward(self: Any, x: Any) -> Any:
     """ALST's ``TiledMLP`` as its docstring patches it into ``LlamaMLP``."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
-    shards = math.ceil(x.shape[-2] / x.shape[-1])
+    mlp = lambda self, x: self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
     params = [self.down_proj.weight, self.gate_proj.weight, self.up_proj.weight]
-    return TiledMLP.apply(lambda mlp, t: mlp.down_proj(mlp.act_fn(mlp.gate_proj(t)) * mlp.up_proj(t)), self, x, shards,
-                          params)  # fmt: skip
+    return TiledMLP.apply(mlp, self, x, math.ceil(x.shape[-2] / x.shape[-1]), params)  # ceil(seq / hidden) shards
 
 
 def _alst_step(case: Case, rank: int, model: Any, batch: dict[str, Any], lr: float, full: bool) -> Any:
@@ -107,9 +101,8 @@ def _alst_step(case: Case, rank: int, model: Any, batch: dict[str, Any], lr: flo
     shard = slice(rank * case.seq // sp, (rank + 1) * case.seq // sp)
     input_ids, position_ids, shift_labels = (x[:, shard] for x in (batch["input_ids"], positions, labels))
     lm, vocab = engine.module, engine.module.config.vocab_size
-
-    def summed_loss(head: Any, hidden: Any, targets: Any) -> Any:
-        return F.cross_entropy(head.lm_head(hidden).view(-1, vocab), targets.view(-1), reduction="sum")
+    summed_loss = lambda head, hidden, targets: F.cross_entropy(head.lm_head(hidden).view(-1, vocab), targets.view(-1),
+                                                                reduction="sum")  # fmt: skip
 
     def step() -> None:
         tokens = (shift_labels != -100).sum()
@@ -175,33 +168,29 @@ def train_rank(rank: int, world: int, case: Case, build: Callable[..., Callable[
     result = StepResult(threads=torch.get_num_threads())
     step = build(case, rank, protocol.timeout_s)
     step()
-    release_free_memory()
-    result.rss_before_inputs_mib = current_rss_bytes() / MIB
     cpu0 = time.process_time()
-    result.fwdbwd = measure(step, calls=protocol.calls)
+    result.fwdbwd = measure(step, calls=protocol.calls)  # its baseline: the RSS before them, after gc and malloc_trim
+    result.rss_before_inputs_mib = result.fwdbwd.baseline_rss_mib
     result.cpu_s_per_step = (time.process_time() - cpu0) / len(result.fwdbwd.times_s)
     return result
 
 
 def step_columns(ref: Callable[[Row], Row | None], name: str, seconds: str, mib: str) -> list[Column | str]:
-    return [
-        Column("step s", lambda r: r.fwdbwd_s, seconds), "tokens/s",
-        Column(f"tokens/s ÷ {name}", lambda r: ratio(ref(r), r), "{:.2f}"),
-        Column("step MiB/rank", lambda r: r.peak_mib, mib),
-        Column(f"step MiB ÷ {name}", lambda r: ratio(r, ref(r), "peak_mib"), "{:.2f}"),
-    ]  # fmt: skip
+    """A training step's seconds, tokens/s and MiB per rank (formats ``seconds``, ``mib``), the last two ÷ ``ref``'s."""
+    return [Column("step s", lambda r: r.fwdbwd_s, seconds), "tokens/s",
+            Column(f"tokens/s ÷ {name}", lambda r: ratio(ref(r), r), "{:.2f}"),
+            Column("step MiB/rank", lambda r: r.peak_mib, mib),
+            Column(f"step MiB ÷ {name}", lambda r: ratio(r, ref(r), "peak_mib"), "{:.2f}")]  # fmt: skip
 
 
 def plan(session: Session) -> None:
     for seq in session.args.seqs:
         for impl in session.args.impls:
             dilated = impl == "ring dilated"
-            session.run(Case(
-                impl, seq, world=2, heads=MODEL.heads, head_dim=MODEL.dim // MODEL.heads,
-                layout="zigzag" if impl == "ring" else "contiguous", ulysses=2 if impl in ("ulysses", "hybrid") else 1,
-                segment_lengths=(seq // 8, seq // 2, seq) if dilated else None,
-                dilation_rates=(1, 2, 4) if dilated else None, tag="dilated" if dilated else "dense",
-            ))  # fmt: skip
+            branches = {"segment_lengths": (seq // 8, seq // 2, seq), "dilation_rates": (1, 2, 4)} if dilated else {}
+            session.run(Case(impl, seq, world=2, heads=MODEL.heads, head_dim=MODEL.dim // MODEL.heads, **branches,
+                             layout="zigzag" if impl == "ring" else "contiguous", tag="dilated" if dilated else "dense",
+                             ulysses=2 if impl in ("ulysses", "hybrid") else 1))  # fmt: skip
 
 
 def report(session: Session) -> str:

@@ -1,8 +1,6 @@
-"""``python -m benchmarks.longctx [--quick] [--vocabs ...]``: whole-model long context, ds_ring vs DeepSpeed's ALST
-(issue 22; the benchmark is :data:`benchmarks.hf.LONGCTX`)."""
+"""``python -m benchmarks.longctx``: whole-model long context vs ALST, issue 22 (:data:`benchmarks.hf.LONGCTX`)."""
 
-from benchmarks.driver import main
-from benchmarks.hf import LONGCTX
+from benchmarks import driver, hf
 
 if __name__ == "__main__":
-    raise SystemExit(main(LONGCTX))
+    raise SystemExit(driver.main(hf.LONGCTX))

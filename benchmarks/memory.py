@@ -8,10 +8,7 @@ profiling, and ``live_mib`` is the peak of the bytes of tensors made during it a
 (glibc may keep freed memory resident; set ``MALLOC_MMAP_THRESHOLD_`` for the RSS to follow live tensors too).
 The rows go under ``--label`` into ``DIR/memory.json``; the plot is ``DIR/memory.png``.
 
-    python -m benchmarks.memory --ranks 1 2 4 --calls dense_ring dilated_ring --label before
-"""
-
-from __future__ import annotations
+    python -m benchmarks.memory --ranks 1 2 4 --calls dense_ring dilated_ring --label before"""
 
 import argparse
 import contextlib
@@ -85,30 +82,24 @@ def _measure(rank: int, world: int, call: Call, local_len: int, device: str, liv
     ulysses = 2 if call.strategy == "hybrid" and world > 1 else (world if call.strategy == "ulysses" else 1)
     topology = ds_ring.Topology(ulysses=ulysses, ring=world // ulysses)
     g = torch.Generator().manual_seed(rank)
-    q, k, v, dout = (torch.randn((1, local_len, HEADS, HEAD_DIM), generator=g).to(device) for _ in range(4))
-    for x in (q, k, v):
-        x.requires_grad_()
+    shards = (torch.randn((1, local_len, HEADS, HEAD_DIM), generator=g).to(device) for _ in range(4))
+    q, k, v, dout = (x.requires_grad_(i < 3) for i, x in enumerate(shards))
     release_free_memory()  # gc, and (CPU) freed heap back to the OS before the baseline
-    if device == "cuda":
+    if cuda := device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated() / MIB
-    else:
-        base = reset_peak_rss()
+    base = torch.cuda.memory_allocated() / MIB if cuda else reset_peak_rss()
     profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True) if live else contextlib.nullcontext()
     start = time.perf_counter()
     with profiler:
-        out = ds_ring.sequence_parallel_attention(
-            q, k, v, segments, rates, causal=True, topology=topology, strategy=call.strategy,
-            communication=call.communication, layout=call.layout,
-        )  # fmt: skip
+        out = ds_ring.sequence_parallel_attention(q, k, v, segments, rates, causal=True, topology=topology,
+                                                  strategy=call.strategy, communication=call.communication,
+                                                  layout=call.layout)  # fmt: skip
         out.backward(dout)
     seconds = time.perf_counter() - start
-    if device == "cuda":
+    if cuda:
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() / MIB
-    else:
-        peak = peak_rss_mib()
+    peak = torch.cuda.max_memory_allocated() / MIB if cuda else peak_rss_mib()
     result = {"extra_mib": peak - base, "seconds": seconds, "q_shard_mib": q.numel() * q.element_size() / MIB}
     return {**result, "live_mib": _peak_allocated_mib(profiler)} if live else result
 
@@ -142,11 +133,9 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
         for key, series in panels.items():
             xy = [r["ranks"] for r in mine], [r[key] for r in mine]
             series.append(Series(f"{name} ({label})", *xy, "--o" if label == "before" else "-o"))
-    plot_panels(
-        path, [("activation memory slope", panels["slope_q_shards"]), ("fixed cost", panels["fixed_mib"])],
-        xlabel="ranks", ylabel=["slope (q-shards per rank)", "fixed MiB per rank"], xticks=[1, 2, 4, 8], logy=False,
-        title="activation memory per rank of one fwd+bwd, fp32, 8 heads × 64, causal",
-    )  # fmt: skip
+    plot_panels(path, [("activation memory slope", panels["slope_q_shards"]), ("fixed cost", panels["fixed_mib"])],
+                xlabel="ranks", ylabel=["slope (q-shards per rank)", "fixed MiB per rank"], xticks=[1, 2, 4, 8],
+                logy=False, title="activation memory per rank of one fwd+bwd, fp32, 8 heads × 64, causal")  # fmt: skip
 
 
 def main() -> None:
@@ -168,9 +157,7 @@ def main() -> None:
         for name in args.calls:
             if CALLS[name].strategy == "hybrid" and world % 2:
                 continue  # hybrid needs a ulysses degree of 2 here
-            call = CALLS[name]
-            if args.tokens_per_rank:
-                call = replace(call, tokens_per_rank=tuple(args.tokens_per_rank))
+            call = replace(CALLS[name], tokens_per_rank=tuple(args.tokens_per_rank or CALLS[name].tokens_per_rank))
             r = {"call": name, **measure(call, world, args.device, args.timeout_s, args.live)}
             (e1, e2), (t1, t2) = r["extra_mib"], r["seconds"]
             print(f"{name:18s} p={world}  slope {r['slope_q_shards']:5.2f} q-shards  fixed {r['fixed_mib']:6.1f} MiB  "

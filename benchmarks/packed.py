@@ -1,10 +1,7 @@
-"""Packed sequences: documents packed into one sequence cost what the documents cost (issue 12).
-``python -m benchmarks.packed [--quick] [--out DIR]``; what it measures: ``benchmarks/SUITE.md``."""
+"""Packed sequences: documents packed into one sequence cost what the documents cost (issue 12; SUITE.md)."""
 
-from benchmarks.cases import AttentionFn, Case, case_pairs, useful_gflop
-from benchmarks.common import MIB
-from benchmarks.driver import Benchmark, Session, main
-from benchmarks.rows import TIME, Column, Row, find, markdown_table, plot_rows, ratio
+from benchmarks.common import MIB, AttentionFn, Case, case_pairs, useful_gflop
+from benchmarks.driver import TIME, Benchmark, Column, Session, find, main, markdown_table, plot_rows, ratio
 
 DOCUMENTS, RATES = 8, (1, 2, 4)
 PEERS = {"packed": "one_by_one", "ring_packed": "ring_unpacked"}  # what a packed row is compared with
@@ -53,22 +50,15 @@ def plan(session: Session) -> None:
             session.run(Case(impl, seq, world=args.world, tag="ring", warmup_seq=64 * args.world * DOCUMENTS))
 
 
-def peer(rows: list[Row], r: Row) -> Row | None:
-    return find(rows, impl=PEERS[r.case.impl], seq=r.case.seq, tag=r.case.tag) if r.case.impl in PEERS else None
-
-
-def sent_mib(r: Row) -> float | None:
-    """MiB of K/V (and gradients) the largest rank sent around the ring."""
-    return None if (sent := r.largest("ring_bytes_sent")) is None else sent / MIB
-
-
 def report(session: Session) -> str:
+    """Each row against its peer (:data:`PEERS`); the K/V (and gradient) MiB the largest ring rank sent."""
     rows = session.rows
+    peer = lambda r: find(rows, impl=PEERS.get(r.case.impl), seq=r.case.seq, tag=r.case.tag)
     return markdown_table(rows, [
         "impl", Column("attention", lambda r: r.case.tag), "seq",
         Column("ranks", lambda r: r.case.world if r.case.group else 1), "fwd+bwd s",
-        Column("time ÷ peer", lambda r: ratio(r, peer(rows, r)), "{:.3f}"), "useful GFLOP/s",
-        Column("K/V+grad MiB sent per rank", sent_mib, "{:.1f}"),
+        Column("time ÷ peer", lambda r: ratio(r, peer(r)), "{:.3f}"), "useful GFLOP/s",
+        Column("K/V+grad MiB sent per rank", lambda r: r.largest("ring_bytes_sent"), lambda b: f"{b / MIB:.1f}"),
         Column("peak MiB per rank", lambda r: r.peak_mib, "{:.0f}"), "other load %", "notes",
     ])  # fmt: skip
 
@@ -78,7 +68,7 @@ BENCHMARK = Benchmark(
     report=report, seqs=([8192, 32768], [8192]), threads=2,
     add_args=lambda p: p.add_argument("--world", type=int, default=4, help="ranks of the ring rows (default 4)"),
     plots=lambda s: plot_rows(s, lambda r: r.case.tag, f"packed: {DOCUMENTS} documents, B1 H8 D64 fp32, causal",
-                                     [TIME]),
+                              [TIME]),
     label=lambda case: case.impl.replace("_", " "), flop=flop, calls=2, max_call_s=(300.0, 120.0),
     config=lambda args: {"documents": DOCUMENTS, "batch": 1, "heads": 8, "head_dim": 64, "dtype": "float32",
                          "causal": True, "threads": args.threads, "world": args.world, "rates": RATES},

@@ -3,18 +3,18 @@ and how each is called (``benchmarks/README.md``, ``benchmarks/SUITE.md``)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import types
 from typing import TYPE_CHECKING, Any
 
-from benchmarks.cases import AttentionFn, Case, Skip, causal_pairs, kept_positions, useful_gflop
+from benchmarks.common import AttentionFn, Case, Skip, causal_pairs, kept_positions, useful_gflop
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-RAP = "ring-attention-pytorch==0.5.20"
-DAP = "dilated-attention-pytorch==0.2.0"
+RAP, DAP = "ring-attention-pytorch==0.5.20", "dilated-attention-pytorch==0.2.0"
 PEERS = [RAP, DAP, "einops>=0.8.0", "beartype", "jaxtyping"]  # installed with --no-deps
 RAP_BUCKET = 1024  # ring_flash_attn's default bucket_size
 
@@ -32,18 +32,14 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None = No
     return out.transpose(1, 2)
 
 
-def _dense_only(case: Case, why: str) -> None:
-    if case.segment_lengths is not None:
-        raise Skip(why)
-
-
 def missing(requirement: str, exc: ImportError) -> Skip:
     return Skip(f"{requirement} is not installed ({exc}): run `python -m benchmarks install-peers`")
 
 
 def rap_attention(case: Case) -> AttentionFn:
     """ring-attention-pytorch's pure-PyTorch ring path on contiguous shards (``benchmarks/SUITE.md``)."""
-    _dense_only(case, "ring-attention-pytorch has no dilated attention")
+    if case.segment_lengths is not None:
+        raise Skip("ring-attention-pytorch has no dilated attention")
     try:
         from ring_attention_pytorch import ring_flash_attn
     except ImportError as exc:
@@ -54,9 +50,8 @@ def rap_attention(case: Case) -> AttentionFn:
 
 def deepspeed_attention(case: Case, rank: int, group: Any) -> AttentionFn:
     """DeepSpeed's ``DistributedAttention`` (Ulysses) over ``group`` with SDPA as its local attention."""
-    _dense_only(case, "SDPA, DistributedAttention's local attention here, has no dilation")
-    import os
-
+    if case.segment_lengths is not None:
+        raise Skip("SDPA, DistributedAttention's local attention here, has no dilation")
     import deepspeed
     from deepspeed.sequence.layer import DistributedAttention
 
@@ -109,6 +104,5 @@ def _install_fake_xformers() -> None:
     ops.LowerTriangularMask, ops.AttentionOp = LowerTriangularMask, type("AttentionOp", (), {})  # used in signatures
     ops.memory_efficient_attention = memory_efficient_attention
     pkg = types.ModuleType("xformers")
-    pkg.__path__ = []  # a package, so that "import xformers.ops" resolves
-    pkg.ops = ops
+    pkg.__path__, pkg.ops = [], ops  # __path__: a package, so that "import xformers.ops" resolves
     sys.modules.update({"xformers": pkg, "xformers.ops": ops})

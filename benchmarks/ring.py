@@ -1,18 +1,12 @@
-"""Ring attention on CPU ranks, dense and dilated: ring vs all-gather vs ``ring-attention-pytorch`` (issue 3); ring
-dilated vs dense ring vs one process (issue 4). ``python -m benchmarks.ring [--quick] [--impls ...] [--out DIR]``;
-rows, columns and the goals they are read against: ``benchmarks/SUITE.md``."""
+"""Ring attention on CPU ranks: dense ring vs all-gather vs ``ring-attention-pytorch`` (issue 3), ring dilated vs
+dense ring vs one process (issue 4); rows, columns and the goals they are read against: ``benchmarks/SUITE.md``."""
 
 from benchmarks import strategies
-from benchmarks.cases import Case
-from benchmarks.common import fmt_seq
-from benchmarks.driver import Benchmark, Session, main
-from benchmarks.rows import Column, Row, find, markdown_table, plot_rows, ratio
+from benchmarks.common import Case, fmt_seq
+from benchmarks.driver import Benchmark, Column, Row, Session, find, main, markdown_table, plot_rows, ratio
 
 IMPLS = ["ring", "ring_zigzag", "allgather", "rap", "ring_dilated", "single_1t", "single_2t"]
-# the columns every multi-rank table starts and ends with (benchmarks.rows.COLUMNS)
-COLUMNS = ["impl", "seq", "procs × threads", "fwd+bwd s", "tokens/s", "useful GFLOP/s", "peak MiB/rank",
-           "inputs MiB/rank"]  # fmt: skip
-TAIL = ["wall ÷ compute", "warm-up err", "other load %", "notes"]
+TAIL = ["wall ÷ compute", "warm-up err", "other load %", "notes"]  # the last columns of the multi-rank tables
 
 
 def case_of(name: str, seq: int, p: int) -> Case:
@@ -22,14 +16,16 @@ def case_of(name: str, seq: int, p: int) -> Case:
         return Case("ds_ring", seq, 1, threads=int(name[-2]), group=False, **branches)
     if name == "ring_dilated":
         return Case("ring", seq, p, **branches)
-    return Case(name.removesuffix("_zigzag"), seq, p, layout="zigzag" if name.endswith("zigzag") else "contiguous")
+    zigzag = name.endswith("zigzag") and p > 1  # one rank: one contiguous shard
+    return Case(name.removesuffix("_zigzag"), seq, p, layout="zigzag" if zigzag else "contiguous")
 
 
 def plan(session: Session) -> None:
     for seq in session.args.seqs:
         for name in session.args.impls:
             for p in [1] if name.startswith("single") else session.args.worlds:
-                if p > 1 or name in ("ring", "rap", "ring_dilated", "single_1t", "single_2t"):
+                # one rank does not communicate: ring, ring_zigzag, allgather are one row (ring's, else ring_zigzag's)
+                if p > 1 or name != "allgather" and (name != "ring_zigzag" or "ring" not in session.args.impls):
                     session.run(case_of(name, seq, p))
 
 
@@ -51,7 +47,8 @@ def report(session: Session) -> str:
     ref = lambda i: lambda r: refs(session.rows, r)[i]
     segs = lambda c: f"[{', '.join(map(fmt_seq, c.segment_lengths))}] / {list(c.dilation_rates)}"
     return markdown_table(session.rows, [
-        *COLUMNS, Column("w / r", lambda r: segs(r.case) if r.case.segment_lengths else "dense"),
+        "impl", "seq", "procs × threads", "fwd+bwd s", "tokens/s", "useful GFLOP/s", "peak MiB/rank", "inputs MiB/rank",
+        Column("w / r", lambda r: segs(r.case) if r.case.segment_lengths else "dense"),
         Column("mem ÷ p=1", lambda r: ratio(r, ref(0)(r), "peak_mib"), "{:.2f}"),
         Column("speed-up vs p=1", lambda r: ratio(ref(0)(r), r), "{:.2f}"),
         Column("× faster than rap", lambda r: ratio(ref(1)(r), r), "{:.1f}"),
@@ -61,14 +58,11 @@ def report(session: Session) -> str:
     ])  # fmt: skip
 
 
-def by_world(r: Row) -> str:
-    return f"p = {r.case.world} rank{'s' if r.case.world > 1 else ''} × 1 thread"
-
-
 BENCHMARK = Benchmark(
     name="ring", module="benchmarks.ring", title="ring attention, dense and dilated (issues 3 and 4)",
     plan=plan, build=strategies.build, report=report, label=strategies.label,
-    plots=lambda s: plot_rows(s, by_world, "ring attention, causal, B1 H8 D64 fp32, 1 thread per rank"),
+    plots=lambda s: plot_rows(s, lambda r: f"p = {r.case.world} rank{'s' if r.case.world > 1 else ''} × 1 thread",
+                              "ring attention, causal, B1 H8 D64 fp32, 1 thread per rank"),
     seqs=([16384, 32768, 65536, 131072, 262144], [8192, 16384]), worlds=[1, 2, 4], impls=IMPLS,
     packages=("ring-attention-pytorch", "deepspeed"),
 )  # fmt: skip

@@ -1,18 +1,15 @@
-"""Sequence-parallel strategies at p = 4: ring vs all-gather vs Ulysses vs hybrid vs DeepSpeed's Ulysses.
-``python -m benchmarks.strategies [--quick] [--out DIR]``; what it measures: ``benchmarks/SUITE.md``."""
+"""Sequence-parallel strategies at p = 4: ring, all-gather, Ulysses, hybrid, DeepSpeed's Ulysses (SUITE.md)."""
 
 import functools
 
 from benchmarks import dilated, peers
-from benchmarks.cases import AttentionFn, Case
-from benchmarks.driver import Benchmark, Session, main
-from benchmarks.rows import Column, find, markdown_table, plot_rows, ratio
+from benchmarks.common import AttentionFn, Case
+from benchmarks.driver import Benchmark, Column, Session, find, main, markdown_table, plot_rows, ratio
 
 STRATEGIES = ["ring", "allgather", "ulysses", "hybrid"]
 NAMES = {"ring": "ring", "allgather": "all-gather", "ulysses": "Ulysses", "hybrid": "hybrid", "dense": "dense SDPA",
          "deepspeed": "DeepSpeed DistributedAttention + SDPA", "rap": "ring-attention-pytorch 0.5.20",
-         "ds_ring": "ds_ring.dilated_attention",
-         "dap": "dilated-attention-pytorch 0.2.0"}  # fmt: skip
+         "ds_ring": "ds_ring.dilated_attention", "dap": "dilated-attention-pytorch 0.2.0"}  # fmt: skip
 
 
 def label(case: Case) -> str:

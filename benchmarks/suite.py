@@ -1,16 +1,10 @@
-"""The benchmark suite (issue 8), ``python -m benchmarks [--quick] [--out DIR]``: what each part measures and how to
-read it: ``benchmarks/SUITE.md``."""
-
-from __future__ import annotations
+"""The benchmark suite (issue 8, ``python -m benchmarks``): what each part measures and how to read it, SUITE.md."""
 
 from typing import Any
 
 from benchmarks import peers, ring, strategies
-from benchmarks.cases import Case
-from benchmarks.common import Series, figure, fmt_seq, plot_panels
-from benchmarks.driver import Benchmark, Session
-from benchmarks.rows import Column, Row, find, markdown_table, ratio
-from benchmarks.strategies import NAMES, STRATEGIES, label
+from benchmarks.common import Case, Series, figure, fmt_seq, plot_panels
+from benchmarks.driver import Benchmark, Column, Row, Session, find, markdown_table, ratio
 
 RATES = (1, 2, 4)
 MODES = {
@@ -32,7 +26,7 @@ def plan(session: Session) -> None:
     m = mode(session.args)
     seq, segs = m["seq"], (m["seq"] // 16, m["seq"] // 8, m["seq"] // 4)
     for p in m["worlds"]:
-        for impl in STRATEGIES:
+        for impl in strategies.STRATEGIES:
             if (p == 1 and impl != "ring") or (impl == "hybrid" and p < 4):
                 continue  # p = 1: one rank, no communication; hybrid needs ulysses 2 × ring >= 2
             session.run(strategy(impl, seq, p))
@@ -42,7 +36,7 @@ def plan(session: Session) -> None:
         session.run(Case(impl, seq, threads=threads, group=False, warmup_seq=warmup_seq, tag="single", **dilated))
     for impl in ("ring", "rap", "ulysses", "deepspeed"):
         session.run(strategy(impl, seq, 2, layout="contiguous", tag="libraries"))
-    session.extra["fit"] = [fit_search(session, impl, m) for impl in STRATEGIES]
+    session.extra["fit"] = [fit_search(session, impl, m) for impl in strategies.STRATEGIES]
 
 
 def fit_search(session: Session, impl: str, m: dict[str, Any]) -> dict[str, Any]:
@@ -69,7 +63,7 @@ def fit_search(session: Session, impl: str, m: dict[str, Any]) -> dict[str, Any]
         notes.append(f"stopped after {m['fit_probes']} probes: the limit lies between the two lengths")
     if hi is None:
         notes.append("no probe exceeded the budget: the largest length is at least the one shown")
-    name = label(strategy(impl, 0, FIT_WORLD))
+    name = strategies.label(strategy(impl, 0, FIT_WORLD))
     return {"label": name, "fit": lo, "over": hi, "probes": probes, "notes": "; ".join(notes)}
 
 
@@ -86,8 +80,7 @@ def next_candidate(points: list[tuple[int, float]], lo: Any, hi: Any, budget: fl
     else:
         guess = near[0][0] * budget / near[0][1] if near else step
     candidate = max(int(guess // step) * step, floor + step)
-    if ceiling is not None:
-        candidate = min(candidate, ceiling - step)
+    candidate = min(candidate, ceiling - step) if ceiling is not None else candidate
     return candidate if candidate > floor else None
 
 
@@ -133,15 +126,13 @@ def plots(session: Session) -> None:
     """Memory and time against p (dashed: the p = 1 value ÷ p); ``suite_libraries.png``: tokens/s, the largest S."""
     m, scaling = mode(session.args), [r for r in session.rows if r.case.tag == "scaling"]
     ref, title = find(scaling, world=1), f"dense causal, S={fmt_seq(m['seq'])}, B1 H8 D64 fp32, 1 thread per rank"
-    for name, ylabel, attr in (
-        ("memory", "peak working memory per rank (MiB)", "peak_mib"),
-        ("time", "fwd+bwd time per call (s)", "fwdbwd_s"),
-    ):
+    for name, ylabel, attr in (("memory", "peak working memory per rank (MiB)", "peak_mib"),
+                               ("time", "fwd+bwd time per call (s)", "fwdbwd_s")):  # fmt: skip
         series = []
-        for impl in STRATEGIES:
+        for impl in strategies.STRATEGIES:
             points = {r.case.world: getattr(r, attr) for r in scaling if (r.case.impl == impl or r is ref)}
             if points := {p: v for p, v in points.items() if v}:
-                series.append(Series(f"ds_ring {NAMES[impl]}", list(points), list(points.values())))
+                series.append(Series(f"ds_ring {strategies.NAMES[impl]}", list(points), list(points.values())))
         if ref and getattr(ref, attr):
             ideal = [getattr(ref, attr) / p for p in m["worlds"]]
             series.append(Series("ideal: p=1 value ÷ p", m["worlds"], ideal, "--", {"color": "gray"}))
@@ -167,7 +158,7 @@ def add_args(p: Any) -> None:
 
 BENCHMARK = Benchmark(
     name="suite", module="benchmarks", title="ds_ring benchmark suite", plan=plan, build=strategies.build,
-    report=report, plots=plots, add_args=add_args, label=label, flop=peers.flop,
+    report=report, plots=plots, add_args=add_args, label=strategies.label, flop=peers.flop,
     packages=("ring-attention-pytorch", "dilated-attention-pytorch", "deepspeed"),
     config=lambda args: {**mode(args), "fit_world": FIT_WORLD, "dilated_rates": RATES},
 )  # fmt: skip

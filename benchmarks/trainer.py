@@ -1,8 +1,6 @@
 """``python -m benchmarks.trainer``: tokens/s of ``SequenceParallelTrainer`` vs the hand-written loop, same job.
-
 The job, and how the two are alternated round by round: ``benchmarks/SUITE.md``. Writes ``DIR/trainer.json`` and
-``DIR/trainer_tokens.png``; prints the median of the per-round ratios Trainer ÷ loop.
-"""
+``DIR/trainer_tokens.png``; prints the median of the per-round ratios Trainer ÷ loop."""
 
 import argparse
 import json
@@ -23,9 +21,8 @@ JOBS = {
 
 def tokens_per_s(script: str, config: str, pattern: str, steps: int, seq: int) -> float:
     """One job under torchrun (2 ranks on this host, a free port), its tokens/s as the script prints it."""
-    torchrun = Path(sys.executable).parent / "torchrun"
-    command = [str(torchrun), "--standalone", "--nproc-per-node", "2", script, "--deepspeed_config", config,
-               "--steps", str(steps), "--seq", str(seq)]  # fmt: skip
+    command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2", script,
+               "--deepspeed_config", config, "--steps", str(steps), "--seq", str(seq)]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
     found = re.search(pattern, done.stdout + done.stderr)
     if done.returncode != 0 or found is None:
@@ -35,9 +32,8 @@ def tokens_per_s(script: str, config: str, pattern: str, steps: int, seq: int) -
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--seq", type=int, default=2048)
+    for flag, default in (("--rounds", 4), ("--steps", 30), ("--seq", 2048)):
+        p.add_argument(flag, type=int, default=default)
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     rounds = []

@@ -1,5 +1,4 @@
-"""One sliding-window layer's forward+backward in one process: the band kernels side by side (issue 33, defect 7).
-``python -m benchmarks.window [--seqs 16384] [--rounds 3] [--out DIR]`` (SUITE.md)."""
+"""One sliding-window layer's forward+backward in one process, the band kernels side by side (issue 33; SUITE.md)."""
 
 import statistics
 import subprocess
@@ -8,10 +7,8 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.cases import AttentionFn, Case, Protocol, RankResult, attention_rank
-from benchmarks.common import figure
-from benchmarks.driver import Benchmark, Session, main
-from benchmarks.rows import Column, Row, markdown_table
+from benchmarks.common import AttentionFn, Case, Protocol, RankResult, attention_rank, figure
+from benchmarks.driver import Benchmark, Column, Row, Session, main, markdown_table
 
 PIECES_REV = "650ed12^"  # the commit before the batched bands: its ds_ring/kernels/window.py is the "pieces" variant
 VARIANTS = ("pieces", "batched", "fused")
@@ -44,7 +41,7 @@ class WindowResult(RankResult):
 
 
 def window_rank(rank: int, world: int, case: Case, build: Any, protocol: Protocol) -> WindowResult:
-    """:func:`~benchmarks.cases.attention_rank`, then the ops one call dispatches (``tests.op_count.OpCount``)."""
+    """:func:`~benchmarks.common.attention_rank`, then the ops one call dispatches (``tests.op_count.OpCount``)."""
     import torch
 
     from tests.op_count import OpCount
@@ -64,8 +61,8 @@ def plan(session: Session) -> None:
 
 
 def by_variant(session: Session) -> list[list[Row]]:
-    rows = [[r for r in session.rows if r.case.impl == impl and r.fwdbwd_s] for impl in session.args.impls]
-    return [rs for rs in rows if rs]
+    """Per variant with a measured row, its rows (one per round)."""
+    return [rs for v in session.args.impls if (rs := [r for r in session.rows if r.case.impl == v and r.fwdbwd_s])]
 
 
 def median(rows: list[Row], attr: str) -> float:

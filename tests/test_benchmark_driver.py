@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from benchmarks import cases, common, driver, peers, ring, rows, suite
-from benchmarks.cases import Case
-from benchmarks.rows import Column, Row
+from benchmarks import common, driver, peers, ring, suite
+from benchmarks.common import Case
+from benchmarks.driver import Column, Row
 
 
 def _brute_pairs(seq: int, heads: int, segs, rates, causal: bool, split_heads: bool = False) -> int:
@@ -29,12 +29,12 @@ def _brute_pairs(seq: int, heads: int, segs, rates, causal: bool, split_heads: b
 def test_useful_work_counts_every_computed_pair(causal):
     segs, rates = (8, 16, 32), (1, 2, 4)
     case = Case("ds_ring", 96, causal=causal, heads=5, head_dim=4, segment_lengths=segs, dilation_rates=rates)
-    assert cases.pairs_dilated(96, 5, segs, rates, causal) == _brute_pairs(96, 5, segs, rates, causal)
-    assert cases.useful_gflop(case) == pytest.approx(3.5 * 4 * 4 * _brute_pairs(96, 5, segs, rates, causal) / 1e9)
+    assert common.pairs_dilated(96, 5, segs, rates, causal) == _brute_pairs(96, 5, segs, rates, causal)
+    assert common.useful_gflop(case) == pytest.approx(3.5 * 4 * 4 * _brute_pairs(96, 5, segs, rates, causal) / 1e9)
     dap = Case("dap", 96, causal=causal, heads=5, head_dim=4, segment_lengths=segs, dilation_rates=rates)
     assert peers.flop(dap) == pytest.approx(3.5 * 4 * 4 * _brute_pairs(96, 5, segs, rates, causal, True) / 1e9)
     dense = Case("dense", 96, causal=causal, heads=5, head_dim=4)
-    assert cases.useful_gflop(dense) == pytest.approx(3.5 * 4 * 4 * 5 * (96 * 97 // 2 if causal else 96 * 96) / 1e9)
+    assert common.useful_gflop(dense) == pytest.approx(3.5 * 4 * 4 * 5 * (96 * 97 // 2 if causal else 96 * 96) / 1e9)
 
 
 def test_fixed_calls_and_the_peak_rss_they_add():
@@ -48,14 +48,14 @@ def test_fixed_calls_and_the_peak_rss_they_add():
 def test_tables_find_and_ratios():
     a = Row(Case("ring", 1024, 2), "ring", "2×1", 1.0, fwdbwd_s=2.0, peak_mib=10.0)
     b = Row(Case("rap", 1024, 2), "rap", "2×1", 1.0, fwdbwd_s=8.0)
-    assert rows.find([a, b], impl="rap", world=2) is b and rows.find([a, b], world=4) is None
-    assert rows.ratio(b, a) == 4.0 and rows.ratio(a, None) is None
-    table = rows.markdown_table(
+    assert driver.find([a, b], impl="rap", world=2) is b and driver.find([a, b], world=4) is None
+    assert driver.ratio(b, a) == 4.0 and driver.ratio(a, None) is None
+    table = driver.markdown_table(
         [a, b], [Column("impl", lambda r: r.label), Column("MiB", lambda r: r.peak_mib, "{:.1f}")]
     )
     assert table.splitlines() == ["| impl | MiB |", "|---|---|", "| ring | 10.0 |", "| rap | — |"]
-    shared = rows.markdown_table([a], ["impl", "fwd+bwd s", Column("p", lambda r: r.case.world)])
-    assert shared.splitlines()[2] == "| ring | 2.000 | 2 |"  # a plain header names one of rows.COLUMNS
+    shared = driver.markdown_table([a], ["impl", "fwd+bwd s", Column("p", lambda r: r.case.world)])
+    assert shared.splitlines()[2] == "| ring | 2.000 | 2 |"  # a plain header names one of driver.COLUMNS
 
 
 def test_estimates_scale_the_last_measured_call(tmp_path):
@@ -68,6 +68,24 @@ def test_estimates_scale_the_last_measured_call(tmp_path):
     assert seconds == 160.0 and "> --max-call-s 100" in why
     assert session._estimate(Row(Case("rap", 4096, 4), "rap", "4×1", 1.0)) == (None, None)  # nothing measured yet
     assert "not divisible" in session._estimate(row(4097))[1]
+
+
+def test_ring_runs_one_dense_row_per_length_at_one_rank():
+    def planned(*impls: str) -> list[tuple[str, int, str, bool]]:
+        cases: list[Case] = []
+        args = argparse.Namespace(seqs=[4096], worlds=[1, 2], impls=list(impls))
+        ring.plan(argparse.Namespace(args=args, run=cases.append))
+        return [(c.impl, c.world, c.layout, c.segment_lengths is None) for c in cases]
+
+    # issue 4's rows: ring_zigzag gives the p = 1 dense reference (one contiguous shard) when ring is not run
+    assert planned("ring_dilated", "ring_zigzag") == [
+        ("ring", 1, "contiguous", False), ("ring", 2, "contiguous", False),
+        ("ring", 1, "contiguous", True), ("ring", 2, "zigzag", True),
+    ]  # fmt: skip
+    assert planned("ring", "ring_zigzag", "allgather") == [
+        ("ring", 1, "contiguous", True), ("ring", 2, "contiguous", True), ("ring", 2, "zigzag", True),
+        ("allgather", 2, "contiguous", True),
+    ]  # fmt: skip
 
 
 def test_fit_search_candidates_stay_inside_the_bracket():
