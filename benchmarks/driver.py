@@ -61,7 +61,7 @@ class Session:
         self.extra: dict[str, Any] = {}  # more for the JSON (the suite's fit search)
         self.machine, self.matmul_gflops = common.machine_info(bench.packages), {}
         self.cores: int = self.machine["usable_cpus"]
-        self.seen: dict[tuple[str, int], tuple[int, float, float]] = {}  # (label, p): (seq, s, MiB) last measured
+        self.seen: dict[tuple, tuple[int, float, float]] = {}  # (label, p, causal, tag): (seq, s, MiB) last measured
         print(f"{bench.name}: fp32 matmul 2048², 1 thread: {self.matmul(1, 2048, 'start') or 0:.1f} GFLOP/s")
 
     def matmul(self, threads: int, n: int, when: str) -> float | None:
@@ -83,7 +83,7 @@ class Session:
             single = (row.estimated_call_s or 0.0) > self.args.single_call_above_s
             self._measure(row, calls or (1 if single else self.args.calls))
         if row.fwdbwd_s:
-            self.seen[(row.label, case.world)] = (case.seq, row.fwdbwd_s, row.peak_mib or 0.0)
+            self.seen[(row.label, case.world, case.causal, case.tag)] = (case.seq, row.fwdbwd_s, row.peak_mib or 0.0)
         self.rows.append(row)
         print(f"  {row.label:>44} {fmt_seq(case.seq):>5} {procs:>5} fwd+bwd={row.fwdbwd_s or math.nan:.3f}s "
               f"peak={row.peak_mib or math.nan:.0f}MiB/rank {'; '.join(row.notes)[:300]}", flush=True)  # fmt: skip
@@ -96,7 +96,7 @@ class Session:
         case = row.case
         if case.seq % case.world:
             return None, f"seq {case.seq} is not divisible by {case.world} ranks"
-        if (seen := self.seen.get((row.label, case.world))) is None:
+        if (seen := self.seen.get((row.label, case.world, case.causal, case.tag))) is None:
             return None, None
         (seq, seconds, mib), available = seen, common.proc_mib("MemAvailable")
         grow, at, limit = case.seq / seq, f"from {fmt_seq(seq)}", self.args.max_call_s

@@ -61,7 +61,7 @@ def test_tables_find_and_ratios():
 def test_estimates_scale_the_last_measured_call(tmp_path):
     args = argparse.Namespace(max_call_s=100.0, out=str(tmp_path))
     session = driver.Session.__new__(driver.Session)
-    session.args, session.seen = args, {("ring", 4): (2048, 10.0, 1.0)}
+    session.args, session.seen = args, {("ring", 4, True, ""): (2048, 10.0, 1.0)}
     row = lambda seq: Row(Case("ring", seq, 4), "ring", "4×1", 1.0)
     assert session._estimate(row(4096)) == (40.0, None)  # ∝ S²
     seconds, why = session._estimate(row(8192))
