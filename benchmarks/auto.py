@@ -3,6 +3,7 @@
 never the worst; the model within 15 % of the slope :func:`benchmarks.memory.measure` measures): ``docs/auto.md``."""
 
 import itertools
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,21 +35,23 @@ def auto_rank(rank: int, world: int, case: Case, build: Any, protocol: Protocol)
 
 def plan(session: Session) -> None:
     args, timing = session.args, session.extra.setdefault("timing", [])
-    worlds = [] if args.no_timing else args.worlds
+    worlds = [] if args.no_timing else args.worlds  # hybrid needs 2 × 2 ranks; Ulysses the heads split over them
     for world, seq, (heads, kv_heads) in itertools.product(worlds, args.seqs, GRID_HEADS):
-        # hybrid needs 2 × 2 ranks; Ulysses over the whole group needs the heads divisible by the ranks
         names = [s for s in STRATEGIES if (s != "hybrid" or world == 4) and (s != "ulysses" or heads % world == 0)]
-        rows, u = {}, 2 if world == 4 else 1
-        for name in [*names, "auto"]:
-            rows[name] = session.run(Case(name, seq, world, ulysses=u, heads=heads, kv_heads=kv_heads, warmup_seq=seq))
-        by_name = {name: r.fwdbwd_s for name, r in rows.items() if name != "auto" and r.fwdbwd_s}
-        auto = rows["auto"].raw[0] if rows["auto"].fwdbwd_s else {}
-        if not by_name or auto.get("pick") not in by_name:
+        rows, u = {name: [] for name in [*names, "auto"]}, 2 if world == 4 else 1  # per strategy, a row per round
+        for r in range(args.rounds):  # the order alternates between rounds
+            for name in list(rows) if r % 2 == 0 else list(rows)[::-1]:
+                case = Case(name, seq, world, ulysses=u, heads=heads, kv_heads=kv_heads, warmup_seq=seq, tag=f"r{r}")
+                rows[name].append(session.run(case))
+        med = {name: statistics.median(t) for name, rs in rows.items() if (t := [r.fwdbwd_s for r in rs if r.fwdbwd_s])}
+        by_name = {k: v for k, v in med.items() if k != "auto"}
+        auto = next((r.raw[0] for r in rows["auto"] if r.fwdbwd_s), {})
+        if "auto" not in med or auto.get("pick") not in by_name:
             continue  # no verdict while a measurement is missing
-        best, worst, picked = min(by_name.values()), max(by_name.values()), by_name[auto["pick"]]
+        best, worst, picked = min(by_name.values()), max(by_name.values()), med["auto"]
         timing.append({
             "ranks": world, "seq": seq, "heads": heads, "kv_heads": kv_heads, "measured_s": by_name,
-            "auto_s": rows["auto"].fwdbwd_s, "pick": auto["pick_label"], "pick_s": picked,
+            "auto_s": picked, "pick": auto["pick_label"], "pick_s": by_name[auto["pick"]], "rounds": args.rounds,
             "best": min(by_name, key=by_name.get), "ratio_to_best": picked / best, "within_1_10": picked <= 1.10 * best,
             "never_worst": len(by_name) == 1 or picked < worst, "predicted_pick_s": auto["predicted_s"],
         })  # fmt: skip
@@ -62,8 +65,8 @@ def memory_check(args: Any) -> list[dict[str, Any]]:
     rows, world, lengths = [], args.memory_ranks, tuple(args.memory_lengths)
     for name in STRATEGIES:
         comm = {"ring": "ring", "allgather": "allgather", "hybrid": "ring"}.get(name)
-        measured = memory.measure(memory.Call(name, comm, tokens_per_rank=lengths), world, "cpu", args.timeout_s)
-        measured = measured["slope_q_shards"]
+        call = memory.Call(name, comm, tokens_per_rank=lengths)
+        measured = memory.measure(call, world, "cpu", args.timeout_s)["slope_q_shards"]
         u = 2 if name == "hybrid" else (world if name == "ulysses" else 1)
         problem = Problem(seq=lengths[1] * world, heads=memory.HEADS, kv_heads=memory.HEADS, head_dim=memory.HEAD_DIM,
                           world=world, itemsize=4)  # fmt: skip
@@ -77,7 +80,8 @@ def memory_check(args: Any) -> list[dict[str, Any]]:
 
 def report(session: Session) -> str:
     point = Column("point", lambda v: f"p={v['ranks']} {fmt_seq(v['seq'])} {v['heads']}/{v['kv_heads']} heads")
-    times = Column("measured ms", lambda v: "  ".join(f"{k} {s * 1e3:.0f}" for k, s in v["measured_s"].items()))
+    times = Column("median ms", lambda v: "  ".join(f"{k} {s * 1e3:.0f}" for k, s in v["measured_s"].items())
+                   + f"; auto {v['auto_s'] * 1e3:.0f}")  # fmt: skip
     return "\n\n".join([
         markdown_table(session.extra["timing"], [
             point, times, Column("auto picks", lambda v: v["pick"]),
@@ -92,9 +96,8 @@ def report(session: Session) -> str:
 
 
 def plots(session: Session) -> None:
-    """Measured step time per strategy at each grid point, auto's pick circled."""
-    if not (verdicts := session.extra["timing"]):
-        return
+    """Median step time per strategy at each grid point; a circle: auto's own median, at its pick's bar."""
+    verdicts = session.extra["timing"]
     with figure(session.out / "auto.png", max(6, len(verdicts) * 0.9), 4) as (ax,):
         labels = [f"p{v['ranks']} {fmt_seq(v['seq'])}\n{v['heads']}/{v['kv_heads']}h" for v in verdicts]
         for j, name in enumerate(STRATEGIES):
@@ -102,14 +105,15 @@ def plots(session: Session) -> None:
             ax.bar(xs, [v["measured_s"][name] for v in verdicts if name in v["measured_s"]], width=0.18, label=name)
         for i, v in enumerate(verdicts):
             j = STRATEGIES.index(v["pick"].split()[0].split("/")[0])
-            ax.plot(i + (j - 1.5) * 0.18, v["pick_s"], "ko", fillstyle="none", markersize=10)
+            ax.plot(i + (j - 1.5) * 0.18, v["auto_s"], "ko", fillstyle="none", markersize=10)
         ax.set_xticks(range(len(verdicts)), labels, fontsize=7)
         ax.set(ylabel="fwd+bwd seconds (slowest rank)",
-               title="strategy='auto' (circled) vs every strategy, fp32 causal, gloo CPU")  # fmt: skip
+               title="strategy='auto' (circled: its own time) vs every strategy, fp32 causal, gloo CPU")  # fmt: skip
         ax.legend(fontsize=7)
 
 
 def add_args(p: Any) -> None:
+    p.add_argument("--rounds", type=int, default=3, help="timed launches per strategy and point (median)")
     p.add_argument("--memory-ranks", type=int, default=4)
     p.add_argument("--memory-lengths", nargs=2, type=int, default=[2048, 4096], help="rows per rank")
     p.add_argument("--no-memory", action="store_true")
