@@ -257,8 +257,8 @@ def wait_for_idle(max_busy: float, timeout_s: float) -> None:
 
 
 def machine_info(packages: Iterable[str]) -> dict[str, Any]:
-    """Date, CPU, cores, memory, load, Python, platform, versions of torch and ``packages``, commit, and a short
-    SHA-256 over ds_ring's ``*.py`` files (paths and contents): the library code measured."""
+    """Date, CPU, cores, memory, load, Python, platform, versions of torch and ``packages``, commit, and a SHA-256
+    over ds_ring's ``*.py`` files (paths, contents): the code measured."""
     h = hashlib.sha256()
     for f in sorted((ROOT / "ds_ring").rglob("*.py")):
         h.update(str(f.relative_to(ROOT)).encode() + b"\0" + f.read_bytes() + b"\0")

@@ -12,6 +12,7 @@ The rows go under ``--label`` into ``DIR/memory.json``; the plot is ``DIR/memory
 
 import argparse
 import contextlib
+import ctypes
 import json
 import tempfile
 import time
@@ -27,8 +28,8 @@ HEADS, HEAD_DIM = 8, 64
 
 @dataclass(frozen=True)
 class Call:
-    """One attention call: strategy, K/V exchange (None: the strategy's own), layout, branches (fractions of the
-    sequence), and the two local lengths the slope is taken between (the issue's sizes)."""
+    """One attention call: strategy, K/V exchange (None: the strategy's own), layout, branches (fractions of S), the
+    two local lengths of the slope, glibc's mmap threshold in the ranks (65536: RSS follows live tensors)."""
 
     strategy: str
     communication: str | None = None
@@ -36,6 +37,7 @@ class Call:
     segments: tuple[float, ...] | None = None
     rates: tuple[int, ...] | None = None
     tokens_per_rank: tuple[int, int] = (4096, 8192)
+    mmap_threshold: int | None = None
 
 
 _LONGNET = {"segments": (1 / 32, 1 / 4, 1), "rates": (1, 4, 16), "tokens_per_rank": (16384, 32768)}
@@ -76,6 +78,8 @@ def _measure(rank: int, world: int, call: Call, local_len: int, device: str, liv
 
     import ds_ring
 
+    if call.mmap_threshold is not None:
+        ctypes.CDLL("libc.so.6").mallopt(-3, call.mmap_threshold)  # M_MMAP_THRESHOLD
     seq = local_len * world
     segments = None if call.segments is None else [max(1, int(seq * f)) for f in call.segments]
     rates = None if call.rates is None else list(call.rates)
@@ -149,8 +153,7 @@ def main() -> None:
     parser.add_argument("--tokens-per-rank", nargs=2, type=int, help="the two local lengths (default: each call's)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "memory.json"
+    path = args.out / "memory.json"  # write_json makes its folder
     results = json.loads(path.read_text()) if path.exists() else {}
     rows = [r for r in results.get(args.label, []) if not (r["call"] in args.calls and r["ranks"] in args.ranks)]
     for world in args.ranks:

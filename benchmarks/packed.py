@@ -32,9 +32,8 @@ def build(case: Case, rank: int, timeout_s: float) -> AttentionFn:
 
 def flop(case: Case) -> float:
     """Useful GFLOP: the documents' work for packed rows, the whole sequence's for ``ring unpacked``."""
-    if case.impl == "ring_unpacked":
-        return useful_gflop(case)
-    return useful_gflop(case, DOCUMENTS * case_pairs(case, case.seq // DOCUMENTS))
+    whole = case.impl == "ring_unpacked"
+    return useful_gflop(case, None if whole else DOCUMENTS * case_pairs(case, case.seq // DOCUMENTS))
 
 
 def plan(session: Session) -> None:

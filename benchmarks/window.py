@@ -60,13 +60,12 @@ def plan(session: Session) -> None:
             session.run(Case(impl, session.args.seqs[0], threads=2, group=False, warmup_seq=256, tag=f"round {r}"))
 
 
+median = lambda rows, attr: statistics.median(getattr(r, attr) for r in rows)  # over a variant's rounds
+
+
 def by_variant(session: Session) -> list[list[Row]]:
     """Per variant with a measured row, its rows (one per round)."""
     return [rs for v in session.args.impls if (rs := [r for r in session.rows if r.case.impl == v and r.fwdbwd_s])]
-
-
-def median(rows: list[Row], attr: str) -> float:
-    return statistics.median(getattr(r, attr) for r in rows)
 
 
 def report(session: Session) -> str:

@@ -32,4 +32,4 @@ fi
 # DeepSpeed's CPU ops are compiled per DeepSpeed release: a cache of their own
 export TORCH_EXTENSIONS_DIR="$PWD/.torch_extensions-oldest"
 "$VENV/bin/python" launch/build_ops.py
-"$VENV/bin/python" -m pytest -q "$@"
+"$VENV/bin/python" -m pytest -q -m "not zoo and not multihost and not slow" "$@"  # the launcher jobs too

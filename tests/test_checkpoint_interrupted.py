@@ -19,6 +19,8 @@ import torch
 from ds_ring.checkpoint import COMPLETE, checkpoint_files
 from tests.trainer_runs import train_with_checkpoints, write_config
 
+pytestmark = pytest.mark.jobs  # a whole job under a launcher: CI's second step (docs/testing.md)
+
 STEPS, SAVE_EVERY, FAULT_STEP = 8, 2, 6
 STEP_TIMEOUT_S = 20  # the watchdog's step deadline in the stalled case: far above a step with its save
 

@@ -16,6 +16,8 @@ import torch
 
 from tests.trainer_runs import BIN, ROOT, free_port, reap, run_command
 
+pytestmark = pytest.mark.jobs  # a whole job under a launcher: CI's second step (docs/testing.md)
+
 SCRIPT = str(ROOT / "launch" / "train_trainer.py")
 ARGS = ["--seq", "512", "--steps", "6", "--batch", "2", "--samples", "64"]
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.jobs  # a whole job under a launcher: CI's second step (docs/testing.md)
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 TRAIN_ARGS = ["launch/train.py", "--deepspeed_config", "ds_configs/cpu_default.json", "--seq", "512", "--steps", "3"]

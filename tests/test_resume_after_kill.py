@@ -23,6 +23,8 @@ import torch
 from launch.plot_metrics import read_metrics
 from tests.trainer_runs import train_with_checkpoints, write_config
 
+pytestmark = pytest.mark.jobs  # a whole job under a launcher: CI's second step (docs/testing.md)
+
 STEPS, SAVE_EVERY, KILL_STEP = 8, 2, 6
 LAST_CHECKPOINT = KILL_STEP - 1 - (KILL_STEP - 1) % SAVE_EVERY  # 4
 FAULT = f"kill:rank=1:step={KILL_STEP}"
