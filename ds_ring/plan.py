@@ -73,8 +73,6 @@ def _link(args: argparse.Namespace) -> Link:
         fields["bandwidth"] = args.bandwidth_gbs * 1e9
     if args.tflops is not None:
         fields["flops"] = args.tflops * 1e12
-    if args.cores_per_rank is not None:
-        fields["cores_per_rank"] = args.cores_per_rank
     return replace(link, source="given", **fields) if fields else link
 
 
@@ -103,12 +101,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--latency-us", type=float, default=None)
     p.add_argument("--bandwidth-gbs", type=float, default=None, help="GB/s one rank sends")
     p.add_argument("--tflops", type=float, default=None, help="attention TFLOP/s of one rank")
-    p.add_argument(
-        "--cores-per-rank",
-        type=float,
-        default=None,
-        help="CPU cores per rank thread (below 1: ranks time-share cores; at run time auto measures it)",
-    )
     p.add_argument("--json", action="store_true", help="print the options as JSON instead of a table")
     return p
 

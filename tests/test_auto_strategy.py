@@ -114,21 +114,6 @@ def test_choice_follows_the_link():
     assert best.strategy in ("ulysses", "hybrid")  # contiguous causal rings idle; Ulysses is balanced
 
 
-def test_ranks_that_time_share_cores_hide_an_uneven_split():
-    """A contiguous causal ring's busiest rank does 2n/(n+1) of the mean work: that costs time when every rank
-    has its own device or core, and nothing when 4 ranks share 2 cores (a waiting rank's core computes for
-    another, and the shared total bounds the step)."""
-    p = Problem(seq=4096, heads=8, kv_heads=8, head_dim=64, world=4, itemsize=4, layouts=("contiguous",))
-    compute = lambda link: {o.strategy: o.compute_s for o in plan_options(p, link) if o.error is None}
-    own = compute(Link(latency_s=1e-4, bandwidth=2e9, flops=2e10, cores_per_rank=1.0))
-    assert own["ring"] == pytest.approx(own["ulysses"] * 8 / 5)
-    shared = compute(Link(latency_s=1e-4, bandwidth=2e9, flops=2e10, cores_per_rank=0.5))
-    assert shared["ring"] == pytest.approx(shared["ulysses"]) == pytest.approx(own["ulysses"])
-    assert compute(Link(latency_s=1e-4, bandwidth=2e9, flops=2e10, cores_per_rank=0.8))["ring"] == pytest.approx(
-        own["ulysses"] * 1.6 / 1.25
-    )
-
-
 def test_plan_cli_prints_table(tmp_path):
     from ds_ring import plan
 

@@ -70,10 +70,7 @@ class Link:
 
     ``latency_s``: seconds per message; ``bandwidth``: bytes/s one rank sends (all-to-all over the
     group: what crosses hosts when it spans several); ``intra_bandwidth``: bytes/s between ranks of
-    one host (``None``: ``bandwidth``); ``flops``: attention FLOP/s of one rank, measured with every rank
-    busy; ``cores_per_rank``: CPU cores per rank thread on the most crowded host (``None``: a device
-    per rank, as on GPUs). Below 1 the ranks time-share cores, so a rank that waits gives its core to
-    one that computes: an uneven split of the work then costs only beyond the shared total.
+    one host (``None``: ``bandwidth``); ``flops``: attention FLOP/s of one rank.
     """
 
     latency_s: float = 20e-6
@@ -81,7 +78,6 @@ class Link:
     flops: float = 50e12
     intra_bandwidth: float | None = None
     source: str = "default"
-    cores_per_rank: float | None = None
 
     @classmethod
     def default(cls, device_type: str) -> Link:
@@ -211,14 +207,6 @@ def _acc(itemsize: int) -> int:
     return 8 if itemsize >= 8 else 4
 
 
-def _imbalance(busiest: float, link: Link) -> float:
-    """Step time over a balanced split's when the busiest rank has ``busiest`` times the mean work. Ranks that
-    time-share cores (``cores_per_rank`` c < 1) finish no sooner than the total work over the cores, ``1/c`` of
-    the mean, balanced or not (``link.flops`` was measured with every rank busy, so it already holds ``c``)."""
-    share = 1.0 / link.cores_per_rank if link.cores_per_rank is not None and link.cores_per_rank < 1 else 1.0
-    return max(busiest, share) / share
-
-
 def _ring_part(p: Problem, o: Option, link: Link, bandwidth: float) -> tuple[float, float, float, float]:
     """Ring dimension of ``o`` (degree ``o.ring`` on blocks of ``o.chunk`` rows): compute seconds, bytes
     sent, link seconds, exposed seconds."""
@@ -241,7 +229,7 @@ def _ring_part(p: Problem, o: Option, link: Link, bandwidth: float) -> tuple[flo
             continue
         sent += block_kv * fraction * hops * (1 + ((1 + _acc(p.itemsize) / p.itemsize) if p.backward else 0))
         steps = max(steps, hops)
-    imbalance = _imbalance(2 * n / (n + 1) if p.causal and o.layout == "contiguous" and n > 1 else 1.0, link)
+    imbalance = 2 * n / (n + 1) if p.causal and o.layout == "contiguous" and n > 1 else 1.0
     compute = (balanced + spanning_work * (imbalance - 1)) / link.flops
     messages = steps * (3 if p.backward else 1)
     comm = sent / bandwidth + messages * link.latency_s
@@ -407,9 +395,7 @@ def format_table(p: Problem, options: Sequence[Option], link: Link) -> str:
         f"seq {p.seq} × {p.heads} heads ({p.kv_heads} K/V) × {p.head_dim}, {p.world} ranks, {p.itemsize}-byte "
         f"elements, causal={p.causal}, q-shard {p.q_shard_bytes / mib:.2f} MiB",
         f"link: latency {link.latency_s * 1e6:.1f} µs, bandwidth {link.bandwidth / 1e9:.2f} GB/s, "
-        f"compute {link.flops / 1e12:.3f} TFLOP/s"
-        + (f", {link.cores_per_rank:.2f} CPU cores per rank" if link.cores_per_rank is not None else "")
-        + f" ({link.source})",
+        f"compute {link.flops / 1e12:.3f} TFLOP/s ({link.source})",
         f"  {'option':36s} {'step ms':>9s} {'compute':>9s} {'exposed':>9s} {'MiB sent':>9s} "
         f"{'mem MiB':>9s} {'q-shards':>8s}",
     ]

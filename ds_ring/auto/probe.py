@@ -4,33 +4,28 @@ At the first ``auto`` call on a process group every rank of it times, on the dat
 
 - two all-to-alls of a small message (``SMALL`` bytes per rank) and two of a larger one (``LARGE``):
   latency = the small one's time, bandwidth = the extra bytes over the extra time;
-- a few small matmuls shaped like attention blocks: the FLOP rate;
-- on a CPU, the cores per rank thread: usable cores over (ranks on this host × torch threads).
+- a few small matmuls shaped like attention blocks: the FLOP rate.
 
 About 10 ms on gloo loopback. Ranks measure different numbers (a busy core, a far host), so the
 numbers are then *agreed*: one all-reduce of every rank's row (a one-hot sum, so every rank ends up
-with every row), and every rank takes the worst (largest latency, smallest bandwidth, FLOP rate and
-cores per rank) of the same rows — the same floats on every rank, hence the same choice. The result is cached per
+with every row), and every rank takes the worst (largest latency, smallest bandwidth and FLOP rate)
+of the same rows — the same floats on every rank, hence the same choice. The result is cached per
 process group (the ranks, and so the hosts they run on), so later calls and layers cost nothing.
 """
 
 from __future__ import annotations
 
-import math
-import os
 import threading
 import time
 import weakref
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ds_ring.auto.model import Link
 from ds_ring.comm.collectives import all_reduce, all_to_all
 from ds_ring.comm.groups import group_rank, group_size, takes_cpu
-from ds_ring.comm.hosts import host_of
 
 __all__ = ["probe_link", "measure_link", "agree_link", "SMALL", "LARGE"]
 
@@ -79,29 +74,17 @@ def _time_flops(device: torch.device) -> float:
     return reps * 2 * 8 * 256 * 256 * 64 / max(time.perf_counter() - start, 1e-9)
 
 
-def _cores_per_rank(device: torch.device) -> float | None:
-    """Usable CPU cores over (ranks of the job on this host × this rank's torch threads); ``None`` off the CPU.
-    The ranks on this host come from the host table (``LOCAL_WORLD_SIZE``, then the world, before one exists)."""
-    if device.type != "cpu":
-        return None
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    me = host_of(dist.get_rank()) if dist.is_initialized() else None
-    local = sum(host_of(r) == me for r in range(world)) if me else int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return len(os.sched_getaffinity(0)) / (max(1, local) * torch.get_num_threads())
-
-
 def measure_link(group: ProcessGroup | None, device: torch.device, timeout_s: float | None = None) -> Link:
     """This rank's own measurement (collective over ``group``: every rank calls it at the same point)."""
-    flops, cores = _time_flops(device), _cores_per_rank(device)
+    flops = _time_flops(device)
     if group_size(group) == 1:
-        return Link(latency_s=0.0, bandwidth=float("inf"), flops=flops, source="measured, 1 rank", cores_per_rank=cores)
+        return Link(latency_s=0.0, bandwidth=float("inf"), flops=flops, source="measured, 1 rank")
     small = _time_all_to_all(SMALL, group, device, timeout_s)
     large = _time_all_to_all(LARGE, group, device, timeout_s)
     p = group_size(group)
     extra = (LARGE - SMALL) * (p - 1) / p
     bandwidth = extra / max(large - small, 1e-9)
-    return Link(latency_s=small / max(1, p - 1), bandwidth=bandwidth, flops=flops, source="measured",
-                cores_per_rank=cores)  # fmt: skip
+    return Link(latency_s=small / max(1, p - 1), bandwidth=bandwidth, flops=flops, source="measured")
 
 
 def agree_link(
@@ -112,14 +95,11 @@ def agree_link(
     p, me = group_size(group), group_rank(group)
     if p == 1:
         return mine
-    rows = torch.zeros(p, 4, dtype=torch.float64, device=device)
-    cores = math.inf if mine.cores_per_rank is None else mine.cores_per_rank
-    mine_row = [mine.latency_s, mine.bandwidth, mine.flops, cores]
-    rows[me] = torch.tensor(mine_row, dtype=torch.float64, device=device)
+    rows = torch.zeros(p, 3, dtype=torch.float64, device=device)
+    rows[me] = torch.tensor([mine.latency_s, mine.bandwidth, mine.flops], dtype=torch.float64, device=device)
     rows = all_reduce(rows, group=group, op="auto_probe_agree", timeout_s=timeout_s).cpu()
-    latency, bandwidth, flops, cores = (float(x) for x in (rows[:, 0].max(), *rows[:, 1:].min(dim=0).values))
-    return Link(latency_s=latency, bandwidth=bandwidth, flops=flops, source=f"measured, worst of {p} ranks",
-                cores_per_rank=None if math.isinf(cores) else cores)  # fmt: skip
+    latency, bandwidth, flops = (float(x) for x in (rows[:, 0].max(), rows[:, 1].min(), rows[:, 2].min()))
+    return Link(latency_s=latency, bandwidth=bandwidth, flops=flops, source=f"measured, worst of {p} ranks")
 
 
 def probe_link(
