@@ -91,8 +91,8 @@ class Session:
         return row
 
     def _estimate(self, row: Row) -> tuple[float | None, str | None]:
-        """(one call's seconds, scaled as S² from the last length measured for the label and p; the reason to skip
-        the case or None): above ``--max-call-s``, or memory (∝ S) over 80 % of what is available."""
+        """(one call's seconds, scaled as S² from the last length measured with the same label, p, mask and tag; the
+        reason to skip the case or None): above ``--max-call-s``, or memory (∝ S) over 80 % of what is available."""
         case = row.case
         if case.seq % case.world:
             return None, f"seq {case.seq} is not divisible by {case.world} ranks"
