@@ -45,15 +45,15 @@ def plan(session: Session) -> None:
                 rows[name].append(session.run(case))
         med = {name: statistics.median(t) for name, rs in rows.items() if (t := [r.fwdbwd_s for r in rs if r.fwdbwd_s])}
         by_name = {k: v for k, v in med.items() if k != "auto"}
-        auto = next((r.raw[0] for r in rows["auto"] if r.fwdbwd_s), {})
-        if "auto" not in med or auto.get("pick") not in by_name:
+        choice = next((r.raw[0] for r in rows["auto"] if r.fwdbwd_s), {})
+        if "auto" not in med or choice.get("pick") not in by_name:
             continue  # no verdict while a measurement is missing
-        best, worst, picked = min(by_name.values()), max(by_name.values()), med["auto"]
+        best, worst, auto_s = min(by_name.values()), max(by_name.values()), med["auto"]
         timing.append({
             "ranks": world, "seq": seq, "heads": heads, "kv_heads": kv_heads, "measured_s": by_name,
-            "auto_s": picked, "pick": auto["pick_label"], "pick_s": by_name[auto["pick"]], "rounds": args.rounds,
-            "best": min(by_name, key=by_name.get), "ratio_to_best": picked / best, "within_1_10": picked <= 1.10 * best,
-            "never_worst": len(by_name) == 1 or picked < worst, "predicted_pick_s": auto["predicted_s"],
+            "auto_s": auto_s, "pick": choice["pick_label"], "pick_s": by_name[choice["pick"]], "rounds": args.rounds,
+            "best": min(by_name, key=by_name.get), "ratio_to_best": auto_s / best, "within_1_10": auto_s <= 1.10 * best,
+            "never_worst": len(by_name) == 1 or auto_s < worst, "predicted_pick_s": choice["predicted_s"],
         })  # fmt: skip
     session.extra["memory"] = [] if args.no_memory else memory_check(args)
 
