@@ -172,6 +172,11 @@ class LongContextConfig(_Section):
     offload_dir: str | None = None
     """The existing, writable directory ``"disk"`` writes to (its files are unlinked at once: nothing stays)."""
 
+    offload_recompute: bool = False
+    """With ``offload_checkpoints``: the activations a layer's recompute saves for its backward go to the same
+    store too (each read back when its backward op runs, shared when several ops save it), so one layer's
+    activations are never resident at once. Costs a write and a read of them per step."""
+
     @field_validator("tile_tokens")
     @classmethod
     def _positive(cls, value: int) -> int:
@@ -184,6 +189,11 @@ class LongContextConfig(_Section):
     @model_validator(mode="after")
     def _offload_dir_usable(self) -> LongContextConfig:
         where = f"{SECTION}.long_context.offload_dir"
+        if self.offload_recompute and self.offload_checkpoints == "none":
+            raise ValueError(
+                f"{SECTION}.long_context.offload_recompute needs a store: set offload_checkpoints to 'disk' (or "
+                f"'host'), or offload_recompute to false"
+            )
         if self.offload_checkpoints != "disk":
             return self
         if not self.offload_dir:

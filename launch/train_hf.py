@@ -29,12 +29,14 @@ current step, which is saved (with ``--save-dir``), and exits 0.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,7 +54,7 @@ from ds_ring.integrations.hf import (  # noqa: E402
     causal_lm_loss,
     register_with_transformers,
 )
-from ds_ring.monitor import run_main  # noqa: E402
+from ds_ring.monitor import TensorCensus, run_main  # noqa: E402
 from launch.train import (  # noqa: E402
     FILLER,
     KEY_REPEAT,
@@ -135,6 +137,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--long-context", action="store_true", help="tiled loss and tiled MLP (ring_attention.long_context)")
     p.add_argument("--tile-tokens", type=int, default=4096, help="tokens per tile with --long-context")
     p.add_argument("--offload-dir", help="with --long-context: keep checkpointed layer inputs in files here")
+    p.add_argument("--offload-recompute", action="store_true", help="with --offload-dir: recomputed activations too")
+    p.add_argument("--memory-census", action="store_true", help="rank 0 prints the tensors alive at its peak")
     p.add_argument("--save-dir", default=None, help="checkpoints; an existing one is resumed (any shape)")
     p.add_argument("--save-every", type=int, default=0, help="with --save-dir: checkpoint every N steps (0: never)")
     p.add_argument("--final-params", default=None, help="rank 0 saves the final parameters here (torch.save), by name")
@@ -143,6 +147,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--vocab {args.vocab} is smaller than the task's {VOCAB} tokens; use at least {VOCAB}")
     if args.offload_dir and not args.long_context:
         p.error("--offload-dir goes with --long-context")
+    if args.offload_recompute and not args.offload_dir:
+        p.error("--offload-recompute goes with --offload-dir")
     return args
 
 
@@ -153,8 +159,38 @@ def ds_config(args: argparse.Namespace) -> dict:
         section = {"tiled_loss": True, "tiled_mlp": True, "tile_tokens": args.tile_tokens}
         if args.offload_dir:
             section.update(offload_checkpoints="disk", offload_dir=args.offload_dir)
+            section.update(offload_recompute=args.offload_recompute)
         config["ring_attention"] = {**config["ring_attention"], "long_context": section}
     return json.loads(json.dumps(config))
+
+
+def _train(
+    args: argparse.Namespace, engine: Any, session: Any, progress: Any, start_step: int, losses: list[float]
+) -> int | None:
+    """Train over ``progress``'s batches, appending each step's loss; the step a preemption stopped after, or None."""
+    monitor, rank = engine.ring_monitor, dist.get_rank()
+    for step, batch in enumerate(progress, start=start_step):
+        monitor.begin_step(step + 1)
+        outputs = engine(**batch)  # with the tiled loss: the loss, and no logits
+        loss = (
+            outputs.loss if outputs.loss is not None else causal_lm_loss(session, outputs.logits, batch["shift_labels"])
+        )
+        if not monitor.skip_step():  # numerics_guard "skip_step": the batch is dropped on every rank
+            engine.backward(loss)
+            engine.step()
+        losses.append(loss.item())
+        progress.set_postfix(loss=f"{losses[-1]:.3f}")
+        saved = bool(args.save_dir and args.save_every and (step + 1) % args.save_every == 0)
+        if saved:
+            save(engine, Path(args.save_dir), step + 1)
+        monitor.end_step(loss=losses[-1])
+        if engine.preemption.stop_requested(step + 1):
+            seconds = 0.0 if saved or not args.save_dir else save(engine, Path(args.save_dir), step + 1)
+            if rank == 0:
+                kept = f"saved step {step + 1} in {seconds:.2f} s" if args.save_dir else "no --save-dir, nothing saved"
+                print(f"preempted after step {step + 1}: {kept}; exiting 0", flush=True)
+            return step + 1
+    return None
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -181,33 +217,18 @@ def main(argv: list[str] | None = None) -> dict:
         start_step = resumed.client_state["step"]
         if rank == 0:
             print(f"resumed from checkpoint {resumed.tag} at step {start_step} ({resumed.loaded_as})", flush=True)
-    monitor, losses, preempted = engine.ring_monitor, [], None
+    losses: list[float] = []
     batches = itertools.islice(loader, start_step, None)  # the data of the steps already taken is skipped
     progress = tqdm(batches, disable=rank != 0, desc="train", unit="step", initial=start_step, total=args.steps)
+    census = TensorCensus(model) if args.memory_census else contextlib.nullcontext()
     started = time.perf_counter()
-    for step, batch in enumerate(progress, start=start_step):
-        monitor.begin_step(step + 1)
-        outputs = engine(**batch)  # with the tiled loss: the loss, and no logits
-        loss = (
-            outputs.loss if outputs.loss is not None else causal_lm_loss(session, outputs.logits, batch["shift_labels"])
-        )
-        if not monitor.skip_step():  # numerics_guard "skip_step": the batch is dropped on every rank
-            engine.backward(loss)
-            engine.step()
-        losses.append(loss.item())
-        progress.set_postfix(loss=f"{losses[-1]:.3f}")
-        saved = bool(args.save_dir and args.save_every and (step + 1) % args.save_every == 0)
-        if saved:
-            save(engine, Path(args.save_dir), step + 1)
-        monitor.end_step(loss=losses[-1])
-        if engine.preemption.stop_requested(step + 1):
-            seconds = 0.0 if saved or not args.save_dir else save(engine, Path(args.save_dir), step + 1)
-            if rank == 0:
-                kept = f"saved step {step + 1} in {seconds:.2f} s" if args.save_dir else "no --save-dir, nothing saved"
-                print(f"preempted after step {step + 1}: {kept}; exiting 0", flush=True)
-            preempted = step + 1
-            break
+    with census:
+        preempted = _train(args, engine, session, progress, start_step, losses)
     elapsed = time.perf_counter() - started
+    if args.memory_census and rank == 0:
+        print(f"tensors alive at rank 0's peak: {census.peak.bytes / 2**20:.1f} MiB")
+        for label, mib in census.peak.table(top=int(os.environ.get("DS_RING_CENSUS_TOP", "12"))):
+            print(f"  {mib:9.1f} MiB  {label}")
 
     reports = report_run(losses, micro * replicas * args.seq, elapsed)
     if args.final_params and preempted is None:

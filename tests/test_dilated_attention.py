@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ds_ring
+import ds_ring.kernels.dilated
 from ds_ring.reference import dilated_attention_reference
 
 
@@ -69,6 +70,15 @@ def test_matches_reference_float64(c):
 @given(cases())
 def test_matches_reference_float32(c):
     _compare(c, torch.float32, 2e-5)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.integers(1, 7))
+def test_runs_cut_into_calls_match_reference(c, rows_per_call):
+    """A run of many segments is cut into kernel calls of a few kept rows each: same results."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ds_ring.kernels.dilated, "ROWS_PER_CALL", rows_per_call)
+        _compare(c, torch.float64, 1e-10)
 
 
 def test_bfloat16_tiny():

@@ -30,6 +30,7 @@ from ds_ring.integrations.hf import (
 )
 from ds_ring.integrations.hf.compat import activation_checkpointing_disable, activation_checkpointing_enable
 from ds_ring.integrations.hf.long_context import check_long_context
+from ds_ring.tiles import offload
 from ds_ring.tiles.zero import gathered
 from tests.dist import CaseLog, run_distributed
 from tests.hf_cases import (
@@ -52,6 +53,13 @@ VARIANTS = {
     "both": {"tiled_loss": True, "tiled_mlp": True, "tile_tokens": TILE},
     "both + disk offload": {"tiled_loss": True, "tiled_mlp": True, "tile_tokens": TILE, "offload_checkpoints": "disk"},
     "both + host offload": {"tiled_loss": True, "tiled_mlp": True, "tile_tokens": TILE, "offload_checkpoints": "host"},
+    "both + disk offload + recompute": {
+        "tiled_loss": True,
+        "tiled_mlp": True,
+        "tile_tokens": TILE,
+        "offload_checkpoints": "disk",
+        "offload_recompute": True,
+    },  # fmt: skip
     "both + checkpointing": {"tiled_loss": True, "tiled_mlp": True, "tile_tokens": 64, "checkpointing": True},
 }
 STRATEGIES = {
@@ -71,6 +79,7 @@ CASES_4 = [
     ("unpacked", "hybrid 2x2", "both + disk offload"),
     ("packed", "ring", "both + checkpointing"),
     ("unpacked", "ring", "both + host offload"),  # a CPU keeps them where they are
+    ("packed", "ulysses", "both + disk offload + recompute"),
 ]
 DOCUMENTS = [0, 11, 20, 32]
 STEPS = 3
@@ -116,7 +125,10 @@ def _check(model, batch, topology, strategy: dict, variant: dict, expected, offl
         if variant.get("offload_checkpoints") == "disk":
             written = sum(e.op == "disk_write" for e in offloads)
             live = written - sum(e.op == "disk_release" for e in offloads)
-            assert written == model.config.num_hidden_layers and live == 0, (written, live)
+            layers = model.config.num_hidden_layers
+            # With offload_recompute every layer's recompute writes its activations (this test's: all of them) too.
+            assert written > 2 * layers if variant.get("offload_recompute") else written == layers, written
+            assert live == 0, (written, live)
         grads = _summed_grads(model, topology.sequence_parallel_group)
     finally:
         session.close()
@@ -207,6 +219,7 @@ def _train(
 
 
 def _rank(rank: int, world: int, cases: list, offload_dir: str, zero_stages: list[int]) -> list[str]:
+    offload.RECOMPUTE_MIN_BYTES = 0  # offload_recompute: this tiny model's activations are all written too
     log = CaseLog()
     unpacked = full_batch()
     batches = {"unpacked": unpacked, "packed": _packed(unpacked)}
@@ -289,6 +302,7 @@ REFUSED = [
         ["offload_dir", "/no/such/dir", "not an existing"],
     ),
     ({"offload_checkpoints": "tape"}, ["offload_checkpoints", "tape"]),
+    ({"offload_recompute": True}, ["offload_recompute", "offload_checkpoints to 'disk'"]),
     ({"tiled_los": True}, ["tiled_los", "did you mean 'tiled_loss'"]),
 ]
 

@@ -1,9 +1,10 @@
 """Single-process dilated attention with a flash-style custom backward.
 
-Every (branch, segment run, head group) is one batched block-kernel call on the kept rows of
-its segments; the pieces are LSE-merged into fp32 (fp64) accumulators. Only the kept rows of one
-run and one head group are ever copied, so peak extra memory is O(seq × heads × head_dim / rate)
-per piece and a ``seq × seq`` matrix never exists. The backward recomputes each piece with the
+Every (branch, segment run, head group) is a batched block-kernel call on the kept rows of its
+segments, a long run cut into calls of at most :data:`ROWS_PER_CALL` kept rows; the pieces are
+LSE-merged into fp32 (fp64) accumulators. Only the kept rows of one call and one head group are
+ever copied, so a call's extra memory is bounded by ``ROWS_PER_CALL × heads × head_dim`` whatever
+the sequence, and a ``seq × seq`` matrix never exists. The backward recomputes each piece with the
 *final* ``out``/``lse`` (docs/design.md §The LSE merge), which is exact also when branches overlap.
 
 Token layout helpers: a tensor in *token layout* is ``[*lead, rows, heads, head_dim]`` (``lead`` is
@@ -147,6 +148,19 @@ def new_accumulators(q: torch.Tensor, v: torch.Tensor | None = None) -> tuple[to
     return out, lse
 
 
+ROWS_PER_CALL = 8192
+"""Most kept rows (per batch row) one kernel call takes: a run of more segments is cut into several calls
+(a segment is never cut), so the copies and kernel outputs of one call do not grow with the shard."""
+
+
+def _calls(run: SegmentRun, rate: int) -> Iterator[SegmentRun]:
+    """``run`` cut into runs of whole segments, each of at most :data:`ROWS_PER_CALL` kept rows (one segment at
+    least) when one row in ``rate`` is kept."""
+    per_call = max(1, ROWS_PER_CALL // -(-run.length // rate))
+    for first in range(0, run.count, per_call):
+        yield SegmentRun(run.start + first * run.length, run.length, min(per_call, run.count - first))
+
+
 def _segments(x: torch.Tensor, start: int, length: int, count: int) -> torch.Tensor:
     """View rows ``[start, start + length·count)`` of dim 1 as ``[B, count, length, ...]``."""
     return x[:, start : start + length * count].unflatten(1, (count, length))
@@ -161,7 +175,8 @@ def _pieces(
     for region in regions:
         branch, rows = region.branch, region.rows
         groups = head_groups(q.shape[2], k.shape[2], branch.rate, head_offset, q.device)
-        for run in segment_runs(len(range(q.shape[1])[rows]), branch.segment):
+        runs = segment_runs(len(range(q.shape[1])[rows]), branch.segment)
+        for run in (call for whole in runs for call in _calls(whole, branch.rate)):
             segments = [_segments(x[:, rows], run.start, run.length, run.count) for x in tensors]
             for group in groups:
                 kept = kept_rows(0, run.length, group.offset, group.rate)
@@ -198,6 +213,7 @@ def regions_backward_(
         dqs[:, :, :, h] += dq_piece
         add_heads_(dks, kv, dk_piece)
         add_heads_(dvs, kv, dv_piece)
+        del args, dq_piece, dk_piece, dv_piece  # this call's copies and outputs go before the next call's exist
 
 
 def _whole_call(regions: Sequence[Region], q: torch.Tensor, k: torch.Tensor) -> tuple[Region, SegmentRun] | None:

@@ -11,10 +11,12 @@ metrics through any object with DeepSpeed's ``write_events`` and does not import
 - :class:`Watchdog`: communication errors logged where they happen, optional step deadline;
 - :class:`NumericsGuard`, :class:`NumericsError`: NaN / Inf in attention outputs or LSE;
 - :func:`label_layers`: events inside an attention module carry its name;
+- :class:`TensorCensus`: the tensors alive at a rank's memory peak, by the module and op that made them;
 - :func:`run_main`: run a training entry point and exit 0, or non-zero after logging the error,
   after the flushes registered with :func:`at_clean_exit` (e.g. :func:`flush_writer` of W&B / Comet).
 """
 
+from ds_ring.monitor.census import CensusPeak, TensorCensus
 from ds_ring.monitor.exit import at_clean_exit, run_main
 from ds_ring.monitor.flush import flush_writer
 from ds_ring.monitor.guard import GUARD_MODES, NumericsError, NumericsGuard
@@ -25,6 +27,7 @@ from ds_ring.monitor.timeline import RankTotals, StepTimeline
 from ds_ring.monitor.watchdog import Watchdog
 
 __all__ = [
+    "CensusPeak",
     "GUARD_MODES",
     "METRICS",
     "MetricsReporter",
@@ -33,6 +36,7 @@ __all__ = [
     "RankTotals",
     "RingMonitor",
     "StepTimeline",
+    "TensorCensus",
     "Watchdog",
     "at_clean_exit",
     "flush_writer",

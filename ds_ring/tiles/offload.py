@@ -18,20 +18,24 @@ event when hooks listen, :mod:`ds_ring.hooks`).
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import tempfile
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 import torch.utils.checkpoint
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ds_ring.comm.groups import group_rank
 from ds_ring.hooks import Event, emit, hooks_active
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
 
 __all__ = ["HostStore", "CudaCopies", "DiskStore", "offloaded_checkpoint", "make_store"]
 
@@ -134,6 +138,11 @@ class HostStore:
         self._order = [ref for ref in self._order if ref() is not None and ref() is not packed]
         return back
 
+    unpack_again = unpack  # every unpack copies back (or returns the CPU tensor itself)
+
+    def drop_pages(self, tensors: Sequence[Any]) -> None:
+        """Nothing to give back: host entries are copies, device tensors are the allocator's."""
+
     def _fetch(self, entry: _HostEntry) -> None:
         """Start ``entry``'s host-to-device copy on the side stream, after its device-to-host copy (once)."""
         if entry.back is not None:
@@ -162,13 +171,13 @@ class _OnDisk:
         self.written.add_done_callback(lambda _: store._slots.release())
 
     def read(self) -> torch.Tensor:
+        """The tensor back (a private mapping of the file on a CPU); the file stays until :meth:`close`."""
         self.written.result()
         if self.nbytes == 0:
             data = torch.empty(self.shape, dtype=self.dtype)
         else:  # private mapping: pages come from the file as the recompute reads them, and go with the tensor
             mapped = mmap.mmap(self.fd, self.nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             data = torch.frombuffer(mapped, dtype=torch.uint8).view(self.dtype).view(self.shape)
-        self.close()
         return data.to(self.device)
 
     def close(self) -> None:
@@ -202,6 +211,7 @@ class DiskStore:
         self._streams: dict[torch.device, Any] = {}
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds_ring_offload")
         self._slots = threading.BoundedSemaphore(pending)
+        self._mapped: dict[int, tuple[StorageWeakRef, int]] = {}  # unpacked tensors' mappings: address -> bytes
 
     def close(self) -> None:
         """Stop the writer thread once its queued writes are done (the store is not used after)."""
@@ -234,8 +244,31 @@ class DiskStore:
         self._slots.acquire()  # released when the write is done: a forward waits rather than queue more
         return _OnDisk(self, tensor)
 
-    def unpack(self, entry: _OnDisk) -> torch.Tensor:
+    def unpack_again(self, entry: _OnDisk) -> torch.Tensor:
+        """``entry``'s tensor, the entry kept for more reads (its file goes when the entry does)."""
         return entry.read()
+
+    def unpack(self, entry: _OnDisk) -> torch.Tensor:
+        data = entry.read()
+        entry.close()  # the mapping keeps the pages it needs: the descriptor goes now
+        if data.device.type == "cpu" and entry.nbytes:
+            self._mapped[data.data_ptr()] = (StorageWeakRef(data.untyped_storage()), entry.nbytes)
+        return data
+
+    def drop_pages(self, tensors: Sequence[Any]) -> None:
+        """Give back the resident pages of the tensors among ``tensors`` that :meth:`unpack` mapped from their files
+        (the others are left alone): unmodified pages of a private file mapping are read again from the file when
+        next touched, so the tensors keep their values while they wait out of resident memory."""
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+                continue
+            known = self._mapped.get(tensor.untyped_storage().data_ptr())
+            if known is None or known[0].expired() or tensor._version:  # written in place: its pages must stay
+                continue
+            _LIBC.madvise(
+                ctypes.c_void_p(tensor.untyped_storage().data_ptr()), ctypes.c_size_t(known[1]), mmap.MADV_DONTNEED
+            )
+        self._mapped = {ptr: known for ptr, known in self._mapped.items() if not known[0].expired()}
 
 
 def make_store(where: str, directory: str | None = None) -> HostStore | DiskStore | None:
@@ -245,14 +278,97 @@ def make_store(where: str, directory: str | None = None) -> HostStore | DiskStor
     return HostStore() if where == "host" else DiskStore(directory)
 
 
-def offloaded_checkpoint(store: HostStore | DiskStore) -> Callable[..., Any]:
+class _Saved:
+    """One activation a recompute saved, in a store: its entry, the stride to give it back, the storage it came
+    from (weakly: a new tensor at a freed address is not the same one) and the tensor last read back (weakly:
+    ops that saved the same tensor share one read while it lives)."""
+
+    __slots__ = ("entry", "stride", "source", "last", "__weakref__")
+
+    def __init__(self, entry: Any, tensor: torch.Tensor) -> None:
+        self.entry, self.stride = entry, tensor.stride()
+        self.source = StorageWeakRef(tensor.untyped_storage())
+        self.last: weakref.ref[torch.Tensor] | None = None
+
+
+class _RecomputeSaves:
+    """``saved_tensors_hooks`` for a layer's recompute: an activation of ``min_bytes`` or more goes to ``store``
+    once (several ops saving the same tensor share it); leaves (parameters, the layer's inputs, constants)
+    and small tensors stay as they are."""
+
+    def __init__(self, store: HostStore | DiskStore, min_bytes: int) -> None:
+        self.store, self.min_bytes = store, min_bytes
+        self._saved: weakref.WeakValueDictionary[tuple, _Saved] = weakref.WeakValueDictionary()
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        base = tensor if tensor._base is None else tensor._base
+        if base.grad_fn is None or tensor.numel() * tensor.element_size() < self.min_bytes:
+            return tensor
+        storage = tensor.untyped_storage()
+        key = (
+            storage.data_ptr(),
+            tensor.storage_offset(),
+            tensor.shape,
+            tensor.stride(),
+            tensor.dtype,
+            tensor._version,
+        )
+        saved = self._saved.get(key)
+        if saved is None or saved.source.expired():
+            saved = self._saved[key] = _Saved(self.store.pack(tensor), tensor)
+        return saved
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        if isinstance(saved, torch.Tensor):
+            return saved
+        tensor = saved.last() if saved.last is not None else None
+        if tensor is None:
+            tensor = self.store.unpack_again(saved.entry)
+            if tensor.stride() != saved.stride:
+                tensor = torch.empty_strided(
+                    tensor.shape, saved.stride, dtype=tensor.dtype, device=tensor.device
+                ).copy_(tensor)
+            saved.last = weakref.ref(tensor)
+        return tensor
+
+
+RECOMPUTE_MIN_BYTES = 1 << 20
+"""Smaller activations of a recompute stay resident with ``recompute=True`` (bytes)."""
+
+
+def offloaded_checkpoint(store: HostStore | DiskStore, recompute: bool = False) -> Callable[..., Any]:
     """A gradient-checkpointing function (transformers' ``_gradient_checkpointing_func``) whose kept inputs wait
     in ``store``: ``fn(function, *args)`` runs ``function(*args)`` without keeping its activations, keeps the
-    tensors of ``args`` in the store, and recomputes ``function`` in the backward (reentrant checkpointing)."""
+    tensors of ``args`` in the store, and recomputes ``function`` in the backward (reentrant checkpointing).
+
+    With ``recompute``, the activations the recompute saves for the layer's backward (each of
+    :data:`RECOMPUTE_MIN_BYTES` or more, not a leaf) go to ``store`` too and are read back by the backward op that
+    uses them, so a layer's activations are not resident all at once during its backward.
+    """
+    hooks = _RecomputeSaves(store, RECOMPUTE_MIN_BYTES) if recompute else None
 
     def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         kwargs.pop("use_reentrant", None)
+        if hooks is not None:
+            function = _saving_to(hooks, function)
         with torch.autograd.graph.saved_tensors_hooks(store.pack, store.unpack):
             return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=True, **kwargs)
 
     return checkpoint
+
+
+def _saving_to(hooks: _RecomputeSaves, function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` whose run with grad enabled (the backward's recompute; reentrant checkpointing runs the
+    forward under ``no_grad``) saves through ``hooks``."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return function(*args, **kwargs)
+        with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+            outputs = function(*args, **kwargs)
+        # The layer's inputs are held by the checkpoint through its whole backward, but read again only near its
+        # end (the first op's gradient): their pages wait in their files until then.
+        hooks.store.drop_pages(args)
+        return outputs
+
+    return run

@@ -140,7 +140,13 @@ def apply_long_context(
         activation_checkpointing_enable(lm)
     if section.tiled_loss or store is not None:
         lm.forward = functools.partial(
-            _forward, lm, lm.forward, section, topology, gradient_scale, store and offloaded_checkpoint(store)
+            _forward,
+            lm,
+            lm.forward,
+            section,
+            topology,
+            gradient_scale,
+            store and offloaded_checkpoint(store, recompute=section.offload_recompute),
         )
         patched.append(lm)
 
