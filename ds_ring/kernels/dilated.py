@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from ds_ring.kernels.block import block_backward, block_forward
+from ds_ring.kernels.delta import materialized
 from ds_ring.kernels.dilation import (
     HeadGroup,
     Region,
@@ -120,6 +121,7 @@ def attend_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     ``q``, ``k``, ``v`` (``[*lead, m|n, h, D|Dv]``): views, or with a window in the accumulation dtype
     (:func:`~ds_ring.kernels.window.attend_band_backward`).
     """
+    out = materialized(out, q.dtype)  # an OutputByDelta: the stand-in of just these rows
     if piece.window is not None:
         return attend_band_backward(dout, q, k, v, out, lse, piece)
     lead = q.shape[:-3]

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from ds_ring.kernels.delta import OutputByDelta, row_delta
+
 __all__ = ["add_sinks_", "sinks_grad", "check_sinks"]
 
 
@@ -39,9 +41,11 @@ def add_sinks_(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> Non
     lse.copy_(merged)
 
 
-def sinks_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+def sinks_grad(
+    dout: torch.Tensor, out: torch.Tensor | OutputByDelta, lse: torch.Tensor, sinks: torch.Tensor
+) -> torch.Tensor:
     """``d sinks [heads]`` from the final ``out``/``lse`` (sinks merged) and ``dout``, in ``sinks``' dtype."""
     acc = lse.dtype
-    rowsum = (dout.to(acc) * out.to(acc)).sum(-1)
+    rowsum = out.delta.to(acc) if isinstance(out, OutputByDelta) else row_delta(dout, out, acc)
     weight = torch.exp(sinks.to(acc) - lse)
     return -(weight * rowsum).flatten(0, -2).sum(0).to(sinks.dtype)

@@ -27,6 +27,7 @@ from torch.distributed import ProcessGroup
 
 from ds_ring.comm.groups import group_rank
 from ds_ring.hooks import current_labels, emit_attention, hooks_active, labelled
+from ds_ring.kernels.delta import OutputByDelta, row_delta
 from ds_ring.kernels.dilated import Options, new_accumulators, regions_backward, regions_backward_, regions_forward_
 from ds_ring.kernels.merge import accum_dtype
 from ds_ring.kernels.sinks import add_sinks_, sinks_grad
@@ -202,7 +203,8 @@ def sharded_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The backward of :func:`sharded_attention` (no autograd) from ``saved = (dout, q, k, v, out, lse)``: ``(dq, dk,
     dv, dsinks)`` in the inputs' dtypes (``dsinks``: ``None`` unless ``sinks_wanted``), with its attention events.
-    ``out`` enters only through ``Delta = rowsum(dout ∘ out)`` (:mod:`ds_ring.kernels.delta`)."""
+    ``out`` enters only through ``Delta = rowsum(dout ∘ out)``: it may be an
+    :class:`~ds_ring.kernels.delta.OutputByDelta`, each call's stand-in then written where it is used."""
     started = time.perf_counter()
     dout, q, k, v, out, lse = saved
     if hooks_active("start"):
@@ -241,6 +243,9 @@ class _ShardedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, sinks = ctx.saved_tensors
+        dout = dout.to(q.dtype)
+        # Only Delta = rowsum(dout ∘ out) is read: with saved tensors offloaded, the output's memory goes here.
+        out = OutputByDelta(dout, row_delta(dout, out, accum_dtype(q.dtype)))
         with labelled(**ctx.labels):
             grads = sharded_backward((dout, q, k, v, out, lse), sinks, *ctx.args, ctx.needs_input_grad[3])
         return *grads, None, None, None, None

@@ -12,8 +12,9 @@ the accumulator it receives (into one receive buffer, allocated once per call) a
 and the last sends it home (for a full turn that is the next member, so the ring simply closes):
 ``span.hops`` transfers per member, none of them an empty accumulator. dQ stays local. A
 member's own runs are computed last, once the ring's buffers are released, so the shard's dK/dV are
-allocated only then. Per rank this holds ``out``, ``dq``, two K/V blocks, the travelling dK/dV and
-one block's gradients at once.
+allocated only then. Per rank this holds ``Delta = rowsum(dout ∘ out)`` (``out`` itself only where autograd
+keeps it: offloaded saved tensors let it go), ``dq``, two K/V blocks, the travelling dK/dV, one block's
+gradients and its stand-in output at once.
 """
 
 from __future__ import annotations
