@@ -20,6 +20,14 @@ inputs gradient checkpointing keeps on disk) and trains from the loss the model 
     torchrun --standalone --nproc-per-node 2 launch/train_hf.py --deepspeed_config ds_configs/hf_long_context.json \
         --long-context --seq 131072 --steps 3 --dim 128 --vocab 8192
 
+``--offload-recompute`` (with ``--offload-dir``) sends the activations each layer's recompute saves to disk too,
+and ``--memory-census`` has rank 0 print the tensors alive at its memory peak; with both, two million tokens over
+4 CPU ranks in under 5 GiB per rank (docs/performance.md, "Two million tokens on one 24 GiB machine")::
+
+    MALLOC_MMAP_THRESHOLD_=131072 torchrun --standalone --nproc-per-node 4 launch/train_hf.py \
+        --deepspeed_config ds_configs/hf_long_context_world.json --long-context --offload-dir /tmp \
+        --offload-recompute --seq 2097152 --steps 1 --dim 256 --layers 4 --vocab 32000 --memory-census
+
 With ``--save-dir`` it checkpoints every ``--save-every`` steps there and resumes from the latest checkpoint on
 any shape (docs/elastic.md): the samples of step N are the same whatever the rank count (the sampler splits
 the step's global batch over the data-parallel replicas). On SIGTERM or SIGUSR1 every rank stops after the
