@@ -252,6 +252,7 @@ class DiskStore:
         data = entry.read()
         entry.close()  # the mapping keeps the pages it needs: the descriptor goes now
         if data.device.type == "cpu" and entry.nbytes:
+            self._mapped = {ptr: known for ptr, known in self._mapped.items() if not known[0].expired()}
             self._mapped[data.data_ptr()] = (StorageWeakRef(data.untyped_storage()), entry.nbytes)
         return data
 
