@@ -10,6 +10,7 @@ from typing import Any
 from benchmarks import memory, strategies
 from benchmarks.common import Case, Protocol, RankResult, attention_rank, figure, fmt_seq
 from benchmarks.driver import Benchmark, Column, Session, main, markdown_table
+from benchmarks.hosts import HOST_RANKS, time_two_hosts
 
 GRID_HEADS = ((8, 8), (8, 2))
 STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
@@ -35,27 +36,47 @@ def auto_rank(rank: int, world: int, case: Case, build: Any, protocol: Protocol)
 
 def plan(session: Session) -> None:
     args, timing = session.args, session.extra.setdefault("timing", [])
-    worlds = [] if args.no_timing else args.worlds  # hybrid needs 2 × 2 ranks; Ulysses the heads split over them
-    for world, seq, (heads, kv_heads) in itertools.product(worlds, args.seqs, GRID_HEADS):
-        names = [s for s in STRATEGIES if (s != "hybrid" or world == 4) and (s != "ulysses" or heads % world == 0)]
-        rows, u = {name: [] for name in [*names, "auto"]}, 2 if world == 4 else 1  # per strategy, a row per round
+    # (ranks, data-parallel replicas): every world asked for, and 4 ranks as 2 replicas of 2 sequence-parallel ranks
+    setups = [] if args.no_timing else [(w, 1) for w in args.worlds] + [(4, 2)] * (4 in args.worlds and args.data)
+    for (world, data), seq, (heads, kv_heads) in itertools.product(setups, args.seqs, GRID_HEADS):
+        sp = world // data  # hybrid needs 2 × 2 sequence-parallel ranks; Ulysses the heads split over them
+        names = [s for s in STRATEGIES if (s != "hybrid" or sp == 4) and (s != "ulysses" or heads % sp == 0)]
+        rows, u = {name: [] for name in [*names, "auto"]}, 2 if sp == 4 else 1  # per strategy, a row per round
         for r in range(args.rounds):  # the order alternates between rounds
             for name in list(rows) if r % 2 == 0 else list(rows)[::-1]:
-                case = Case(name, seq, world, ulysses=u, heads=heads, kv_heads=kv_heads, warmup_seq=seq, tag=f"r{r}")
+                case = Case(name, seq, world, ulysses=u, heads=heads, kv_heads=kv_heads, warmup_seq=seq, tag=f"r{r}",
+                            data=data)  # fmt: skip
                 rows[name].append(session.run(case))
-        med = {name: statistics.median(t) for name, rs in rows.items() if (t := [r.fwdbwd_s for r in rs if r.fwdbwd_s])}
-        by_name = {k: v for k, v in med.items() if k != "auto"}
+        times = {name: [r.fwdbwd_s for r in rs if r.fwdbwd_s] for name, rs in rows.items()}
         choice = next((r.raw[0] for r in rows["auto"] if r.fwdbwd_s), {})
-        if "auto" not in med or choice.get("pick") not in by_name:
-            continue  # no verdict while a measurement is missing
-        best, worst, auto_s = min(by_name.values()), max(by_name.values()), med["auto"]
-        timing.append({
-            "ranks": world, "seq": seq, "heads": heads, "kv_heads": kv_heads, "measured_s": by_name,
-            "auto_s": auto_s, "pick": choice["pick_label"], "pick_s": by_name[choice["pick"]], "rounds": args.rounds,
-            "best": min(by_name, key=by_name.get), "ratio_to_best": auto_s / best, "within_1_10": auto_s <= 1.10 * best,
-            "never_worst": len(by_name) == 1 or auto_s < worst, "predicted_pick_s": choice["predicted_s"],
-        })  # fmt: skip
+        point = {"ranks": world, "data": data, "hosts": 1, "seq": seq, "heads": heads, "kv_heads": kv_heads}
+        timing += _verdict(point, times, choice, args.rounds)
+    if args.two_hosts and not args.no_timing:
+        points = time_two_hosts(args.seqs, args.rounds, args.calls, args.timeout_s)
+        if isinstance(points, str):
+            print(f"no two-host points: {points}", flush=True)
+            session.extra["two_hosts_skipped"] = points
+        for p in [] if isinstance(points, str) else points:
+            point = {"ranks": 2 * HOST_RANKS, "data": 1, "hosts": 2, **{k: p[k] for k in ("seq", "heads", "kv_heads")}}
+            timing += _verdict(point, p["times_s"], p["choice"] or {}, args.rounds)
+            print(f"two hosts {point}: {timing[-1] if timing else ''}", flush=True)
     session.extra["memory"] = [] if args.no_memory else memory_check(args)
+
+
+def _verdict(point: dict[str, Any], times: dict[str, list[float]], choice: dict, rounds: int) -> list[dict[str, Any]]:
+    """One grid point's verdict from its rounds' times per strategy (and ``auto``), or none while one is missing."""
+    med = {name: statistics.median(t) for name, t in times.items() if t}
+    by_name = {k: v for k, v in med.items() if k != "auto"}
+    if "auto" not in med or choice.get("pick") not in by_name:
+        return []
+    best, worst, auto_s = min(by_name.values()), max(by_name.values()), med["auto"]
+    return [{
+        **point, "measured_s": by_name, "auto_s": auto_s, "pick": choice["pick_label"],
+        "pick_s": by_name[choice["pick"]], "rounds": rounds, "best": min(by_name, key=by_name.get),
+        "ratio_to_best": auto_s / best,
+        "within_1_10": auto_s <= 1.10 * best, "never_worst": len(by_name) == 1 or auto_s < worst,
+        "predicted_pick_s": choice["predicted_s"],
+    }]  # fmt: skip
 
 
 def memory_check(args: Any) -> list[dict[str, Any]]:
@@ -78,8 +99,13 @@ def memory_check(args: Any) -> list[dict[str, Any]]:
     return rows
 
 
+def _dp(point: dict[str, Any]) -> str:
+    """The point's data parallelism and hosts, when there are more than one."""
+    return f" (dp {point['data']})" * (point.get("data", 1) > 1) + " (2 hosts)" * (point.get("hosts", 1) > 1)
+
+
 def report(session: Session) -> str:
-    point = Column("point", lambda v: f"p={v['ranks']} {fmt_seq(v['seq'])} {v['heads']}/{v['kv_heads']} heads")
+    point = Column("point", lambda v: f"p={v['ranks']}{_dp(v)} {fmt_seq(v['seq'])} {v['heads']}/{v['kv_heads']} heads")
     times = Column("median ms", lambda v: "  ".join(f"{k} {s * 1e3:.0f}" for k, s in v["measured_s"].items())
                    + f"; auto {v['auto_s'] * 1e3:.0f}")  # fmt: skip
     return "\n\n".join([
@@ -99,7 +125,7 @@ def plots(session: Session) -> None:
     """Median step time per strategy at each grid point; a circle: auto's own median, at its pick's bar."""
     verdicts = session.extra["timing"]
     with figure(session.out / "auto.png", max(6, len(verdicts) * 0.9), 4) as (ax,):
-        labels = [f"p{v['ranks']} {fmt_seq(v['seq'])}\n{v['heads']}/{v['kv_heads']}h" for v in verdicts]
+        labels = [f"p{v['ranks']}{_dp(v)} {fmt_seq(v['seq'])}\n{v['heads']}/{v['kv_heads']}h" for v in verdicts]
         for j, name in enumerate(STRATEGIES):
             xs = [i + (j - 1.5) * 0.18 for i, v in enumerate(verdicts) if name in v["measured_s"]]
             ax.bar(xs, [v["measured_s"][name] for v in verdicts if name in v["measured_s"]], width=0.18, label=name)
@@ -115,16 +141,18 @@ def plots(session: Session) -> None:
 def add_args(p: Any) -> None:
     p.add_argument("--rounds", type=int, default=3, help="timed launches per strategy and point (median)")
     p.add_argument("--memory-ranks", type=int, default=4)
-    p.add_argument("--memory-lengths", nargs=2, type=int, default=[2048, 4096], help="rows per rank")
+    p.add_argument("--memory-lengths", nargs=2, type=int, default=[4096, 8192], help="rows per rank")
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--no-timing", action="store_true", help="the memory check only")
+    p.add_argument("--no-data", dest="data", action="store_false", help="no data-parallel point (4 ranks as 2 × 2)")
+    p.add_argument("--two-hosts", action="store_true", help="also 4 ranks on two hosts (network namespaces, root)")
 
 
 BENCHMARK = Benchmark(
     name="auto", module="benchmarks.auto", title="strategy='auto' vs every strategy, fp32 causal, head dim 64",
     plan=plan, build=strategies.build, report=report, plots=plots, rank=auto_rank, add_args=add_args,
     seqs=([2048, 4096], [2048]), worlds=[2, 4], calls=3,
-    label=lambda c: f"{c.impl} p={c.world} {fmt_seq(c.seq)} {c.heads}/{c.kv_heads}h",
+    label=lambda c: f"{c.impl} p={c.world}{f' dp{c.data}' * (c.data > 1)} {fmt_seq(c.seq)} {c.heads}/{c.kv_heads}h",
 )  # fmt: skip
 if __name__ == "__main__":
     raise SystemExit(main(BENCHMARK))

@@ -113,6 +113,7 @@ class Case:
     heads: int = 8
     head_dim: int = 64
     kv_heads: int | None = None
+    data: int = 1  # data-parallel replicas, each its own sequence of ``seq`` tokens over world / data ranks
 
 
 def kept_positions(seg_len: int, offset: int, rate: int) -> int:
@@ -198,7 +199,7 @@ def attention_rank(rank: int, world: int, case: Case, build: Callable[[Case, int
 
     def shards(total: int) -> list[torch.Tensor]:  # q, k, v, grad_out
         heads = (case.heads, case.kv_heads or case.heads, case.kv_heads or case.heads, case.heads)
-        return [torch.randn((case.batch, total // world, h, case.head_dim), generator=gen) for h in heads]
+        return [torch.randn((case.batch, total * case.data // world, h, case.head_dim), generator=gen) for h in heads]
 
     segs, rates = case.segment_lengths, case.dilation_rates
     dense, warmup = case.warmup_seq is None, case.warmup_seq or max(1024, 256 * world)
@@ -207,7 +208,7 @@ def attention_rank(rank: int, world: int, case: Case, build: Callable[[Case, int
     out = attn(q, k, v, None if dense else segs, None if dense else rates)
     out.backward(grad_out)
     result.warmup_s = time.perf_counter() - t0
-    if dense and case.group:
+    if dense and case.group and case.data == 1:  # the reference runs over the world: one sequence
         with torch.no_grad():
             ref = ds_ring.ring_dilated_attention(q, k, v, causal=case.causal, layout=case.layout,
                                                  timeout_s=protocol.timeout_s)  # fmt: skip

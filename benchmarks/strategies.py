@@ -30,7 +30,8 @@ def build(case: Case, rank: int, timeout_s: float) -> AttentionFn:
         return dilated.build(case, rank, timeout_s)
     if case.impl == "rap":
         return peers.rap_attention(case)
-    topology = ds_ring.Topology(ulysses=case.ulysses, ring=case.world // case.ulysses, timeout_s=timeout_s)
+    ring = case.world // (case.data * case.ulysses)
+    topology = ds_ring.Topology(data_parallel=case.data, ulysses=case.ulysses, ring=ring, timeout_s=timeout_s)
     if case.impl == "deepspeed":
         return peers.deepspeed_attention(case, rank, topology.sequence_parallel_group)
     kwargs = dict(causal=case.causal, topology=topology, strategy=case.impl, layout=case.layout)

@@ -11,14 +11,16 @@ alone (:func:`per_document_reference`), which shares nothing with the packed cod
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import pytest
 import torch
 
 import ds_ring
+import ds_ring.kernels.overwrite as overwrite
 from ds_ring.calls import sequence_parallel_attention
 from ds_ring.reference import dilated_attention_reference
 from tests.dist import CaseLog, assert_no_failures, run_distributed
@@ -114,9 +116,21 @@ def run_cases(cases: list[dict[str, Any]], attention: Callable[..., Any], group=
     """Check every case; return the failures, each with its case and traceback (empty when all pass)."""
     log = CaseLog()
     for case in cases:
-        with log.case(str(case)):
+        with log.case(str(case)), _block_rows(case.get("block_rows")):
             check_case(case, attention, group)
     return log.failures
+
+
+@contextlib.contextmanager
+def _block_rows(rows: int | None) -> Iterator[None]:
+    """With ``rows``, backward calls of at most that many rows a side (``ds_ring.kernels.overwrite.BLOCK_ROWS``: the
+    ring's own runs, Ulysses' head shards), so a few rows per rank take the tiled paths."""
+    default = overwrite.BLOCK_ROWS
+    overwrite.BLOCK_ROWS = rows or default
+    try:
+        yield
+    finally:
+        overwrite.BLOCK_ROWS = default
 
 
 def ring_rank(rank: int, world: int, cases: list[dict[str, Any]]) -> list[str]:

@@ -12,10 +12,11 @@ def _cases(world: int) -> list[dict]:
     grid = itertools.product(
         ["ring", "allgather"], [False, True], ["contiguous", "zigzag"], [(4, 4), (4, 2), (3, 1)], ["float64", "float32"]
     )
-    cases = (
-        dict(communication=comm, causal=causal, layout=layout, heads=heads, kv_heads=kv_heads, dtype=dtype)
-        for comm, causal, layout, (heads, kv_heads), dtype in grid
-    )
+    cases = (  # every other case: the own runs' backward in tiles of at most 4 rows a side (4 + 2 rows)
+        dict(communication=comm, causal=causal, layout=layout, heads=heads, kv_heads=kv_heads, dtype=dtype,
+             block_rows=4 if i % 2 else None)
+        for i, (comm, causal, layout, (heads, kv_heads), dtype) in enumerate(grid)
+    )  # fmt: skip
     return seeded(cases, batch=2, seq=world * 6, head_dim=8)
 
 

@@ -13,6 +13,7 @@ import itertools
 import pytest
 import torch
 
+import ds_ring.kernels.overwrite as overwrite
 from ds_ring.calls import sequence_parallel_attention
 from ds_ring.parallel.topology import Topology
 from ds_ring.strategies import get_strategy, strategy_names
@@ -44,7 +45,8 @@ def _cases(world: int, ring: int) -> list[dict]:
         cases.append(
             dict(strategy=strategy, communication=comm, segments=segs, rates=rates, causal=i % 2 == 1, heads=h,
                  kv_heads=hkv, head_offset=offset, layout="contiguous", batch=2, seq=seq, head_dim=4, seed=i,
-                 dtype="float32" if i % 5 == 4 else "float64")
+                 dtype="float32" if i % 5 == 4 else "float64",
+                 block_rows=None if i % 4 == 0 else 6)  # backward calls of ≤ 6 rows a side: uneven tiles, blocks
         )  # fmt: skip
     for strategy, comm in STRATEGIES:  # zigzag: dense causal everywhere, dilated where supported
         cases.append(dict(cases[0], strategy=strategy, communication=comm, layout="zigzag", causal=True, seed=100))
@@ -137,3 +139,29 @@ def _modified_output_rank(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(60)
 def test_output_changed_in_place_is_refused():
     assert_no_failures(run_distributed(_modified_output_rank, 2, timeout=50))
+
+
+def _second_backward_rank(rank: int, world: int) -> list[str]:
+    """Dense Ulysses over more rows than a block writes its gradients over its head shards: a second backward through
+    the same graph is refused by name, while a new forward gives the same gradients again."""
+    overwrite.BLOCK_ROWS = 6
+    log = CaseLog()
+    topology = Topology(ulysses=2)
+    for strategy in ("ulysses", "hybrid"):
+        q, k, v = (torch.randn(1, L, 4, 4, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+                   for _ in range(3))  # fmt: skip
+        grads = []
+        for _ in range(2):
+            out = sequence_parallel_attention(q, k, v, topology=topology, strategy=strategy, causal=True)
+            grads.append(torch.autograd.grad(out.sum(), (q, k, v), retain_graph=True))
+        with log.case(f"{strategy} again"):
+            for first, second in zip(*grads, strict=True):
+                torch.testing.assert_close(first, second, rtol=0, atol=0)
+        with log.case(strategy), pytest.raises(RuntimeError, match=r"second backward through .* \(retain_graph=True\)"):
+            out.sum().backward()
+    return log.failures
+
+
+@pytest.mark.timeout(60)
+def test_second_backward_through_overwritten_head_shards_is_refused():
+    assert_no_failures(run_distributed(_second_backward_rank, 2, timeout=50))

@@ -33,7 +33,8 @@ def _ring_cases(world: int) -> list[dict]:
     for i, (comm, window, (h, hkv), sinks) in enumerate(grid):
         cases.append(dict(communication=comm, causal=True, window=window, heads=h, kv_heads=hkv, sinks=sinks,
                           layout="zigzag" if i % 3 == 2 else "contiguous",
-                          dtype="float32" if i % 7 == 6 else "float64"))  # fmt: skip
+                          dtype="float32" if i % 7 == 6 else "float64",
+                          block_rows=4 if i % 2 else None))  # fmt: skip
     seq = world * L
     documents = [0, 5, 6, seq - 3, seq] if world > 1 else [0, 2, 3, seq]  # one of 1 token; some crossing shards
     cases.append(dict(cases[0], cu_seqlens=documents, window=4, sinks=True))
@@ -47,7 +48,8 @@ def _strategy_cases(world: int, ring: int) -> list[dict]:
     strategies = ["ulysses"] + (["hybrid"] if ring > 1 else [])
     for i, (strategy, window) in enumerate(itertools.product(strategies, _windows(world))):
         cases.append(dict(strategy=strategy, causal=True, window=window, heads=4, kv_heads=2 if i % 2 else 4,
-                          sinks=i % 2 == 0, layout="zigzag" if i % 3 == 1 else "contiguous"))  # fmt: skip
+                          sinks=i % 2 == 0, layout="zigzag" if i % 3 == 1 else "contiguous",
+                          block_rows=5 if i % 3 == 0 else None))  # fmt: skip
     cases.append(dict(cases[0], cu_seqlens=[0, 7, seq], window=5))
     return seeded(cases, batch=1, seq=seq, head_dim=8)
 

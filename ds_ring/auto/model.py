@@ -34,6 +34,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from ds_ring.kernels.overwrite import BLOCK_ROWS
+
 __all__ = ["Link", "Problem", "Option", "plan_options", "choose", "BUFFERS", "STRATEGIES", "TIE", "format_table"]
 
 STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
@@ -48,20 +50,30 @@ BWD_FLOPS = 2.5
 BUFFERS = {
     "ring": 0.75,
     "ring_dilated": 0.9,
-    "allgather": 1.0,
+    "allgather": 0.45,
     "ulysses": 0.0,
-    "hybrid_ring": 2.3,
+    "hybrid_ring": 1.0,
 }
 """Memory coefficients beyond the output and gradients, per unit of K/V bytes over q bytes (``kv``):
 ``ring``: in-flight K/V blocks and dK/dV (calibrated: dense causal ring, 4 ranks, 5.5 q-shards);
-``ring_dilated``: the same with dilation (5.8 q-shards); ``allgather``: per gathered remote shard.
-Ulysses and hybrid peak in one head group's backward (:func:`_head_group_peak`); ``ulysses``: what they hold
-beyond that; ``hybrid_ring``: the ring's in-flight K/V blocks, travelling dK/dV and accumulators of the group in its
-backward, per unit of that group's K/V bytes (calibrated: 4 ranks, 8 heads × 64, dense causal, 4K–8K rows per
-rank: Ulysses 6.53 and hybrid 2 × 2 6.41 q-shards, measured in fresh processes, every block over 64 KiB mmap'ed)."""
+``ring_dilated``: the same with dilation (5.8 q-shards); ``allgather``: per gathered remote shard (one K/V head
+gathered at a time: 6.6 q-shards at 4 ranks). Ulysses and hybrid peak in one head group's backward
+(:func:`_head_group_peak`); ``ulysses``: what they hold beyond that; ``hybrid_ring``: the ring's K/V block of the
+group in its backward, per unit of that group's K/V bytes (with its pieces, ``dout`` and stand-in output in
+:func:`_head_group_peak`). Calibrated at 4 ranks, 8 heads × 64, dense causal, 4K–8K rows per rank, in fresh
+processes with every block over 64 KiB mmap'ed: Ulysses 5.0, hybrid 2 × 2 5.7, ring 5.5, all-gather 6.6 q-shards
+(docs/auto.md)."""
 
 HEAD_GROUPS = 4
 """Most head groups a rank attends to in turn (``ds_ring.strategies.ulysses.HEAD_GROUPS``)."""
+
+BLOCKED_GROUP = 3.0
+"""The group in such a backward, in units of its ``dout``: ``dout`` itself, the ``dq`` of unfinished query blocks,
+one key block's dK/dV and one call's pieces (census at 4K rows per rank: 3.3; RSS slope: less)."""
+
+EXCHANGE_BACK = 1.5
+"""The gradients' way back to sequence shards, in q-shards over the head shards: the tensor's result (1) and one of
+``EXCHANGE_PARTS`` (4) parts in flight both ways (``ds_ring.strategies.ulysses``)."""
 
 
 @dataclass(frozen=True)
@@ -259,13 +271,17 @@ def _head_groups(kv_heads: int) -> int:
     return max(c for c in range(1, min(HEAD_GROUPS, kv_heads) + 1) if kv_heads % c == 0)
 
 
-def _head_group_peak(heads_kv: float, out: float, groups: int, backward: bool) -> float:
+def _head_group_peak(heads_kv: float, out: float, groups: int, backward: bool, blocked: bool) -> float:
     """Ulysses' head shards at the peak, in q-shards: the saved q, k, v (``1 + heads_kv``; in the backward the
-    groups already done hold their gradients instead) and the group in its backward: its dq, dk, dv, its ``dout`` and
-    the stand-in output the kernels take for ``Delta`` (``2·out``), each a ``1/groups`` share; forward only: the q, k,
-    v and one group's output."""
+    groups already done hold their gradients instead) and the group in its backward. ``blocked`` (dense attention
+    over more than ``BLOCK_ROWS`` rows, written over the head shards): its ``dout``, the ``dq`` of unfinished blocks
+    and one call's pieces (``BLOCKED_GROUP·out/groups``) or the gradients' way back (:data:`EXCHANGE_BACK`),
+    whichever is larger; else one call's dq, dk, dv, the group's ``dout`` and the call's stand-in output, each a
+    ``1/groups`` share. Forward only: the q, k, v and one group's output."""
     if not backward:
         return 1 + heads_kv + out / groups
+    if blocked:
+        return 1 + heads_kv + max(BLOCKED_GROUP * out / groups, EXCHANGE_BACK)
     return (1 + heads_kv) * (1 + 1 / groups) + 2 * out / groups
 
 
@@ -279,7 +295,9 @@ def memory_q_shards(p: Problem, o: Option) -> float:
         u = p.world if o.strategy == "ulysses" else o.ulysses
         heads_kv = _kv_heads_sent(p, u) * (p.head_dim + p.dv) / (p.heads * p.head_dim)
         groups = _head_groups(_kv_heads_sent(p, u) // u)
-        peak = out + _head_group_peak(heads_kv, out, groups, p.backward) + BUFFERS["ulysses"]
+        rows = p.seq if o.strategy == "ulysses" else p.local * o.ulysses
+        blocked = not dilated and p.window is None and p.documents is None and rows > BLOCK_ROWS and o.ring == 1
+        peak = out + _head_group_peak(heads_kv, out, groups, p.backward, blocked) + BUFFERS["ulysses"]
         return peak + (BUFFERS["hybrid_ring"] * heads_kv / groups if o.strategy == "hybrid" and o.ring > 1 else 0.0)
     if o.communication == "allgather":
         return own + BUFFERS["allgather"] * kv * (o.ring - 1)

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ds_ring.kernels.block import block_backward, block_forward
-from ds_ring.kernels.delta import materialized
+from ds_ring.kernels.delta import OutputByDelta, materialized
 from ds_ring.kernels.dilation import (
     HeadGroup,
     Region,
@@ -268,14 +268,21 @@ def dilated_forward(
 
 
 def dilated_backward(
-    saved: Sequence[Tensor], sinks: Tensor | None, regions: Sequence[Region], opts: Options, sinks_wanted: bool
+    saved: Sequence[Tensor | OutputByDelta],
+    sinks: Tensor | None,
+    regions: Sequence[Region],
+    opts: Options,
+    sinks_wanted: bool,
+    grads: Sequence[Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """``(dq, dk, dv, dsinks)`` in the inputs' dtypes (``dsinks``: ``None`` unless ``sinks_wanted``) from ``saved =
-    (dout, q, k, v, out, lse)``. ``out`` enters only through ``Delta = rowsum(dout ∘ out)``, so any tensor with
-    that row sum stands in for it (:func:`~ds_ring.kernels.delta.stand_in_output`)."""
+    (dout, q, k, v, out, lse)``. ``out`` enters only through ``Delta = rowsum(dout ∘ out)``: it may be an
+    :class:`~ds_ring.kernels.delta.OutputByDelta`, each call's stand-in then made for its rows only. ``grads``:
+    ``(dq, dk, dv)`` already computed (:func:`~ds_ring.kernels.overwrite.dilated_backward_over_inputs`)."""
     dout, q, k, v, out, lse = saved
     saved = (dout.to(q.dtype), q, k, v, out, lse)
-    grads = regions_backward(saved, regions, opts)
+    if grads is None:
+        grads = regions_backward(saved, regions, opts)
     if grads is None:
         acc = accum_dtype(q.dtype)
         grads = tuple(torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))

@@ -19,17 +19,19 @@ blocks, buffers and kernel pieces of a whole-head exchange.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from ds_ring.kernels import overwrite
 from ds_ring.kernels.dilated import Options, attend_backward, attend_into
 from ds_ring.kernels.dilation import add_heads_, head_groups, select_heads
 from ds_ring.kernels.merge import accum_dtype
 from ds_ring.kernels.piece import Piece
-from ds_ring.strategies.plan import Run, SpanPlan, Travel, pieces
+from ds_ring.strategies.plan import Held, Run, SpanPlan, Travel, pieces
 
 __all__ = [
     "Shard",
@@ -133,6 +135,37 @@ def head_chunks(span: SpanPlan, shard: Shard) -> list[tuple[SpanPlan, slice, sli
     return [(chunk, slice(h * per_kv, (h + 1) * per_kv), slice(h, h + 1)) for h in range(kv_heads)]
 
 
+class LazyGrads:
+    """Gradients shaped like ``like`` (each in its accumulation dtype): ``grads`` when given, else zeroed when first
+    asked for. A backward asks only when it adds its first piece, so those zeros never exist during the kernel call
+    that makes it (whose pieces and stand-in output are the call's peak). :meth:`heads` views some heads (dim 2),
+    sharing the one allocation."""
+
+    def __init__(self, like: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None = None) -> None:
+        self._like = tuple(like)
+        self._grads = [None if grads is None else tuple(grads)]  # shared with the views of :meth:`heads`
+        self._heads = slice(None)
+
+    def __call__(self) -> tuple[torch.Tensor, ...]:
+        if self._grads[0] is None:
+            self._grads[0] = tuple(
+                torch.zeros(x.shape, dtype=accum_dtype(x.dtype), device=x.device) for x in self._like
+            )
+        return tuple(grad[:, :, self._heads] for grad in self._grads[0])
+
+    def heads(self, heads: slice) -> LazyGrads:
+        """The same gradients, heads ``heads`` only (allocated by whichever view is called first)."""
+        view = copy.copy(self)
+        view._heads = heads
+        return view
+
+
+def add_dq_(dq: LazyGrads, rows: slice, heads: slice, piece: torch.Tensor) -> None:
+    """``dq[:, rows, heads] += piece`` for a lazily zeroed ``dq`` (:class:`LazyGrads` of ``q`` alone)."""
+    (grad,) = dq()
+    grad[:, rows, heads] += piece
+
+
 class BlockBuffers:
     """``count`` flat buffers, each as large as the span's largest block, allocated on first use.
 
@@ -152,6 +185,10 @@ class BlockBuffers:
         if index not in self._buffers:
             self._buffers[index] = torch.empty(self._numel, dtype=self._dtype, device=self._device)
         return self._buffers[index][:numel]
+
+    def release(self, index: int) -> None:
+        """Drop buffer ``index`` (freed once no view of it is left); a later :meth:`view` allocates it again."""
+        self._buffers.pop(index, None)
 
 
 def pack_block(span: SpanPlan, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -199,11 +236,11 @@ def _whole_piece(span: SpanPlan, member: int, causal: bool) -> Run | None:
 
 
 def block_grad(
-    span: SpanPlan, member: int, kv: list[KV], shard: Shard, dout: torch.Tensor, dq: torch.Tensor, opts: Options
+    span: SpanPlan, member: int, kv: list[KV], shard: Shard, dout: torch.Tensor, dq: LazyGrads, opts: Options
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's gradient of member's block, as its flat (dK, dV) halves in the accumulation dtype.
 
-    Accumulates into ``dq [B, L, H, D]``. When one kernel call meets the whole block (dense
+    Accumulates into ``dq`` (of ``q [B, L, H, D]``). When one kernel call meets the whole block (dense
     attention) its dK/dV are returned as they are: no zero block, no copy. The dK half has
     :meth:`~ds_ring.strategies.plan.SpanPlan.k_numel` elements, the dV half the rest.
     """
@@ -214,7 +251,7 @@ def block_grad(
         dq_piece, dk_piece, dv_piece = attend_backward(
             dout[:, qs, h], q[:, qs, h], kb, vb, out[:, qs, h], lse[:, qs, h], opts.piece(causal=False)
         )
-        dq[:, qs, h] += dq_piece
+        add_dq_(dq, qs, h, dq_piece)
         return dk_piece.reshape(-1), dv_piece.reshape(-1)
     grad = new_grad_block(span, member, shard)
     if block_has_work(span, member, opts):
@@ -275,17 +312,17 @@ def backward_block_(
     dkv: list[KV],
     shard: Shard,
     dout: torch.Tensor,
-    dq: torch.Tensor,
+    dq: LazyGrads,
     opts: Options,
 ) -> None:
-    """Accumulate the gradient of another member's block into ``dq [B, L, H, D]`` and its ``dkv`` views."""
+    """Accumulate the gradient of another member's block into ``dq`` (of ``q [B, L, H, D]``) and its ``dkv`` views."""
     q, out, lse = shard.q, shard.out, shard.lse
     for g, h, kg, vg, a, b in _visits(span, member, kv, opts):
         qs, ks = a.rows, b.packed
         dq_piece, dk_piece, dv_piece = attend_backward(
             dout[:, qs, h], q[:, qs, h], kg[:, ks], vg[:, ks], out[:, qs, h], lse[:, qs, h], _piece(a, b, False, opts)
         )
-        dq[:, qs, h] += dq_piece
+        add_dq_(dq, qs, h, dq_piece)
         dkg, dvg = dkv[g]
         expand = span.travel[g].expand
         if expand is None:
@@ -294,6 +331,7 @@ def backward_block_(
         else:
             dkg[:, ks].index_add_(2, expand, dk_piece.to(dkg.dtype))
             dvg[:, ks].index_add_(2, expand, dv_piece.to(dvg.dtype))
+        del dq_piece, dk_piece, dv_piece  # this call's pieces go before the next call's exist
 
 
 def forward_own_(span: SpanPlan, shard: Shard, opts: Options) -> None:
@@ -312,24 +350,40 @@ def backward_own_(
     span: SpanPlan,
     shard: Shard,
     dout: torch.Tensor,
-    dq: torch.Tensor,
+    dq: LazyGrads,
     dk: torch.Tensor,
     dv: torch.Tensor,
     opts: Options,
 ) -> None:
-    """Accumulate the gradients among this rank's own runs straight into ``dq``, ``dk``, ``dv``."""
+    """Accumulate the gradients among this rank's own runs straight into ``dq`` (of ``q``), ``dk``, ``dv``, in calls
+    of at most :data:`~ds_ring.kernels.overwrite.BLOCK_ROWS` rows a side (:func:`_tiled`)."""
     q, k, v, out, lse = shard.q, shard.k, shard.v, shard.out, shard.lse
     for g, group in enumerate(span.groups):
-        h, kv_heads = group.q_heads, group.kv_heads
-        for a, b, diagonal in pieces(span.queries[g], span.queries[g], opts.causal, opts.window):
+        h, kv_heads, own = group.q_heads, group.kv_heads, _tiled(span.queries[g], overwrite.BLOCK_ROWS)
+        for a, b, diagonal in pieces(own, own, opts.causal, opts.window):
             qs, ks = a.rows, b.rows
             dq_piece, dk_piece, dv_piece = attend_backward(
                 dout[:, qs, h], q[:, qs, h], select_heads(k[:, ks], kv_heads), select_heads(v[:, ks], kv_heads),
                 out[:, qs, h], lse[:, qs, h], _piece(a, b, diagonal, opts),
             )  # fmt: skip
-            dq[:, qs, h] += dq_piece
+            add_dq_(dq, qs, h, dq_piece)
             add_heads_(dk[:, ks], kv_heads, dk_piece)
             add_heads_(dv[:, ks], kv_heads, dv_piece)
+            del dq_piece, dk_piece, dv_piece  # this call's pieces go before the next call's exist
+
+
+def _tiled(held: Held, most: int) -> Held:
+    """``held`` with every run cut into runs of at most ``most`` kept rows. Used where the shard's gradients already
+    exist (the own runs come last): a call's pieces and stand-in output are then the only memory that grows with
+    it, so smaller calls lower the backward's peak; a tile of a run meets itself as its causal diagonal."""
+    runs = []
+    for run in held.runs:
+        step, first, packed = run.rows.step or 1, run.rows.start or 0, run.packed.start or 0
+        for a in range(0, run.count, most):
+            b = min(run.count, a + most)
+            runs.append(Run(slice(first + a * step, first + b * step, step), slice(packed + a, packed + b),
+                            run.segment, run.position + a * step))  # fmt: skip
+    return Held(tuple(runs), held.count)
 
 
 def add_home_grads_(span: SpanPlan, dkv: list[KV], dk: torch.Tensor, dv: torch.Tensor) -> None:

@@ -16,7 +16,6 @@ the labels (layer, ...) that were set when its forward ran.
 
 from __future__ import annotations
 
-import copy
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -32,13 +31,13 @@ from ds_ring.kernels.dilated import Options, new_accumulators, regions_backward,
 from ds_ring.kernels.merge import accum_dtype
 from ds_ring.kernels.sinks import add_sinks_, sinks_grad
 from ds_ring.registry import Registry
-from ds_ring.strategies.blocks import Shard, add_home_grads_, backward_own_, head_chunks, unpack_block
+from ds_ring.strategies.blocks import LazyGrads, Shard, add_home_grads_, backward_own_, head_chunks, unpack_block
 from ds_ring.strategies.plan import ShardPlan, SpanPlan
 
 __all__ = [
     "Exchange",
     "CommSpec",
-    "KVGrads",
+    "LazyGrads",
     "Options",
     "Shard",
     "register_exchange",
@@ -58,42 +57,12 @@ class CommSpec:
     timeout_s: float | None
 
 
-class KVGrads:
-    """dK and dV of the local shard (``k``/``v`` shape, accumulation dtype): ``grads`` when given (the
-    shard-local gradients, computed first), else zeroed on the first call.
-
-    Exchanges call it only once their own buffers are released, so without shard-local work the
-    shard's gradients and a ring's blocks are never held at the same time.
-    """
-
-    def __init__(
-        self, k: torch.Tensor, v: torch.Tensor, grads: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> None:
-        self._like = (k, v)
-        self._grads = [grads]  # shared with the views of :meth:`heads`
-        self._heads = slice(None)
-
-    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._grads[0] is None:
-            self._grads[0] = tuple(
-                torch.zeros(x.shape, dtype=accum_dtype(x.dtype), device=x.device) for x in self._like
-            )
-        dk, dv = self._grads[0]
-        return dk[:, :, self._heads], dv[:, :, self._heads]
-
-    def heads(self, kv_heads: slice) -> KVGrads:
-        """The same gradients, K/V heads ``kv_heads`` only (allocated by whichever view is called first)."""
-        view = copy.copy(self)
-        view._heads = kv_heads
-        return view
-
-
 class Exchange(ABC):
     """How one spanning branch's K/V blocks reach the span's members, forward and backward.
 
     A subclass defines :meth:`forward` and :meth:`blocks_backward`; :meth:`backward` is the same for
-    every exchange: the blocks' share first, then, with the exchange's buffers released, the own runs
-    into ``kv_grads()`` and this member's block gradient, home, added to them.
+    every exchange: the blocks' share first, then, with the exchange's buffers released, this member's block
+    gradient, home, added into ``kv_grads()`` and the own runs after it.
     """
 
     @abstractmethod
@@ -105,7 +74,7 @@ class Exchange(ABC):
 
     @abstractmethod
     def blocks_backward(
-        self, span: SpanPlan, shard: Shard, dout: torch.Tensor, dq: torch.Tensor, comm: CommSpec, opts: Options
+        self, span: SpanPlan, shard: Shard, dout: torch.Tensor, dq: LazyGrads, comm: CommSpec, opts: Options
     ) -> torch.Tensor | None:
         """The other members' blocks' share of the backward: accumulates into ``dq`` and returns this member's
         block gradient once home (flat, :func:`~ds_ring.strategies.blocks.pack_block` layout, accumulation
@@ -116,18 +85,19 @@ class Exchange(ABC):
         span: SpanPlan,
         shard: Shard,
         dout: torch.Tensor,
-        dq: torch.Tensor,
-        kv_grads: KVGrads,
+        dq: LazyGrads,
+        kv_grads: LazyGrads,
         comm: CommSpec,
         opts: Options,
     ) -> None:
-        """Accumulate into ``dq`` (``dout``'s shape ``[B, L, H, D]``, accumulation dtype) and, once every
+        """Accumulate into ``dq()`` (``dout``'s shape ``[B, L, H, D]``, accumulation dtype) and, once every
         member's contribution is home, into ``kv_grads()``."""
         home = self.blocks_backward(span, shard, dout, dq, comm, opts)
         dk, dv = kv_grads()
-        backward_own_(span, shard, dout, dq, dk, dv, opts)
-        if home is not None:
+        if home is not None:  # added first, so its buffer is gone before the own runs' pieces exist
             add_home_grads_(span, unpack_block(span, span.index, home, shard.batch, shard.dims), dk, dv)
+            del home
+        backward_own_(span, shard, dout, dq, dk, dv, opts)
 
 
 _REGISTRY: Registry[Exchange] = Registry("communication")
@@ -212,16 +182,15 @@ def sharded_backward(
     dout = dout.to(q.dtype)
     # Shard-local work first when one kernel call covers the shard: its dQ/dK/dV become the gradients.
     local = regions_backward((dout, q, k, v, out, lse), plan.local, opts)
-    if local is None:
-        dq = torch.zeros(q.shape, dtype=accum_dtype(q.dtype), device=q.device)
-        kv_grads = KVGrads(k, v)
-    else:
-        dq, kv_grads = local[0], KVGrads(k, v, local[1:])
+    # Else zeroed only when a first piece is added (after the kernel call that made it).
+    dq_grads = LazyGrads((q,), None if local is None else local[:1])
+    kv_grads = LazyGrads((k, v), None if local is None else local[1:])
     shard = Shard(q, k, v, out, lse)
     for span in plan.spans:
         for chunk, h, kv in head_chunks(span, shard):
-            exchange.backward(chunk, shard.heads(h, kv), dout[:, :, h], dq[:, :, h], kv_grads.heads(kv), comm, opts)
-    dk, dv = kv_grads()
+            exchange.backward(chunk, shard.heads(h, kv), dout[:, :, h], dq_grads.heads(h), kv_grads.heads(kv), comm,
+                              opts)  # fmt: skip
+    ((dq,), (dk, dv)) = dq_grads(), kv_grads()
     if local is None:
         regions_backward_((dout, q, k, v, out, lse), plan.local, (dq, dk, dv), opts)
     dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and sinks_wanted else None

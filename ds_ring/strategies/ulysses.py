@@ -14,8 +14,10 @@ replicated for it before the exchange; their gradients are summed back by autogr
 Memory: one all-to-all per tensor, each buffer freed as soon as consumed; a rank attends its heads in groups
 (:func:`head_chunks`), each group's output exchanged back as soon as it exists; the backward computes
 ``Delta = rowsum(dout ∘ out)`` on the sequence shards and exchanges a group's ``dout`` only when that group's
-backward runs (:class:`_AttendGroup`), so it holds the head-sharded ``q``, ``k``, ``v`` and one group's ``dout``,
-stand-in output and gradients (docs/auto.md, "Ulysses and hybrid memory").
+backward runs (:class:`_AttendGroup`); dense attention writes a group's gradients over its head shards
+(:mod:`ds_ring.kernels.overwrite`), and they go back to sequence shards in :data:`EXCHANGE_PARTS` parts. So it holds
+the head-sharded ``q``, ``k``, ``v`` (or their gradients), one group's ``dout`` and one kernel call's pieces
+(docs/auto.md, "Ulysses and hybrid memory").
 
 Why not ``deepspeed.sequence.layer.DistributedAttention`` (which wraps a local attention the same
 way): strategies do not import DeepSpeed (docs/design.md §Import rules); its ``_SeqAllToAll`` waits only on the
@@ -38,9 +40,10 @@ from torch.distributed import ProcessGroup
 from ds_ring.comm.collectives import all_to_all
 from ds_ring.comm.groups import group_rank
 from ds_ring.hooks import current_labels, emit_attention, hooks_active, labelled
-from ds_ring.kernels.delta import stand_in_output
-from ds_ring.kernels.dilated import dilated_backward, dilated_forward, plan_dilated
+from ds_ring.kernels.delta import OutputByDelta, row_delta
+from ds_ring.kernels.dilated import dilated_forward, plan_dilated
 from ds_ring.kernels.merge import accum_dtype
+from ds_ring.kernels.overwrite import dilated_backward_over_inputs
 from ds_ring.parallel.order import ORDERS as LAYOUTS
 from ds_ring.strategies.base import AttentionCall, Bound, Degrees, Shape, Strategy, Target
 
@@ -131,16 +134,34 @@ def _kernel_rows(recv: torch.Tensor, zigzag: bool) -> torch.Tensor:
     return out
 
 
+def _shard_rows(x: torch.Tensor, degree: int, zigzag: bool, part: slice) -> torch.Tensor:
+    """Rows ``part`` of every rank's shard in ``x [B, p·L, h, D]`` (true sequence order, any strides): ``[p, B,
+    rows, h, D]``, a view (zigzag's second half: a copy, reversed); with ``zigzag`` the part lies in one half."""
+    rows = x.shape[1] // degree
+    if not zigzag:
+        return x.unflatten(1, (degree, rows))[:, :, part].transpose(0, 1)
+    half, (start, stop, _) = rows // 2, part.indices(rows)
+    halves = x.unflatten(1, (2, degree, half))  # shard j: chunk j of the first half, chunk p-1-j of the second
+    if stop <= half:
+        return halves[:, 0, :, start:stop].transpose(0, 1)
+    return halves[:, 1, :, start - half : stop - half].flip(1).transpose(0, 1)
+
+
 def _source_chunks_into(dst: torch.Tensor, x: torch.Tensor, zigzag: bool) -> None:
     """Write ``x [B, p·L, h, D]`` (any strides) into ``dst [p, B, L, h, D]`` (a view): the rows each rank sends
     back to shard ``j`` (inverse of :func:`_kernel_rows`'s order)."""
-    degree, b, rows, h, d = dst.shape
-    if not zigzag:
-        dst.copy_(x.unflatten(1, (degree, rows)).transpose(0, 1))
-        return
-    halves, out = x.unflatten(1, (2, degree, rows // 2)), dst.unflatten(2, (2, rows // 2))
-    out[:, :, 0].copy_(halves[:, 0].transpose(0, 1))
-    out[:, :, 1].copy_(halves[:, 1].flip(1).transpose(0, 1))
+    for part in _row_parts(dst.shape[2], zigzag, 2 if zigzag else 1):
+        dst[:, :, part].copy_(_shard_rows(x, dst.shape[0], zigzag, part))
+
+
+def _row_parts(rows: int, zigzag: bool, count: int) -> list[slice]:
+    """``rows`` cut into at most ``count`` consecutive parts, none empty; with ``zigzag`` none crosses the middle."""
+    if zigzag:
+        half = rows // 2
+        firsts = _row_parts(half, False, count // 2)
+        return [*firsts, *(slice(half + p.start, half + p.stop) for p in firsts)]
+    count = max(1, min(count, rows))
+    return [slice(rows * i // count, rows * (i + 1) // count) for i in range(count)]
 
 
 def _heads_to_rows(x: torch.Tensor, degree: int) -> torch.Tensor:
@@ -163,12 +184,17 @@ def _slices(heads: int, chunks: int) -> list[slice]:
     return [slice(i * step, (i + 1) * step) for i in range(chunks)]
 
 
+EXCHANGE_PARTS = 4
+"""Parts of the shard's rows the gradients go back in, one all-to-all each: next to the head-sharded gradients
+and the result, the buffers in flight are a quarter of a tensor instead of two whole ones."""
+
+
 class _ToHeads(torch.autograd.Function):
     """One tensor, sequence shards → head shards: ``[B, L, p·h, D]`` → ``chunks`` tensors ``[B, p·L, h/chunks, D]``,
     each a view of its own contiguous ``[B, h/chunks, p·L, D]`` (the block kernels read it without a copy; a
     chunk's memory is freed as soon as its attention backward has run). Every buffer is freed as soon as it is
     consumed: the send buffer once the exchange returns, the received one once reordered; the backward is the
-    inverse (one exchange for all chunks)."""
+    inverse, all chunks at once, in :data:`EXCHANGE_PARTS` parts of the shard's rows."""
 
     @staticmethod
     def forward(ctx, x, degree, group, zigzag, op, timeout_s, chunks):
@@ -184,13 +210,17 @@ class _ToHeads(torch.autograd.Function):
     def backward(ctx, *grads):
         degree, group, zigzag, op, timeout_s, chunks = ctx.args
         b, seq, h, d = grads[0].shape
-        send = grads[0].new_empty((degree, b, seq // degree, h * chunks, d))
-        for part, grad in zip(_slices(h * chunks, chunks), grads, strict=True):
-            _source_chunks_into(send[:, :, :, part], grad, zigzag)
-        del grads
-        recv = _exchange(send, group, op + "_grad", timeout_s)
-        del send
-        return _rows_to_heads(recv), None, None, None, None, None, None
+        rows = seq // degree
+        out = grads[0].new_empty((b, rows, degree, h * chunks, d))
+        for part in _row_parts(rows, zigzag, EXCHANGE_PARTS):
+            send = grads[0].new_empty((degree, b, part.stop - part.start, h * chunks, d))
+            for columns, grad in zip(_slices(h * chunks, chunks), grads, strict=True):
+                send[:, :, :, columns].copy_(_shard_rows(grad, degree, zigzag, part))
+            recv = _exchange(send, group, op + "_grad", timeout_s)
+            del send
+            out[:, part].copy_(recv.permute(1, 2, 0, 3, 4))
+            del recv
+        return out.flatten(2, 3), None, None, None, None, None, None
 
 
 HEAD_GROUPS = 4
@@ -245,8 +275,9 @@ class GroupAttention:
 
     ``forward(q, k, v, sinks) -> (out, lse)``: ``q [B, S, w, D]``, ``k``/``v`` ``[B, S, wkv, D|Dv]``, ``sinks [w]`` or
     ``None`` → ``out [B, S, w, Dv]`` (``q``'s dtype), ``lse [B, S, w]``. ``backward(saved, sinks, sinks_wanted=...) ->
-    (dq, dk, dv, dsinks)`` from ``saved = (dout, q, k, v, out, lse)``, where ``out`` may be any tensor with the output's
-    ``rowsum(dout ∘ out)`` (:mod:`ds_ring.kernels.delta`). ``columns``: the group's heads among the rank's ``heads``.
+    (dq, dk, dv, dsinks)`` from ``saved = (dout, q, k, v, out, lse)``, where ``out`` is an
+    :class:`~ds_ring.kernels.delta.OutputByDelta` and ``q``, ``k``, ``v`` are the group's own head shards, which it may
+    overwrite with their gradients. ``columns``: the group's heads among the rank's ``heads``.
     """
 
     forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -268,26 +299,22 @@ def _out_to_sequence_(out: torch.Tensor, head_out: torch.Tensor, job: GroupAtten
     _group_columns(out, job.degree, job.heads, job.columns).copy_(recv.permute(1, 2, 0, 3, 4))
 
 
-def _dout_to_heads(
-    dout: torch.Tensor, out: torch.Tensor, job: GroupAttention
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _dout_to_heads(dout: torch.Tensor, out: torch.Tensor, job: GroupAttention) -> OutputByDelta:
     """The group's ``dout`` and ``Delta`` on head shards, from the sequence shards ``dout``/``out [B, L, p·h, Dv]``.
 
     ``Delta = rowsum(dout ∘ out)`` is taken here, before the exchange, so the head-sharded ``out`` is never needed.
-    Returns ``dout [B, S, w, Dv]`` (a view of a contiguous ``[B, w, S, Dv]``: the kernels' layout), ``Delta [B, S, w]``
-    (accumulation dtype) and the consumed receive buffer viewed like ``dout``, free for the backward to write into.
+    Returns them as the output the kernels read (:class:`~ds_ring.kernels.delta.OutputByDelta`): ``dout [B, S, w,
+    Dv]`` (a view of a contiguous ``[B, w, S, Dv]``: the kernels' layout) and ``Delta [B, S, w]`` (accumulation dtype).
     """
     douts, outs = (_group_columns(x, job.degree, job.heads, job.columns) for x in (dout, out))
-    acc = accum_dtype(out.dtype)
-    delta = (douts.to(acc) * outs.to(acc)).sum(-1).permute(2, 0, 1, 3).contiguous()
+    delta = row_delta(douts, outs, accum_dtype(out.dtype)).permute(2, 0, 1, 3).contiguous()
     send = douts.permute(2, 0, 1, 3, 4).contiguous()
     recv = _exchange(send, job.group, "ulysses_dout", job.timeout_s)
     del send
     head_dout = _kernel_rows(recv, job.zigzag).transpose(1, 2)
-    p, b, rows, w, dv = recv.shape
-    spare = recv.view(b, w, p * rows, dv).transpose(1, 2)
+    del recv
     delta = _exchange(delta, job.group, "ulysses_delta", job.timeout_s).unsqueeze(-1)
-    return head_dout, _kernel_rows(delta, job.zigzag).squeeze(-1).transpose(1, 2), spare
+    return OutputByDelta(head_dout, _kernel_rows(delta, job.zigzag).squeeze(-1).transpose(1, 2))
 
 
 class _Output:
@@ -315,7 +342,7 @@ class _AttendGroup(torch.autograd.Function):
     (in place), and back: the group's ``dout`` exchanged only when its backward runs.
 
     The groups are chained through ``out`` (each takes the previous one's), so autograd runs them last to first, one
-    at a time: a group's ``dout``, stand-in output and gradients exist only during its own backward. The gradient
+    at a time: a group's ``dout`` and running gradients exist only during its own backward. The gradient
     passed on to the previous group is ``dout`` as it came: each group reads only its own heads of it. Saves the
     head-sharded ``q``, ``k``, ``v`` and ``lse``, not the output: the backward takes ``Delta`` from the sequence shards.
     """
@@ -333,13 +360,20 @@ class _AttendGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse, _dhead_out):
+        if getattr(ctx, "overwritten", False):
+            raise RuntimeError(
+                "ds_ring: a second backward through a Ulysses/hybrid attention call (retain_graph=True): its first "
+                "backward wrote the gradients over its head shards to save memory. Run the forward again for "
+                "another backward"
+            )
         q, k, v, lse, sinks = ctx.saved_tensors
-        job = ctx.job
+        job, q_ptr = ctx.job, q.data_ptr()
         with labelled(**ctx.labels):
-            head_dout, delta, spare = _dout_to_heads(dout, ctx.output.get(), job)
-            stand_in = stand_in_output(head_dout, delta, spare)
-            del delta, spare
-            grads = job.backward((head_dout, q, k, v, stand_in, lse), sinks, sinks_wanted=ctx.needs_input_grad[4])
+            head_out = _dout_to_heads(dout, ctx.output.get(), job)
+            saved = (head_out.dout, q, k, v, head_out, lse)
+            del q, k, v, head_out
+            grads = job.backward(saved, sinks, sinks_wanted=ctx.needs_input_grad[4])
+        ctx.overwritten = grads[0].data_ptr() == q_ptr
         return dout, *grads, None, None
 
 
@@ -415,7 +449,8 @@ def dilated_jobs(
         )  # fmt: skip
         jobs.append(group_job(
             functools.partial(dilated_forward, regions=regions, opts=opts),
-            functools.partial(dilated_backward, regions=regions, opts=opts),
+            # The head shards are this call's own (made by the all-to-all): dense attention may overwrite them.
+            functools.partial(dilated_backward_over_inputs, regions=regions, opts=opts),
             slice(start, start + width), split, group, call,
         ))  # fmt: skip
         start += width

@@ -16,6 +16,7 @@ from ds_ring.comm.collectives import all_gather, reduce_scatter
 from ds_ring.comm.groups import global_ranks
 from ds_ring.strategies.blocks import (
     KV,
+    LazyGrads,
     Options,
     Shard,
     backward_block_,
@@ -64,7 +65,7 @@ class AllGatherExchange(Exchange):
             forward_block_(span, src, kv, shard, opts)
 
     def blocks_backward(
-        self, span: SpanPlan, shard: Shard, dout: torch.Tensor, dq: torch.Tensor, comm: CommSpec, opts: Options
+        self, span: SpanPlan, shard: Shard, dout: torch.Tensor, dq: LazyGrads, comm: CommSpec, opts: Options
     ) -> torch.Tensor:
         """Gradients of the other members' blocks (into ``dq`` and reduce-scattered); returns my block's, flat."""
         blocks = _gather_blocks(span, shard, comm)

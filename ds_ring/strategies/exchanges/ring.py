@@ -3,7 +3,8 @@
 Forward: every member posts the transfer of the block it holds to the next member *before*
 computing on it, so the transfer hides behind compute; after ``span.hops`` hops (``n - 1`` for a
 full turn) every block has visited every member that needs it. Two K/V buffers, allocated once per
-call, alternate: the block being computed on and the one arriving.
+call, alternate: the block being computed on and the one arriving; once the last block has arrived, the
+other buffer is freed.
 
 Backward (a second ring): K/V blocks rotate again in the same two buffers. Each block's gradient
 accumulator travels one step behind it: its first visitor starts it with its own gradient of the
@@ -29,6 +30,7 @@ from ds_ring.kernels.merge import accum_dtype
 from ds_ring.strategies.blocks import (
     KV,
     BlockBuffers,
+    LazyGrads,
     Options,
     Shard,
     block_grad,
@@ -84,7 +86,7 @@ class _KVTurn:
         self._buffers = BlockBuffers(span, shard.batch, shard.dims, shard.k.dtype, shard.k.device)
         own = self._buffers.view(0, span.block_numel(span.index, shard.batch, *shard.dims))
         self._block = pack_block(span, shard.k, shard.v, own)
-        self._incoming = self._block
+        self._incoming, self._sent = self._block, 0
 
     def kv(self, member: int) -> list[KV]:
         """Views ``(k_g, v_g)`` per head group into the block held, which is ``member``'s."""
@@ -97,11 +99,15 @@ class _KVTurn:
         numel = self._span.block_numel(src, self._batch, *self._dims)
         self._incoming = self._ring.send_recv(self._block, self._buffers.view((step + 1) % 2, numel))
         self._ring.commit(step)
+        self._sent = step % 2
 
-    def arrive(self) -> None:
-        """Wait for the transfers :meth:`post` started; the block received is held from now on."""
+    def arrive(self, last: bool = False) -> None:
+        """Wait for the transfers :meth:`post` started; the block received is held from now on. ``last``: no
+        block follows it, so the buffer of the one just sent is freed."""
         self._ring.wait()
         self._block = self._incoming
+        if last:
+            self._buffers.release(self._sent)
 
 
 class RingExchange(Exchange):
@@ -123,10 +129,10 @@ class RingExchange(Exchange):
             elif block_has_work(span, src, opts):
                 forward_block_(span, src, blocks.kv(src), shard, opts)
             if step < hops:
-                blocks.arrive()
+                blocks.arrive(last=step == hops - 1)
 
     def blocks_backward(
-        self, span: SpanPlan, shard: Shard, dout: torch.Tensor, dq: torch.Tensor, comm: CommSpec, opts: Options
+        self, span: SpanPlan, shard: Shard, dout: torch.Tensor, dq: LazyGrads, comm: CommSpec, opts: Options
     ) -> torch.Tensor | None:
         """The blocks' turn of the backward: accumulates into ``dq``; returns this member's block
         gradient, home (flat, in the receive buffer).
@@ -150,7 +156,7 @@ class RingExchange(Exchange):
         received = BlockBuffers(span, batch, dims, accum_dtype(shard.q.dtype), shard.q.device)
         travelling = None
         blocks.post(0)
-        blocks.arrive()
+        blocks.arrive(last=hops == 1)
         for step in range(1, hops + 1):
             src = (me - step) % n
             if step < hops:
@@ -161,8 +167,10 @@ class RingExchange(Exchange):
             if travelling is not None:
                 _add_halves_(grad, travelling)
             if step < hops:
-                blocks.arrive()
+                blocks.arrive(last=step == hops - 1)
             last = step == hops
+            if last:
+                del blocks  # the last block is done: its buffer goes before the gradient's transfer buffers exist
             to = me if last else (src - 1) % n
             travelling = received.view(0, span.block_numel(to, batch, *dims))
             _send_halves(home if last else forward, grad, travelling, span.k_numel(to, batch, dims[0]), step)
