@@ -82,3 +82,20 @@ def test_short_sequences_run_as_one_call():
                                  window=None, sinks=None, softcap=None)  # fmt: skip
     out, lse = dilated_forward(q, k, v, None, regions, opts)
     assert overwrite.backward_over_inputs((dout, q, k, v, out, lse), regions, opts) is None
+
+
+def test_sinks_and_softcap_keep_their_gradients(monkeypatch):
+    """The sinks' gradient comes from Delta alone, and a soft-capped call runs its blocks through the torch kernel."""
+    monkeypatch.setattr(overwrite, "BLOCK_ROWS", 7)
+    q, k, v, dout = _case(30, 4, 2, torch.float64, seed=5)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    regions, opts = plan_dilated(q, k, v, None, None, causal=True, scale=None, head_offset=0, cu_seqlens=None,
+                                 window=None, sinks=sinks, softcap=3.0)  # fmt: skip
+    out, lse = dilated_forward(q, k, v, sinks, regions, opts)
+    lazy = OutputByDelta(dout, row_delta(dout, out, torch.float64))
+    want = dilated_backward((dout, q, k, v, out, lse), sinks, regions, opts, True)
+    mine = [x.clone() for x in (q, k, v)]
+    got = overwrite.dilated_backward_over_inputs((dout, *mine, lazy, lse), sinks, regions, opts, True)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+    assert got[0].data_ptr() == mine[0].data_ptr()
