@@ -61,8 +61,8 @@ def _rank_main(out: Path, rounds: int, calls: int, seqs: list[int]) -> None:
                     medians = [None] * world
                     dist.all_gather_object(medians, result.fwdbwd.median_s)
                     times[name].append(max(medians))  # the slowest rank's
-                    pick = pick or (name == "auto" and {"pick": result.pick, "pick_label": result.pick_label,
-                                                        "predicted_s": result.predicted_s})  # fmt: skip
+                    if name == "auto" and pick is None:
+                        pick = {"pick": result.pick, "pick_label": result.pick_label, "predicted_s": result.predicted_s}
             points.append({"seq": seq, "heads": heads, "kv_heads": kv_heads, "times_s": times, "choice": pick})
     if rank == 0:
         (out / "hosts.json").write_text(json.dumps(points))
