@@ -10,7 +10,7 @@ besides the inputs is the ``dq`` of unfinished query blocks, one key block's ``d
 ``dk``, ``dv`` and the stand-in output of every row next to ``q``, ``k``, ``v`` and ``dout``.
 
 The returned gradients *are* ``q``, ``k``, ``v`` (detached views): their version counters move, so a second
-backward through the same graph (``retain_graph=True``) raises PyTorch's in-place error instead of reading them.
+backward through the same graph (``retain_graph=True``) cannot read them unnoticed; Ulysses refuses it by name first.
 """
 
 from __future__ import annotations
@@ -71,14 +71,15 @@ def backward_over_inputs(
     dq: list[Tensor | None] = [None] * count
     for j, keys in enumerate(rows):
         k_j, v_j = k[:, keys], v[:, keys]
+        k_heads, v_heads = select_heads(k_j, kv), select_heads(v_j, kv)  # GQA: expanded once per key block
         dk = dv = None
         if gqa:  # pieces come per query head: summed into zeros per K/V head
             dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (k_j, v_j))
         for i in range(j, count) if opts.causal else range(count):
             queries = rows[i]
             pieces = attend_backward(
-                dout[:, queries], q[:, queries], select_heads(k_j, kv), select_heads(v_j, kv), out[:, queries],
-                lse[:, queries], opts.piece(causal=opts.causal and i == j),
+                dout[:, queries], q[:, queries], k_heads, v_heads, out[:, queries], lse[:, queries],
+                opts.piece(causal=opts.causal and i == j),
             )  # fmt: skip
             dq[i] = _accumulate(dq[i], pieces[0], acc)
             if gqa:
@@ -87,6 +88,7 @@ def backward_over_inputs(
             else:
                 dk, dv = _accumulate(dk, pieces[1], acc), _accumulate(dv, pieces[2], acc)
             del pieces  # this call's outputs and stand-in go before the next call's exist
+        del k_heads, v_heads
         k_j.copy_(dk)
         v_j.copy_(dv)
         del dk, dv
