@@ -13,7 +13,8 @@ A model handed to ``deepspeed.initialize(..., mpu=topology)`` directly (DeepSpee
 record; its attention reads the scale off its parameters at the first forward (:func:`parameter_gradient_scale`),
 before any gradient exists. This module is the only owner of the rule: every loss asks it (through the session of
 ``register_with_transformers``, or :func:`require_marked` for ds_ring's own modules) and nothing else computes it.
-Nothing here imports DeepSpeed: ZeRO-3 parameters are recognised by their ``ds_id`` attribute.
+ZeRO-3 parameters are recognised by their ``ds_id`` attribute; meeting one installs
+:func:`~ds_ring.zero_gathers.wait_for_every_gather` (the only DeepSpeed import here).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ds_ring.zero_gathers import wait_for_every_gather
 
 __all__ = [
     "gradient_scale", "engine_config", "mark_parameters", "parameter_gradient_scale", "require_marked", "is_zero3",
@@ -53,7 +56,9 @@ def engine_config(ds_config: Mapping[str, Any], sequence_parallel: int) -> dict[
 
 def mark_parameters(model: torch.nn.Module, ds_config: Mapping[str, Any], sequence_parallel: int) -> None:
     """Record on every parameter of ``model`` the gradient scale of the engine built with ``ds_config`` (what
-    :func:`engine_config` gave DeepSpeed) over ``sequence_parallel`` ranks per sequence."""
+    :func:`engine_config` gave DeepSpeed) over ``sequence_parallel`` ranks per sequence; and make that engine's
+    blocking ZeRO-3 gathers whole when they return (:func:`~ds_ring.zero_gathers.wait_for_every_gather`)."""
+    wait_for_every_gather()
     scale = gradient_scale(ds_config.get("zero_optimization"), sequence_parallel)
     for param in model.parameters():
         setattr(param, _MARK, scale)
@@ -88,6 +93,7 @@ def parameter_gradient_scale(
         return 1 if param is None else int(getattr(param, _MARK))
     if not is_zero3(param):
         return 1
+    wait_for_every_gather()
     group = getattr(param, "ds_process_group", None)
     ranks, world = (dist.get_world_size(group), dist.get_world_size()) if dist.is_initialized() else (1, 1)
     if ranks != world:
@@ -110,6 +116,8 @@ def require_marked(param: torch.nn.Parameter, sequence_parallel: int, *, where: 
     """``ValueError`` naming ``ds_ring.initialize`` for a ZeRO-3 parameter of a sequence-parallel model whose
     engine was not built by it: ds_ring's own losses (``sequence_parallel_cross_entropy``) cannot know
     that such an engine divides by every rank."""
+    if is_zero3(param):
+        wait_for_every_gather()
     if sequence_parallel > 1 and is_zero3(param) and not hasattr(param, _MARK):
         raise ValueError(
             f"{where}: the model was given to deepspeed.initialize(..., mpu=topology) at ZeRO 3, whose default "

@@ -26,7 +26,7 @@ print("oldest: " + ", ".join(f"{name} {got[name]}" for name in pins))
 assert got == pins, f"installed {got}, pinned {pins}"
 PY
 if [ "$#" -eq 0 ]; then
-  set -- tests/test_hf_*.py tests/test_model_zoo.py tests/test_alst_ulysses_sp_hf.py tests/test_zero_equivalence.py \
+  set -- tests/test_hf_*.py tests/test_model_zoo.py tests/test_alst_ulysses_sp_hf.py tests/test_zero_equivalence.py tests/test_zero_gathers_wait.py \
     tests/test_config.py tests/test_deepspeed_collective_errors.py
 fi
 # DeepSpeed's CPU ops are compiled per DeepSpeed release: a cache of their own

@@ -12,12 +12,12 @@ The same context reads ZeRO-3 parameters whole anywhere else (a script's or a te
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
-from functools import cache
+from contextlib import contextmanager
 
 import torch
 
 from ds_ring.zero import is_zero3
+from ds_ring.zero_gathers import wait_for_every_gather
 
 __all__ = ["gathered"]
 
@@ -31,32 +31,8 @@ def gathered(params: Sequence[torch.nn.Parameter]) -> Iterator[None]:
         return
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters, ZeroParamStatus
 
+    wait_for_every_gather()  # DeepSpeed before 0.19.8 on CPU ranks: see ds_ring.zero_gathers
     # Available ones (persistent, or held by a module): whole already, and theirs to release.
     partitioned = [p for p in params if is_zero3(p) and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
-    if len(partitioned) < 2 or _coalesced_gather_waits_for_all(partitioned[0]):
-        with GatheredParameters(partitioned):
-            yield
-        return
-    with ExitStack() as stack:  # one blocking gather per parameter
-        for param in partitioned:
-            stack.enter_context(GatheredParameters([param]))
+    with GatheredParameters(partitioned):
         yield
-
-
-@cache
-def _deepspeed_waits_on_every_handle() -> bool:
-    import deepspeed
-    from packaging.version import Version
-
-    return Version(deepspeed.__version__.split("+")[0]) >= Version("0.19.8")
-
-
-def _coalesced_gather_waits_for_all(param: torch.nn.Parameter) -> bool:
-    """Whether a gather of several ZeRO-3 parameters has them all when it returns.
-
-    DeepSpeed before 0.19.8 waits on the last of a coalesced gather's per-parameter handles only: right where the
-    collectives finish in order (NCCL, one stream), not on gloo, which may finish them out of order — the other
-    parameters would be read before they arrive (seen on CPU with DeepSpeed 0.16: a layer norm's weight read as
-    1e28 once in a few runs). There, every parameter is gathered by a blocking call of its own.
-    """
-    return param.ds_tensor.device.type != "cpu" or _deepspeed_waits_on_every_handle()
