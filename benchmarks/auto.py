@@ -4,11 +4,10 @@ never the worst; the model within 15 % of the slope :func:`benchmarks.memory.mea
 
 import itertools
 import statistics
-from dataclasses import dataclass
 from typing import Any
 
 from benchmarks import memory, strategies
-from benchmarks.common import Case, Protocol, RankResult, attention_rank, figure, fmt_seq
+from benchmarks.common import Case, figure, fmt_seq
 from benchmarks.driver import Benchmark, Column, Session, main, markdown_table
 from benchmarks.hosts import HOST_RANKS, time_two_hosts
 
@@ -16,43 +15,69 @@ GRID_HEADS = ((8, 8), (8, 2))
 STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
 
 
-@dataclass
-class AutoResult(RankResult):
-    """A rank's timed calls and, for ``auto``, the option it chose (``ds_ring.auto.strategy.decisions``)."""
+def interleaved_rank(rank: int, world: int, cases: list[Case], rounds: int, timeout_s: float) -> dict[str, Any]:
+    """Rank function: every case of one grid point (each strategy and ``auto``, same shapes) built side by side in
+    this process, warmed up once each, then ``rounds`` rounds of one fwd+bwd call per case, the order reversed every
+    other round, all ranks starting each call together. Returns every case's slowest-rank seconds per round and
+    ``auto``'s pick: slow drifts of a shared machine hit every strategy alike, where separate launches do not."""
+    import time
 
-    pick: str | None = None
-    pick_label: str | None = None
-    predicted_s: float | None = None
+    import torch
+    import torch.distributed as dist
 
-
-def auto_rank(rank: int, world: int, case: Case, build: Any, protocol: Protocol) -> AutoResult:
     from ds_ring.auto import strategy as auto
 
-    result = AutoResult(**vars(attention_rank(rank, world, case, build, protocol)))
-    if case.impl == "auto" and (chosen := auto.decisions()):
-        result.pick, result.pick_label, result.predicted_s = chosen[-1].strategy, chosen[-1].label, chosen[-1].time_s
-    return result
+    first = cases[0]
+    gen = torch.Generator().manual_seed(1000 + rank)
+    rows, kv = first.seq * first.data // world, first.kv_heads or first.heads
+    q, k, v, dout = (torch.randn(first.batch, rows, h, first.head_dim, generator=gen)
+                     for h in (first.heads, kv, kv, first.heads))  # fmt: skip
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    calls = {case.impl: strategies.build(case, rank, timeout_s) for case in cases}
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for r in range(rounds + 1):  # round 0 warms every case up
+        for name in list(calls) if r % 2 == 0 else list(calls)[::-1]:
+            q.grad = k.grad = v.grad = None
+            dist.barrier()
+            start = time.perf_counter()
+            calls[name](q, k, v, None, None).backward(dout)
+            took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            if r:
+                times[name].append(float(took))
+    chosen = auto.decisions()[-1] if "auto" in calls else None
+    pick = None if chosen is None else {
+        "pick": chosen.strategy, "pick_label": chosen.label, "predicted_s": chosen.time_s, "link": vars(chosen.link),
+        "oversubscription": chosen.oversubscription,
+    }  # fmt: skip
+    return {"times_s": times, "choice": pick}
+
+
+def grid_cases(seq: int, world: int, data: int, heads: int, kv_heads: int, ulysses: int) -> list[Case]:
+    """The cases of one grid point: every strategy the heads and ranks admit, and ``auto``."""
+    sp = world // data  # hybrid needs 2 × 2 sequence-parallel ranks; Ulysses the heads split over them
+    names = [s for s in STRATEGIES if (s != "hybrid" or sp == 4) and (s != "ulysses" or heads % sp == 0)]
+    u = ulysses if sp == 4 else 1
+    return [Case(name, seq, world, ulysses=u, heads=heads, kv_heads=kv_heads, data=data) for name in [*names, "auto"]]
 
 
 def plan(session: Session) -> None:
+    from ds_ring import testing
+
     args, timing = session.args, session.extra.setdefault("timing", [])
     # (ranks, data-parallel replicas): every world asked for, and 4 ranks as 2 replicas of 2 sequence-parallel ranks
     setups = [] if args.no_timing else [(w, 1) for w in args.worlds] + [(4, 2)] * (4 in args.worlds and args.data)
     for (world, data), seq, (heads, kv_heads) in itertools.product(setups, args.seqs, GRID_HEADS):
-        sp = world // data  # hybrid needs 2 × 2 sequence-parallel ranks; Ulysses the heads split over them
-        names = [s for s in STRATEGIES if (s != "hybrid" or sp == 4) and (s != "ulysses" or heads % sp == 0)]
-        rows, u = {name: [] for name in [*names, "auto"]}, 2 if sp == 4 else 1  # per strategy, a row per round
-        for r in range(args.rounds):  # the order alternates between rounds
-            for name in list(rows) if r % 2 == 0 else list(rows)[::-1]:
-                case = Case(name, seq, world, ulysses=u, heads=heads, kv_heads=kv_heads, warmup_seq=seq, tag=f"r{r}",
-                            data=data)  # fmt: skip
-                rows[name].append(session.run(case))
-        times = {name: [r.fwdbwd_s for r in rs if r.fwdbwd_s] for name, rs in rows.items()}
-        choice = next((r.raw[0] for r in rows["auto"] if r.fwdbwd_s), {})
+        cases = grid_cases(seq, world, data, heads, kv_heads, ulysses=2)
+        kwargs = {"cases": cases, "rounds": args.rounds, "timeout_s": args.timeout_s}
+        outcomes = testing.spawn_ranks(interleaved_rank, world, timeout_s=args.timeout_s, kwargs=kwargs)
+        got = testing.rank_results(outcomes)[0]
         point = {"ranks": world, "data": data, "hosts": 1, "seq": seq, "heads": heads, "kv_heads": kv_heads}
-        timing += _verdict(point, times, choice, args.rounds)
+        timing += _verdict(point, got["times_s"], got["choice"] or {}, args.rounds)
+        print(f"{point}: {timing[-1] if timing else got}", flush=True)
+        session.write_json()
     if args.two_hosts and not args.no_timing:
-        points = time_two_hosts(args.seqs, args.rounds, args.calls, args.timeout_s)
+        points = time_two_hosts(args.seqs, args.rounds, args.timeout_s)
         if isinstance(points, str):
             print(f"no two-host points: {points}", flush=True)
             session.extra["two_hosts_skipped"] = points
@@ -75,7 +100,8 @@ def _verdict(point: dict[str, Any], times: dict[str, list[float]], choice: dict,
         "pick_s": by_name[choice["pick"]], "rounds": rounds, "best": min(by_name, key=by_name.get),
         "ratio_to_best": auto_s / best,
         "within_1_10": auto_s <= 1.10 * best, "never_worst": len(by_name) == 1 or auto_s < worst,
-        "predicted_pick_s": choice["predicted_s"],
+        "predicted_pick_s": choice["predicted_s"], "link": choice.get("link"),
+        "oversubscription": choice.get("oversubscription"),
     }]  # fmt: skip
 
 
@@ -139,7 +165,7 @@ def plots(session: Session) -> None:
 
 
 def add_args(p: Any) -> None:
-    p.add_argument("--rounds", type=int, default=3, help="timed launches per strategy and point (median)")
+    p.add_argument("--rounds", type=int, default=9, help="timed calls per strategy and point, interleaved (median)")
     p.add_argument("--memory-ranks", type=int, default=4)
     p.add_argument("--memory-lengths", nargs=2, type=int, default=[4096, 8192], help="rows per rank")
     p.add_argument("--no-memory", action="store_true")
@@ -150,7 +176,7 @@ def add_args(p: Any) -> None:
 
 BENCHMARK = Benchmark(
     name="auto", module="benchmarks.auto", title="strategy='auto' vs every strategy, fp32 causal, head dim 64",
-    plan=plan, build=strategies.build, report=report, plots=plots, rank=auto_rank, add_args=add_args,
+    plan=plan, build=strategies.build, report=report, plots=plots, add_args=add_args,
     seqs=([2048, 4096], [2048]), worlds=[2, 4], calls=3,
     label=lambda c: f"{c.impl} p={c.world}{f' dp{c.data}' * (c.data > 1)} {fmt_seq(c.seq)} {c.heads}/{c.kv_heads}h",
 )  # fmt: skip

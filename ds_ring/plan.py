@@ -61,6 +61,7 @@ def problem_from_args(args: argparse.Namespace) -> Problem:
         ranks_per_host=args.ranks_per_host, layouts=("contiguous", "zigzag") if layout == "any" else (layout,),
         degrees=degrees, communication=args.communication or section.get("communication"),
         memory_limit=None if args.memory_gib is None else int(args.memory_gib * 2**30),
+        oversubscription=args.oversubscription if args.device == "cpu" else 1.0,
     )  # fmt: skip
 
 
@@ -96,6 +97,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layout", choices=["contiguous", "zigzag", "any"], default=None)
     p.add_argument("--communication", default=None)
     p.add_argument("--ranks-per-host", type=int, default=None)
+    p.add_argument(
+        "--oversubscription",
+        type=float,
+        default=1.0,
+        help="CPU ranks: compute threads per core of the busiest machine (ranks x threads / cores)",
+    )
     p.add_argument("--forward-only", action="store_true")
     p.add_argument("--memory-gib", type=float, default=None, help="memory per rank an option may use")
     p.add_argument("--latency-us", type=float, default=None)

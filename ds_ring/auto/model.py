@@ -9,7 +9,8 @@ For one attention call (fwd+bwd) over ``p`` sequence-parallel ranks, every *opti
   causal; ``S·window`` with a sliding window), ``2·(D + Dv)`` FLOPs per pair forward and 2.5× that
   again backward. A causal ring over contiguous shards idles: each step waits for the rank with the
   full block, so its spanning work costs ``2n/(n+1)`` times the balanced share (``n``: ring degree);
-  zigzag and Ulysses are balanced.
+  zigzag and Ulysses are balanced. CPU ranks that share cores (``oversubscription`` threads per core) lend an
+  idle rank's core to the others, dividing that imbalance by the oversubscription (never below 1).
 - **bytes per link** per rank: a ring step moves one K/V block (``U·L`` rows of the ring group's K/V
   heads; only the kept rows ``1/r`` of spanning branches, over ``min(n, w/block) - 1`` hops), the
   backward moves K/V again plus dK/dV in the accumulation dtype; an all-to-all moves ``(u-1)/u`` of
@@ -112,7 +113,9 @@ class Problem:
     ``degrees``: what the options may use (a run fixes both: the shards' layout and the topology's
     ``(ulysses, ring)``; ``None``: every factorisation of ``world``); ``communication``: the exchange
     the user fixed (``None``: auto picks); ``memory_limit``: bytes per rank an option may use
-    (``None``: no limit).
+    (``None``: no limit); ``oversubscription``: CPU ranks' compute threads per core on the busiest machine
+    (:func:`ds_ring.comm.cores.oversubscription`; 1 on accelerators): above 1, a rank idle in a causal ring's
+    unbalanced steps lends its core to another, so the imbalance costs ``max(1, imbalance / oversubscription)``.
     """
 
     seq: int
@@ -134,6 +137,7 @@ class Problem:
     communication: str | None = None
     memory_limit: int | None = None
     documents: tuple[int, ...] | None = None
+    oversubscription: float = 1.0
 
     @property
     def dv(self) -> int:
@@ -170,6 +174,10 @@ class Option:
     error: str | None = None
     """Why the strategy refuses this option (``None``: valid)."""
     notes: tuple[str, ...] = field(default=())
+    link: Link | None = None
+    """The link the predictions assumed."""
+    oversubscription: float = 1.0
+    """The problem's CPU oversubscription they assumed."""
 
     @property
     def time_s(self) -> float:
@@ -242,6 +250,7 @@ def _ring_part(p: Problem, o: Option, link: Link, bandwidth: float) -> tuple[flo
         sent += block_kv * fraction * hops * (1 + ((1 + _acc(p.itemsize) / p.itemsize) if p.backward else 0))
         steps = max(steps, hops)
     imbalance = 2 * n / (n + 1) if p.causal and o.layout == "contiguous" and n > 1 else 1.0
+    imbalance = max(1.0, imbalance / p.oversubscription)  # an idle rank's core runs another rank's work
     compute = (balanced + spanning_work * (imbalance - 1)) / link.flops
     messages = steps * (3 if p.backward else 1)
     comm = sent / bandwidth + messages * link.latency_s
@@ -368,7 +377,8 @@ def evaluate(p: Problem, o: Option, link: Link) -> Option:
     q_shards = memory_q_shards(p, o)
     return replace(
         o, compute_s=compute, comm_s=comm, exposed_s=exposed, sent_bytes=int(sent),
-        memory_q_shards=q_shards, memory_bytes=int(q_shards * p.q_shard_bytes), error=error,
+        memory_q_shards=q_shards, memory_bytes=int(q_shards * p.q_shard_bytes), error=error, link=link,
+        oversubscription=p.oversubscription,
     )  # fmt: skip
 
 
@@ -411,7 +421,8 @@ def format_table(p: Problem, options: Sequence[Option], link: Link) -> str:
     mib = 2**20
     lines = [
         f"seq {p.seq} × {p.heads} heads ({p.kv_heads} K/V) × {p.head_dim}, {p.world} ranks, {p.itemsize}-byte "
-        f"elements, causal={p.causal}, q-shard {p.q_shard_bytes / mib:.2f} MiB",
+        f"elements, causal={p.causal}, q-shard {p.q_shard_bytes / mib:.2f} MiB"
+        + (f", CPU oversubscription {p.oversubscription:g}" if p.oversubscription != 1 else ""),
         f"link: latency {link.latency_s * 1e6:.1f} µs, bandwidth {link.bandwidth / 1e9:.2f} GB/s, "
         f"compute {link.flops / 1e12:.3f} TFLOP/s ({link.source})",
         f"  {'option':36s} {'step ms':>9s} {'compute':>9s} {'exposed':>9s} {'MiB sent':>9s} "

@@ -25,6 +25,7 @@ import torch
 
 from ds_ring.auto.model import Link, Option, Problem, format_table, plan_options
 from ds_ring.auto.probe import probe_link
+from ds_ring.comm import cores
 from ds_ring.comm.groups import group_rank
 from ds_ring.comm.hosts import host_of
 from ds_ring.comm.spans import group_members
@@ -45,6 +46,11 @@ def decisions() -> list[Option]:
         return list(_decisions)
 
 
+def _oversubscription(group, device: torch.device) -> float:
+    """Compute threads per core under ``group``'s CPU ranks (1.0 on an accelerator: each rank its own)."""
+    return cores.oversubscription(group_members(group)) if device.type == "cpu" else 1.0
+
+
 def _ranks_per_host(group) -> int | None:
     """Fewest ranks of ``group`` on one host, when every member's host is known (``None``: unknown)."""
     hosts = [host_of(rank) for rank in group_members(group)]
@@ -63,6 +69,7 @@ def problem_of(
     backward: bool = True,
     documents: tuple[int, ...] | None = None,
     ranks_per_host: int | None = None,
+    oversubscription: float = 1.0,
 ) -> Problem:
     """The :class:`Problem` of one call on shards of ``shape`` over ``degrees`` (layout and degrees fixed)."""
     seg, rates = call.segment_lengths, call.dilation_rates
@@ -72,7 +79,7 @@ def problem_of(
         window=call.window, segment_lengths=None if seg is None else tuple(seg),
         dilation_rates=None if rates is None else tuple(rates), backward=backward, ranks_per_host=ranks_per_host,
         layouts=(call.layout,), degrees=tuple({(1, degrees.sequence), (degrees.ulysses, degrees.ring)}),
-        communication=call.communication, documents=documents,
+        communication=call.communication, documents=documents, oversubscription=oversubscription,
     )  # fmt: skip
 
 
@@ -115,6 +122,7 @@ class Auto(Strategy):
         problem = problem_of(
             call, shape, placement.degrees, itemsize=q.element_size(), v_head_dim=v.shape[-1], backward=backward,
             documents=documents, ranks_per_host=_ranks_per_host(placement.sequence),
+            oversubscription=_oversubscription(placement.sequence, device),
         )  # fmt: skip
         options = plan_options(problem, link)
         chosen = options[0]

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
+from ds_ring.comm import cores
 from ds_ring.comm import hosts as job_hosts
 from ds_ring.comm.agree import gather_texts
 from ds_ring.parallel.layout import RankLayout
@@ -32,10 +33,13 @@ class PlacementWarning(UserWarning):
 def gather_hosts(group: dist.ProcessGroup | None, timeout_s: float | None) -> tuple[str, ...]:
     """Every rank's host in rank order (one all-gather over ``group``, a group of every rank whose backend
     takes CPU tensors), recorded as the job's (:func:`ds_ring.comm.hosts.record_hosts`: communication errors
-    name them from then on). Collective: every rank calls it at the same point."""
-    rows = gather_texts([job_hosts.node_name()], group=group, op="Topology hosts", timeout_s=timeout_s)
+    name them from then on), and every rank's CPU cores (:func:`ds_ring.comm.cores.record_places`). Collective:
+    every rank calls it at the same point."""
+    mine = [job_hosts.node_name(), cores.this_place().to_text()]
+    rows = gather_texts(mine, group=group, op="Topology hosts", timeout_s=timeout_s)
     names = tuple(row[0] for row in rows)
     job_hosts.record_hosts(names)
+    cores.record_places([cores.CpuPlace.from_text(row[1]) for row in rows])
     return names
 
 
