@@ -116,9 +116,10 @@ def require_marked(param: torch.nn.Parameter, sequence_parallel: int, *, where: 
     """``ValueError`` naming ``ds_ring.initialize`` for a ZeRO-3 parameter of a sequence-parallel model whose
     engine was not built by it: ds_ring's own losses (``sequence_parallel_cross_entropy``) cannot know
     that such an engine divides by every rank."""
-    if is_zero3(param):
-        wait_for_every_gather()
-    if sequence_parallel > 1 and is_zero3(param) and not hasattr(param, _MARK):
+    if not is_zero3(param):
+        return
+    wait_for_every_gather()
+    if sequence_parallel > 1 and not hasattr(param, _MARK):
         raise ValueError(
             f"{where}: the model was given to deepspeed.initialize(..., mpu=topology) at ZeRO 3, whose default "
             f"reduce-scatter path divides the gradient sum by every rank where ds_ring's losses expect the "
