@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     replicas, replica = topology.get_data_parallel_world_size(), topology.get_data_parallel_rank()
     micro = engine.train_micro_batch_size_per_gpu()
-    positions = ds_ring.shard_sequence(torch.arange(args.seq), topology, dim=0)
+    positions = ds_ring.shard_sequence(torch.arange(args.seq, device=engine.device), topology, dim=0)
 
     start_step = 0
     resumed = ds_ring.load_checkpoint(engine, save_dir)
@@ -295,7 +295,9 @@ def main(argv: list[str] | None = None) -> dict:
         monitor.begin_step(step + 1)
         tokens, labels = make_batch(step, micro * replicas, args.seq, args.seed)
         rows = slice(replica * micro, (replica + 1) * micro)
-        local_tokens, local_labels = (ds_ring.shard_sequence(x[rows], topology) for x in (tokens, labels))
+        local_tokens, local_labels = (
+            ds_ring.shard_sequence(x[rows].to(engine.device), topology) for x in (tokens, labels)
+        )
         logits = engine(local_tokens, positions)
         loss = ds_ring.sequence_parallel_cross_entropy(logits, local_labels, topology)
         if not monitor.skip_step():  # numerics_guard "skip_step": the batch is dropped on every rank

@@ -217,7 +217,9 @@ def main(argv: list[str] | None = None) -> dict:
     # Every rank of a sequence-parallel group loads the same full batches: sample over the replicas only.
     dataset = RecallDataset(args.steps * micro * replicas, args.seq, args.seed)
     sampler = DistributedSampler(dataset, replicas, topology.get_data_parallel_rank(), shuffle=False)
-    loader = SequenceParallelDataLoader(DataLoader(dataset, batch_size=micro, sampler=sampler), session)
+    loader = SequenceParallelDataLoader(
+        DataLoader(dataset, batch_size=micro, sampler=sampler), session, device=engine.device
+    )
 
     start_step = 0
     resumed = ds_ring.load_checkpoint(engine, args.save_dir) if args.save_dir else None

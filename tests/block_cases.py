@@ -43,17 +43,22 @@ def check_against_oracle(
     *,
     v_head_dim: int | None = None,
     softcap: float | None = None,
+    token_major: bool = False,
 ) -> None:
     """The kernel's out, LSE and dq/dk/dv equal the oracle's within ``tol`` (absolute and relative), in the
     input dtypes (LSE in float32, float64 for float64). ``v_head_dim``: ``v``'s own head dim (default ``d``);
-    ``softcap``: passed to the kernel (which must take it) and the oracle."""
+    ``softcap``: passed to the kernel (which must take it) and the oracle; ``token_major``: every input a
+    ``[b, h, s, d]`` view of ``[b, s, h, d]`` memory, as ds_ring's attention hands the kernels its shards."""
     batch, heads, m, d, n = shape
     dv = d if v_head_dim is None else v_head_dim
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(batch, heads, m, d, generator=gen).to(device, dtype)
-    k = torch.randn(batch, heads, n, d, generator=gen).to(device, dtype)
-    v = torch.randn(batch, heads, n, dv, generator=gen).to(device, dtype)
-    dout = torch.randn(batch, heads, m, dv, generator=gen).to(device, dtype)
+
+    def made(rows: int, dim: int) -> torch.Tensor:
+        if token_major:
+            return torch.randn(batch, rows, heads, dim, generator=gen).to(device, dtype).transpose(1, 2)
+        return torch.randn(batch, heads, rows, dim, generator=gen).to(device, dtype)
+
+    q, k, v, dout = made(m, d), made(n, d), made(n, dv), made(m, dv)
     capped = () if softcap is None else (softcap,)
     out, lse = kernel.forward(q, k, v, causal, 0.3, *capped)
     grads = kernel.backward(dout, q, k, v, out, lse, causal, 0.3, *capped)

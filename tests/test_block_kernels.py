@@ -80,6 +80,13 @@ def test_kernel_matches_oracle(monkeypatch, kernel, dtype, shape, causal, tile_b
     check_against_oracle(kernel, dtype, shape, causal, "cpu", TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("kernel", [fused.CPU_FLASH, chunked.CHUNKED], ids=lambda k: k.name)
+@pytest.mark.parametrize(("shape", "causal"), SHAPES)
+def test_kernel_on_token_major_views_matches_oracle(kernel, shape, causal):
+    """``[b, h, s, d]`` views of ``[b, s, h, d]`` memory, as the attention hands the kernels its shards."""
+    check_against_oracle(kernel, F64, shape, causal, "cpu", TOLERANCE[F64], token_major=True)
+
+
 def test_tiling_stays_within_its_budget():
     for batch_heads in (1, 3, 64, 5000):
         for m, n in ((1, 1), (7, 1000), (1000, 7), (4096, 4096), (8192, 3)):

@@ -25,7 +25,7 @@ GPU's facts:
 | ROCm without fused attention, other devices | any | ``torch`` |
 
 On ROCm PyTorch's two fused ops run through AOTriton (``torch.backends.cuda.is_flash_attention_available()``
-says whether this build has them); not yet run here (no GPU).
+says whether this build has them); not yet run here (the one GPU run was on an NVIDIA H200).
 
 A value head dim of its own (``v_head_dim != head_dim``, multi-head latent attention) keeps the same kernels:
 ``cpu_flash`` and ``cuda_flash`` see the smaller side zero-padded to the larger (exact; what Hugging Face does

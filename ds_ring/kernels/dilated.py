@@ -218,14 +218,19 @@ def regions_backward_(
         del args, dq_piece, dk_piece, dv_piece  # this call's copies and outputs go before the next call's exist
 
 
-def _whole_call(regions: Sequence[Region], q: torch.Tensor, k: torch.Tensor) -> tuple[Region, SegmentRun] | None:
+def _whole_call(
+    regions: Sequence[Region], q: torch.Tensor, k: torch.Tensor, final: bool
+) -> tuple[Region, SegmentRun] | None:
     """A region whose branch is one kernel call over every row and head of ``q``/``k`` ``[B, S, H, D]``.
 
     That is a rate-1 branch over all rows whose segments tile them (one run), without GQA: the call's
-    dQ/dK/dV then have the tensors' shapes and can be the gradients themselves.
+    dQ/dK/dV then have the tensors' shapes and can be the gradients themselves. In half precision only when they
+    are ``final`` and it is the one region (anything added into them wants the accumulation dtype): a dense call
+    on one process then keeps no fp32 gradient accumulators (6 q-shards of bf16, measured on an H200).
     """
     seq = q.shape[1]
-    if k.shape[2] != q.shape[2] or q.dtype != accum_dtype(q.dtype):
+    half = q.dtype != accum_dtype(q.dtype)
+    if k.shape[2] != q.shape[2] or (half and not (final and len(regions) == 1)):
         return None
     for region in regions:
         runs = segment_runs(seq, region.branch.segment)
@@ -234,16 +239,19 @@ def _whole_call(regions: Sequence[Region], q: torch.Tensor, k: torch.Tensor) -> 
     return None
 
 
-def regions_backward(saved: Sequence[Tensor], regions: Sequence[Region], opts: Options) -> Grads | None:
+def regions_backward(
+    saved: Sequence[Tensor], regions: Sequence[Region], opts: Options, *, final: bool = False
+) -> Grads | None:
     """Every region's gradients, when one region is a single kernel call over the whole tensors (with a
     ``window``: one band call, :func:`~ds_ring.kernels.window.attend_band_backward`).
 
     That call runs first and its dQ/dK/dV become the gradients (no zero accumulators, no added
-    copy); the other regions accumulate into them. ``saved`` and shapes as in :func:`regions_backward_`.
-    Returns ``(dq, dk, dv)``, or ``None`` (nothing computed) when no region is such a call.
+    copy); the other regions accumulate into them. ``saved`` and shapes as in :func:`regions_backward_`;
+    ``final``: nothing outside adds into the gradients returned (half-precision inputs may then keep them in their
+    own dtype). Returns ``(dq, dk, dv)``, or ``None`` (nothing computed) when no region is such a call.
     """
     q, k, v = saved[1:4]
-    whole = _whole_call(regions, q, k)
+    whole = _whole_call(regions, q, k, final)
     if whole is None:
         return None
     region, run = whole
@@ -282,7 +290,7 @@ def dilated_backward(
     dout, q, k, v, out, lse = saved
     saved = (dout.to(q.dtype), q, k, v, out, lse)
     if grads is None:
-        grads = regions_backward(saved, regions, opts)
+        grads = regions_backward(saved, regions, opts, final=True)
     if grads is None:
         acc = accum_dtype(q.dtype)
         grads = tuple(torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
