@@ -2,9 +2,11 @@
 
 The main job (launch/train.py under torchrun, CPU, dense causal attention over 128 tokens, a 1-layer model of
 dim 32) runs 3 steps on 4 ranks (sequence parallel 4) saving at step 2: the reference, and the step-2
-checkpoint the cases resume from (a copy each). Each case resumes at another shape for ONE step (to step 3) and
-its final state must equal the reference's: the optimizer's fp32 master weights, the model's weights (in the run's
-dtype), the Adam moments, the Adam step and, in fp16, the loss scale (``launch/train.py --final-optimizer-state``).
+checkpoint the cases resume from, in place and without saving: a universal form one case converts is reused by
+the next case resuming from it (checked: ``converted in 0.00 s``), so each checkpoint is converted once. Each case
+resumes at another shape for ONE step (to step 3) and its final state must equal the reference's: the optimizer's
+fp32 master weights, the model's weights (in the run's dtype), the Adam moments, the Adam step and, in fp16, the
+loss scale (``launch/train.py --final-optimizer-state``).
 
 Tolerances (lr = 1e-5, Adam β1 = 0.9, β2 = 0.999, no weight decay; u = the dtype's unit roundoff: fp32 2^-24,
 bf16 2^-8, fp16 2^-11). Both runs take step 3 from the same state (what the checkpoint holds) on the same samples;
@@ -42,14 +44,13 @@ at ZeRO 0 each keeps a whole fp32 copy, loaded as it is; at ZeRO 1-3 through the
 - bf16 ZeRO 2 → 3 and fp16 ZeRO 2 → 1, against the ZeRO-2 run.
 
 fp16 runs through ``tests/cpu_fp16_train.py`` (DeepSpeed refuses fp16 on this CPU; torch computes it). And a
-shape that cannot be resumed (ZeRO 0 → 2) is refused before the first step, naming both shapes. 20 launches of 2-4
-ranks, 15-60 s each on 2 shared cores: marked slow.
+shape that cannot be resumed (ZeRO 0 → 2) is refused before the first step, naming both shapes (the bf16 ZeRO-0
+checkpoint). 20 launches of 2-4 ranks, 5 universal conversions; marked slow.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -71,16 +72,17 @@ MOMENT_FLOOR = 1e-5  # fp32's moment tolerance floor, relative to the largest mo
 
 
 def _train(run: Path, *, ranks: int, zero: int, precision: str = "fp32", sequence_parallel: int | None = None,
-           micro: int = 4, steps: int = STEPS, save_every: int = 0) -> Exit:  # fmt: skip
-    """``torchrun`` of the main job on ``ranks`` ranks into ``run`` (``run/ckpt``, ``run/final.pt``,
-    ``run/state.pt``); asserts that nothing it started is left running."""
+           micro: int = 4, steps: int = STEPS, save_every: int = 0, resume: Path | None = None) -> Exit:  # fmt: skip
+    """``torchrun`` of the main job on ``ranks`` ranks into ``run`` (``run/final.pt``, ``run/state.pt``),
+    checkpointing into ``run/ckpt`` or resuming from ``resume``'s (without saving: a universal form converted there
+    is reused by the next case resuming from it); asserts that nothing it started is left running."""
     config = write_config(run / f"ds_config_{ranks}.json", sequence_parallel=sequence_parallel or ranks, dense=True,
                           zero_stage=zero, micro_batch=micro, metrics=False)  # fmt: skip
     if precision != "fp32":
         config.write_text(json.dumps({**json.loads(config.read_text()), precision: FP16 if precision == "fp16"
                                       else {"enabled": True}}))  # fmt: skip
     args = ["--deepspeed_config", str(config), "--seq", str(SEQ), "--steps", str(steps), "--save-every",
-            str(save_every), "--save-dir", str(run / "ckpt"), "--final-params", str(run / "final.pt"),
+            str(save_every), "--save-dir", str((resume or run) / "ckpt"), "--final-params", str(run / "final.pt"),
             "--final-optimizer-state", str(run / "state.pt"), "--lr", str(LR), *MODEL]  # fmt: skip
     port = free_port()
     command = [str(BIN / "torchrun"), "--nnodes", "1", "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1",
@@ -92,12 +94,9 @@ def _train(run: Path, *, ranks: int, zero: int, precision: str = "fp32", sequenc
         assert left == [], f"processes left running: {left}"
 
 
-def _from_saved(source: Path, run: Path) -> Path:
-    """``run/ckpt`` holding a copy of ``source``'s step-2 checkpoint as its latest."""
-    (run / "ckpt").mkdir(parents=True)
-    shutil.copytree(source / "ckpt" / f"step{SAVED}", run / "ckpt" / f"step{SAVED}")
-    (run / "ckpt" / "latest").write_text(f"step{SAVED}")
-    return run
+def _universal(run: Path) -> Path:
+    """Where a resume from ``run``'s step-2 checkpoint converts it to (or finds) the universal form."""
+    return run / "ckpt" / f"step{SAVED}_universal"
 
 
 def _ended(run: Path, done: Exit) -> dict:
@@ -183,11 +182,10 @@ def half_references(tmp_path_factory: pytest.TempPathFactory):
 @pytest.mark.timeout(900)
 def test_four_ranks_to_two(reference, tmp_path: Path) -> None:
     source, expected = reference
-    run = _from_saved(source, tmp_path)
-    done = _train(run, ranks=2, zero=2)
-    _assert_resumed(expected, run, done, "universal", case="4 -> 2 ranks, ZeRO 2")
+    done = _train(tmp_path, ranks=2, zero=2, resume=source)
+    _assert_resumed(expected, tmp_path, done, "universal", case="4 -> 2 ranks, ZeRO 2")
     assert "written at (4 ranks = 1 data-parallel × 4 sequence-parallel, ZeRO 2" in done.output
-    assert (run / "ckpt" / f"step{SAVED}_universal" / "zero").is_dir()
+    assert (_universal(source) / "zero").is_dir()
 
 
 @pytest.mark.timeout(900)
@@ -202,9 +200,12 @@ def test_two_rank_checkpoint_resumes(
     """A 2-rank run's step-2 checkpoint at ZeRO ``first_zero`` resumed on ``ranks`` ranks (all sequence parallel)
     at ZeRO ``zero``; ``converted``: the ZeRO stage changes, so the log names the shape it was converted for."""
     _, expected = reference
-    run = _from_saved(two_rank_checkpoints(first_zero), tmp_path)
-    done = _train(run, ranks=ranks, zero=zero)
-    _assert_resumed(expected, run, done, "universal", case=f"2 ranks ZeRO {first_zero} -> {ranks} ranks ZeRO {zero}")
+    source = two_rank_checkpoints(first_zero)
+    reused = _universal(source).is_dir()
+    done = _train(tmp_path, ranks=ranks, zero=zero, resume=source)
+    case = f"2 ranks ZeRO {first_zero} -> {ranks} ranks ZeRO {zero}"
+    _assert_resumed(expected, tmp_path, done, "universal", case=case)
+    assert not reused or "(universal: converted in 0.00 s" in done.output, "the universal form was not reused"
     shape = f"{ranks} ranks = 1 data-parallel × {ranks} sequence-parallel, ZeRO {zero}, global batch 4"
     assert not converted or f"at ({shape}): converted" in done.output
 
@@ -212,9 +213,8 @@ def test_two_rank_checkpoint_resumes(
 @pytest.mark.timeout(900)
 def test_data_parallel_change_keeps_the_global_batch(reference, tmp_path: Path) -> None:
     source, expected = reference
-    run = _from_saved(source, tmp_path)
-    done = _train(run, ranks=4, sequence_parallel=2, zero=2, micro=2)
-    _assert_resumed(expected, run, done, "native", case="4 ranks: data parallel 1 -> 2")
+    done = _train(tmp_path, ranks=4, sequence_parallel=2, zero=2, micro=2, resume=source)
+    _assert_resumed(expected, tmp_path, done, "native", case="4 ranks: data parallel 1 -> 2")
     assert "global batch changes" not in done.output
 
 
@@ -234,16 +234,17 @@ def test_half_precision_four_ranks_to_two(
     source, expected = half_references(precision, saved_zero)
     if precision == "fp16":  # doubled after every step but the first: 2^4 → 2^5 at the checkpoint → 2^6
         assert expected["loss_scale"] == 2.0 ** (FP16["initial_scale_power"] + STEPS - 1), expected["loss_scale"]
-    run = _from_saved(source, tmp_path)
-    done = _train(run, ranks=2, zero=zero, precision=precision)
-    _assert_resumed(expected, run, done, loaded_as, precision, f"4 ranks ZeRO {saved_zero} -> 2 ranks ZeRO {zero}")
+    reused = _universal(source).is_dir()
+    done = _train(tmp_path, ranks=2, zero=zero, precision=precision, resume=source)
+    case = f"4 ranks ZeRO {saved_zero} -> 2 ranks ZeRO {zero}"
+    _assert_resumed(expected, tmp_path, done, loaded_as, precision, case)
+    assert not reused or "(universal: converted in 0.00 s" in done.output, "the universal form was not reused"
 
 
 @pytest.mark.timeout(900)
 def test_zero0_to_zero2_is_refused_before_the_first_step(half_references, tmp_path: Path) -> None:
     source, _ = half_references("bf16", 0)
-    run = _from_saved(source, tmp_path)
-    done = _train(run, ranks=2, zero=2, precision="bf16")
+    done = _train(tmp_path, ranks=2, zero=2, precision="bf16", resume=source)
     assert done.code not in (0, None), done.output[-4000:]
     written = "4 ranks = 1 data-parallel × 4 sequence-parallel, ZeRO 0, global batch 4"
     now = "2 ranks = 1 data-parallel × 2 sequence-parallel, ZeRO 2"
