@@ -19,14 +19,14 @@ split of the sums over ranks differs, so step 9's gradients differ by rounding:
   attention's key biases have zero gradient in exact arithmetic (softmax is invariant to a constant per query), so
   Adam turns rounding noise into updates of up to lr, of either sign. The checkpoint is taken at step 8 so that a
   master copy lost across the reshape shows: the masters start as the bf16/fp16 weights and move ~lr per step, so
-  masters rebuilt from the half-precision weights would be off by up to ~8·lr, 4 times the bound (at step 2 it
-  would not show).
+  masters rebuilt from the half-precision weights are off by up to ~8·lr: measured 3.5 (bf16) and 2.9 (fp16) times
+  the bound (at step 2 it did not show).
 - the model's weights (the master rounded to the run's dtype): the same plus one rounding of each run,
   2·B(t)·lr + 2u·max|p| (bf16: 2^-7 of the largest parameter).
 - Adam moments: they differ by (1−β1)·Δg and ≈2(1−β2)|g|·Δg, Δg being the rounding difference of step 9's
   gradients; measured at a few u of the largest moment (bf16 ~1e-2), they are checked at 16u of the model's
   largest moment (fp32: at least 1e-5). Moments lost across the reshape (restarted from zero) would be off by most
-  of the largest (measured 0.8 in bf16: exp_avg ≈ (1−β1⁹)g with its history, (1−β1)g without).
+  of the largest (measured 0.76 and 0.88 in bf16: exp_avg ≈ (1−β1⁹)g with its history, (1−β1)g without).
 - the Adam step and the fp16 loss scale: exactly. fp16 runs with ``initial_scale_power`` 4 and
   ``loss_scale_window`` 1, so the scale doubles after every step but the first: 2^11 at the checkpoint, 2^12 one step
   later (a scaler restarted at 2^4 reaches at most 2^5).
