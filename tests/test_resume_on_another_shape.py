@@ -44,11 +44,12 @@ Half precision, 4 → 2 ranks (bf16: DeepSpeed's bf16 optimizer; fp16: its fp16 
 at ZeRO 0 each keeps a whole fp32 copy, loaded as it is; at ZeRO 1-3 through the universal checkpoint):
 
 - bf16 and fp16 at ZeRO 0 and ZeRO 2, each against its own uninterrupted run;
-- bf16 ZeRO 2 → 3 and fp16 ZeRO 2 → 1, against the ZeRO-2 run.
+- bf16 ZeRO 2 → 3 and fp16 ZeRO 2 → 1, against the ZeRO-2 run;
+- bf16 at ZeRO 1 with fp32 gradient accumulation (DeepSpeed's ``BF16_Optimizer``, masters partitioned).
 
 fp16 runs through ``tests/cpu_fp16_train.py`` (DeepSpeed refuses fp16 on this CPU; torch computes it). And a
 shape that cannot be resumed (ZeRO 0 → 2) is refused before the first step, naming both shapes (the bf16 ZeRO-0
-checkpoint). 20 launches of 2-4 ranks, 5 universal conversions; marked slow.
+checkpoint). 22 launches of 2-4 ranks, 6 universal conversions; marked slow.
 """
 
 from __future__ import annotations
@@ -82,15 +83,17 @@ def adam_step_bound(t: int, beta1: float = 0.9, beta2: float = 0.999) -> float:
 
 
 def _train(run: Path, *, ranks: int, zero: int, precision: str = "fp32", sequence_parallel: int | None = None,
-           micro: int = 4, steps: int = STEPS, save_every: int = 0, resume: Path | None = None) -> Exit:  # fmt: skip
+           micro: int = 4, steps: int = STEPS, save_every: int = 0, resume: Path | None = None,
+           config_extra: dict | None = None) -> Exit:  # fmt: skip
     """``torchrun`` of the main job on ``ranks`` ranks into ``run`` (``run/final.pt``, ``run/state.pt``),
     checkpointing into ``run/ckpt`` or resuming from ``resume``'s (without saving: a universal form converted there
-    is reused by the next case resuming from it); asserts that nothing it started is left running."""
+    is reused by the next case resuming from it), ``config_extra`` added to the ds_config; asserts that nothing it
+    started is left running."""
     config = write_config(run / f"ds_config_{ranks}.json", sequence_parallel=sequence_parallel or ranks, dense=True,
                           zero_stage=zero, micro_batch=micro, metrics=False)  # fmt: skip
-    if precision != "fp32":
-        config.write_text(json.dumps({**json.loads(config.read_text()), precision: FP16 if precision == "fp16"
-                                      else {"enabled": True}}))  # fmt: skip
+    extra = {**({} if precision == "fp32" else {precision: FP16 if precision == "fp16" else {"enabled": True}}),
+             **(config_extra or {})}  # fmt: skip
+    config.write_text(json.dumps({**json.loads(config.read_text()), **extra}))
     args = ["--deepspeed_config", str(config), "--seq", str(SEQ), "--steps", str(steps), "--save-every",
             str(save_every), "--save-dir", str((resume or run) / "ckpt"), "--final-params", str(run / "final.pt"),
             "--final-optimizer-state", str(run / "state.pt"), "--lr", str(LR), *MODEL]  # fmt: skip
@@ -250,6 +253,23 @@ def test_half_precision_four_ranks_to_two(
     case = f"4 ranks ZeRO {saved_zero} -> 2 ranks ZeRO {zero}"
     _assert_resumed(expected, tmp_path, done, loaded_as, precision, case)
     assert not reused or "(universal: converted in 0.00 s" in done.output, "the universal form was not reused"
+
+
+@pytest.mark.timeout(900)
+def test_bf16_optimizer_four_ranks_to_two(tmp_path: Path) -> None:
+    """bf16 at ZeRO 1 with fp32 gradient accumulation, where DeepSpeed steps its ``BF16_Optimizer`` (fp32 masters
+    partitioned over every rank, ``bf16_zero_pp_rank_*`` files): 4 ranks → checkpoint → 2 ranks through the
+    universal checkpoint, one step later equal to the uninterrupted run."""
+    accumulate = {"data_types": {"grad_accum_dtype": "fp32"}}
+    source, run = tmp_path / "uninterrupted", tmp_path / "resumed"
+    source.mkdir(), run.mkdir()
+    expected = _ended(source, _train(source, ranks=4, zero=1, precision="bf16", save_every=SAVED,
+                                     config_extra=accumulate))  # fmt: skip
+    state = torch.load(next((source / "ckpt" / f"step{SAVED}").glob("bf16_zero_pp_rank_0_*")), weights_only=False)
+    assert "single_partition_of_fp32_groups" in state["optimizer_state_dict"], "not DeepSpeed's BF16_Optimizer"
+    assert "zero_stage" not in state["optimizer_state_dict"], "not DeepSpeed's BF16_Optimizer"
+    done = _train(run, ranks=2, zero=1, precision="bf16", resume=source, config_extra=accumulate)
+    _assert_resumed(expected, run, done, "universal", "bf16", "BF16_Optimizer, ZeRO 1, 4 -> 2 ranks")
 
 
 @pytest.mark.timeout(900)
