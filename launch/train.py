@@ -56,6 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python launch/t
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is imported: no detection warning
 
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
+
 import ds_ring  # noqa: E402
 from ds_ring.config import read_ds_config  # noqa: E402
 from ds_ring.hooks import Event, HookHandle, peak_memory_bytes, register_hook  # noqa: E402
@@ -223,6 +225,55 @@ def final_parameters(engine: Any) -> dict[str, torch.Tensor]:
         return {name: p.detach().clone() for name, p in named}
 
 
+def optimizer_state(engine: Any) -> dict[str, Any]:
+    """Collective: what the optimizer holds, whole, to compare runs at other shapes.
+
+    ``"params"``: each parameter's name → its fp32 master weight (``"fp32"``; the parameter itself where the optimizer
+    keeps no other copy) and Adam moments (``"exp_avg"``, ``"exp_avg_sq"``; zeros before the first step), fp32, of
+    the parameter's shape. ``"steps"``: the sorted distinct Adam step counts of this rank's state. ``"loss_scale"``:
+    the fp16 loss scale (``None`` without fp16).
+    """
+    optimizer, basic = engine.optimizer, engine.basic_optimizer
+    named = list(engine.module.named_parameters())
+    held: dict[str, dict[str, torch.Tensor]] = {}
+    for name, p in named:
+        fp32 = safe_get_full_fp32_param(p)  # ZeRO 1-3 and BF16_Optimizer (collective)
+        if fp32 is not None:
+            held[name] = {"fp32": fp32, **{key: safe_get_full_optimizer_state(p, key) for key in _MOMENTS}}
+    if not held:
+        held = _whole_masters(optimizer, basic, named)
+    steps = sorted({int(state["step"]) for state in basic.state.values() if "step" in state})
+    scale = getattr(optimizer, "loss_scale", None) if engine.fp16_enabled() else None
+    params = {name: {key: value.detach().float().cpu().clone() for key, value in d.items()} for name, d in held.items()}
+    return {"params": params, "steps": steps, "loss_scale": None if scale is None else float(scale)}
+
+
+def _whole_masters(optimizer: Any, basic: Any, named: list[tuple[str, torch.Tensor]]) -> dict[str, dict]:
+    """Without ZeRO: DeepSpeed's FP16 optimizers (fp16; bf16 at ZeRO 0) keep one fp32 master per parameter (unfused:
+    ``fp32_groups``) or one flat master per group (fused: ``fp32_groups_flat``, parameters sliced in group order);
+    a plain optimizer steps the parameters themselves. Adam's state is keyed by the master."""
+    names = {id(p): name for name, p in named}
+    if hasattr(optimizer, "fp32_groups"):
+        pieces = [(p, master, slice(None)) for group, masters in zip(optimizer.fp16_groups, optimizer.fp32_groups,
+                  strict=True) for p, master in zip(group, masters, strict=True)]  # fmt: skip
+    elif hasattr(optimizer, "fp32_groups_flat"):
+        pieces = []
+        for group, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat, strict=True):
+            ends = torch.tensor([p.numel() for p in group]).cumsum(0).tolist()
+            pieces += [(p, flat, slice(end - p.numel(), end)) for p, end in zip(group, ends, strict=True)]
+    else:
+        pieces = [(p, p, slice(None)) for _, p in named]
+    held = {}
+    for p, master, piece in pieces:
+        state = basic.state[master]
+        tensors = {"fp32": master, **{key: state.get(key, torch.zeros_like(master)) for key in _MOMENTS}}
+        held[names[id(p)]] = {key: t.reshape(-1)[piece].view(p.shape) for key, t in tensors.items()}
+    return held
+
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
 def save(engine: Any, save_dir: Path, step: int) -> float:
     """Checkpoint ``step`` (tag ``step<N>``) into ``save_dir``; returns the seconds it took."""
     started = time.perf_counter()
@@ -249,6 +300,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics-log", default=None, help="write per-step metrics as JSON lines here (rank 0)")
     p.add_argument("--final-params", default=None, help="rank 0 saves the final parameters here (torch.save) "
                    "when the run completes")  # fmt: skip
+    p.add_argument("--final-optimizer-state", default=None, help="rank 0 saves the optimizer's fp32 master weights, "
+                   "Adam moments, step and loss scale here (torch.save; launch/train.py's optimizer_state) when the "
+                   "run completes")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -328,6 +382,10 @@ def main(argv: list[str] | None = None) -> dict:
         params = final_parameters(engine)
         if rank == 0:
             torch.save(params, args.final_params)
+    if args.final_optimizer_state and preempted is None:
+        state = optimizer_state(engine)
+        if rank == 0:
+            torch.save(state, args.final_optimizer_state)
     if os.environ.get("DS_RING_TRAIN_SUMMARY"):
         Path(os.environ["DS_RING_TRAIN_SUMMARY"]).with_suffix(f".rank{rank}.json").write_text(json.dumps(summary))
     shut_down(engine)

@@ -10,6 +10,7 @@ again on every call, each would leave a gloo group (and its connections) behind.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
@@ -24,7 +25,12 @@ from ds_ring.comm.groups import takes_cpu
 from ds_ring.comm.wait import process_group_timeout_s, resolve_timeout
 from ds_ring.parallel.layout import ROLES, RankLayout
 
-__all__ = ["RoleGroups", "create_groups", "control_world", "needs_control_twins", "nccl_device", "group_timeout"]
+__all__ = [
+    "RoleGroups", "create_groups", "control_world", "needs_control_twins", "nccl_device", "group_timeout",
+    "group_timeout_s",
+]  # fmt: skip
+
+logger = logging.getLogger("ds_ring.parallel")
 
 
 def needs_control_twins(group: ProcessGroup | None = None) -> bool:
@@ -58,6 +64,17 @@ def group_timeout(timeout_s: float) -> timedelta:
     return timedelta(seconds=process_group_timeout_s(timeout_s))
 
 
+def group_timeout_s(group: ProcessGroup) -> float | None:
+    """``group``'s own timeout in seconds, as its backend holds it (CPU backend first, then CUDA); ``None`` when
+    no backend of it exposes one."""
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout.total_seconds()
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    return None
+
+
 def nccl_device(world: ProcessGroup | None = None) -> torch.device | None:
     """The CUDA device this rank's NCCL groups are bound to: the current one when ``world``'s backend moves
     CUDA tensors with NCCL (``"nccl"``, ``"cpu:gloo,cuda:nccl"``) and CUDA is available, else ``None``."""
@@ -83,8 +100,12 @@ def create_groups(
     ``new_group`` calls in the same order, each with twice ``timeout_s`` as its timeout.
 
     A rank set that several roles share (e.g. sequence parallel = ulysses when ``ring == 1``) gets
-    one process group; the set of all ranks is ``world`` itself (its control group: ``control``). When
-    ``world``'s backend takes no CPU tensors (:func:`needs_control_twins`) every other set also gets a gloo
+    one process group; the set of all ranks is ``world`` itself (its control group: ``control``) when ``world``'s
+    own timeout is at least twice ``timeout_s``, else a group of its own with that timeout (and its gloo twin),
+    with a warning naming both: reusing a world with a shorter timeout (DeepSpeed's ``init_distributed`` gives
+    1,800 s) would let the backend's bound (NCCL's watchdog, gloo's timeout) end a wait ds_ring still allows. The
+    world's timeout is the one every rank passed to ``init_process_group``, so every rank makes the same groups.
+    When ``world``'s backend takes no CPU tensors (:func:`needs_control_twins`) every other set also gets a gloo
     group, for control traffic.
 
     On NCCL (:func:`nccl_device`) each group is made with ``device_id``, so NCCL connects its communicator
@@ -99,10 +120,21 @@ def create_groups(
     mine: dict[str, ProcessGroup] = {}
     controls: dict[int, ProcessGroup | None] = {id(world): control}
     warm: list[ProcessGroup] = []
+    world_s = group_timeout_s(world)
+    reuse_world = world_s is not None and world_s >= timeout.total_seconds()
+    if not reuse_world and rank == 0:
+        logger.warning(
+            "ds_ring: the world process group's timeout (%s s) is shorter than twice timeout_s (2 × %g s): the "
+            "groups of every rank are a new process group with a %g s timeout instead of the world (one more "
+            "communicator); start torch.distributed with timeout=timedelta(seconds=%g) (deepspeed.init_distributed "
+            "or init_process_group) to reuse the world",
+            "unknown" if world_s is None else f"{world_s:g}", timeout_s, timeout.total_seconds(),
+            timeout.total_seconds(),
+        )  # fmt: skip
     for role in ROLES:
         for ranks in layout.groups(role):
             if ranks not in made:
-                if len(ranks) == layout.world_size:
+                if len(ranks) == layout.world_size and reuse_world:
                     made[ranks] = (world, control)
                 else:
                     group = dist.new_group(list(ranks), timeout=timeout, **bound)
@@ -110,6 +142,8 @@ def create_groups(
                     made[ranks] = (group, twin)
                     if device is not None and rank in ranks and len(ranks) > 1:
                         warm.append(group)
+                    if len(ranks) == layout.world_size:
+                        controls[id(world)] = twin  # control traffic of every rank: bounded like the rest
             if rank in ranks:
                 mine[role] = made[ranks][0]
                 controls[id(made[ranks][0])] = made[ranks][1]

@@ -48,7 +48,9 @@ class Topology(DeepSpeedMpu):
     ``ValueError`` on every rank naming each rank's values. Then the degrees are checked, before any
     group is created. ``timeout_s`` (``None``: 300 s, :data:`ds_ring.comm.DEFAULT_TIMEOUT_S`) then
     bounds every wait of attention over this topology that names no timeout of its own; every group made
-    here has twice it as its process-group timeout (the backend's watchdog stays the backstop). The ranks then
+    here has twice it as its process-group timeout (the backend's watchdog stays the backstop), and so has the
+    group of every rank: ``group`` (the world) when its own timeout is as long, else a new group of the same ranks,
+    with a warning naming both timeouts (:func:`~ds_ring.parallel.groups.create_groups`). The ranks then
     exchange their hosts (:func:`~ds_ring.parallel.ulysses_hosts.gather_hosts`, named in communication errors
     from then on) and check that no Ulysses group spans several hosts
     (:func:`~ds_ring.parallel.ulysses_hosts.check_placement`): ``ulysses_across_hosts`` ``"warn"`` (a
@@ -118,7 +120,7 @@ class Topology(DeepSpeedMpu):
         object.__setattr__(self, "rank", rank)
         object.__setattr__(self, "world_group", group)
         object.__setattr__(self, "timeout_s", timeout_s)
-        object.__setattr__(self, "_controls", {**groups.controls, id(group): control})
+        object.__setattr__(self, "_controls", {**groups.controls, id(group): groups.controls[id(world)]})
         for role, pg in groups.mine.items():
             object.__setattr__(self, f"{role}_group", pg)
 
