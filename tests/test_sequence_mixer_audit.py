@@ -4,10 +4,10 @@ before the first step, whatever they are called, and models without attention re
 In one process: made-up modules with innocuous names (a cumulative sum, a causal convolution in functional code) are
 found by the dependency probe and refused naming them; a position-wise module with a scary name is not; the first
 forward's backstop raises ds_ring's ``ValueError`` (never torch's silenced hook warning, never a library's
-``TypeError``). On 2 ranks: Mamba, Mamba2 and Falcon-Mamba built with ``from_config`` alone (``eager``, no
+``TypeError``). On 2 ranks: Mamba, Mamba2, Falcon-Mamba and xLSTM built with ``from_config`` alone (``eager``, no
 attention) and registered over ``sdpa`` train equal to the whole model (float64, loss and every gradient, ring and
-Ulysses); xLSTM's mLSTM backend and Falcon's own ``F.scaled_dot_product_attention`` are refused at registration,
-and Falcon registered by its config is refused by ds_ring's error on its first forward.
+Ulysses; xLSTM's mLSTM state carried across shards); Falcon's own ``F.scaled_dot_product_attention`` is refused at
+registration, and Falcon registered by its config is refused by ds_ring's error on its first forward.
 """
 
 from __future__ import annotations

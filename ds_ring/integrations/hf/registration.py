@@ -105,7 +105,8 @@ def register_with_transformers(
             along the sequence.
 
     Nothing runs silently wrong: the model's modules that mix along the sequence other than through attention
-    (state-space, recurrent, convolution, linear-attention layers) are refused now; while registered, an
+    are refused now, found by what they do on a model instance (a dependency probe, whatever they are called:
+    :mod:`~ds_ring.integrations.hf.probe`) and by their class names otherwise; while registered, an
     attention module whose first forward does not call ds_ring's attention is refused right after it
     (:class:`~ds_ring.integrations.hf.audit.CallAudit`), a mask ds_ring does not compute is refused on its
     first call (:mod:`~ds_ring.integrations.hf.masks`), and so is an attention call before the section's
@@ -119,7 +120,9 @@ def register_with_transformers(
 
     Raises:
         ValueError: naming the field and the fix: before any communication, ``eager`` or an unknown
-            implementation, a model config with heads the strategy cannot split, a malformed section, a
+            implementation, a model with attention modules whose config selects another implementation (a model
+            with no attention registers as transformers builds it, ``eager``), a model config with heads the
+            strategy cannot split, a malformed section, a
             ``long_context`` the model cannot take; on every rank, ranks with different sections; a topology with
             other degrees.
     """
