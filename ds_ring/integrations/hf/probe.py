@@ -116,7 +116,7 @@ def _attention_standing_in(implementations: Iterable[str]) -> Iterator[None]:
 
 
 def _sequence_dim(tensor: Any, length: int) -> int | None:
-    if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() or not tensor.requires_grad:
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
         return None
     dims = [d for d, size in enumerate(tensor.shape) if size == length]
     return dims[0] if len(dims) == 1 else None
@@ -133,6 +133,8 @@ def _first_tensor(output: Any) -> Any:
 def _mixes(output: torch.Tensor, out_dim: int, inputs: list[tuple[torch.Tensor, int]], length: int) -> bool | None:
     """Whether ``output`` at the middle position depends on any input at another position (``None``: unreadable,
     e.g. an input modified in place)."""
+    if not output.requires_grad:  # depends on no input's values (a rotary table reading only a dtype)
+        return False
     middle = length // 2
     cotangent = torch.zeros_like(output)
     generator = torch.Generator(device=output.device).manual_seed(0)
@@ -189,25 +191,36 @@ def probe_sequence_mixers(
 
     skipped = {id(m) for root in model.modules() if skip(root) for m in root.modules()}
     explaining = {id(root) for root in model.modules() if skip(root)}
-    calls: dict[int, tuple[str, nn.Module, list[tuple[torch.Tensor, int]], Any]] = {}
+    calls: dict[int, tuple[nn.Module, list[tuple[torch.Tensor, int]], Any]] = {}
     order: list[int] = []
-    paths = {id(m): p for p, m in model.named_modules()}
 
-    def record(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+    def enter(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
+        # each input x becomes x + z, z a zero leaf of this call alone: the gradient on z is the module's own
+        # Jacobian, not one through another input computed from x outside it (a residual beside an attention)
         if id(module) in calls or id(module) in skipped or isinstance(module, _POSITION_WISE_TYPES):
-            return
-        inputs = [(x, d) for x in (*args, *kwargs.values()) if (d := _sequence_dim(x, length)) is not None]
-        calls[id(module)] = (paths.get(id(module), ""), module, inputs, _first_tensor(output))
+            return None
+        inputs: list[tuple[torch.Tensor, int]] = []
+
+        def fresh(x: Any) -> Any:
+            dim = _sequence_dim(x, length)
+            if dim is None:
+                return x
+            leaf = torch.zeros_like(x, requires_grad=True)
+            inputs.append((leaf, dim))
+            return x + leaf
+
+        args, kwargs = tuple(fresh(x) for x in args), {k: fresh(x) for k, x in kwargs.items()}
+        calls[id(module)] = (module, inputs, None)
         order.append(id(module))
+        return args, kwargs
 
-    def grad_on(_module: nn.Module, _args: tuple, output: Any) -> Any:  # frozen weights: the graph starts here
-        frozen = isinstance(output, torch.Tensor) and output.is_floating_point() and not output.requires_grad
-        return output.detach().requires_grad_() if frozen else None
+    def leave(module: nn.Module, _args: tuple, output: Any) -> None:
+        call = calls.get(id(module))
+        if call is not None and call[2] is None:
+            calls[id(module)] = (module, call[1], _first_tensor(output))
 
-    handles = [m.register_forward_hook(record, with_kwargs=True) for m in model.modules() if id(m) in paths]
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if isinstance(embeddings, nn.Module):
-        handles.append(embeddings.register_forward_hook(grad_on))
+    handles = [m.register_forward_pre_hook(enter, with_kwargs=True) for m in model.modules()]
+    handles += [m.register_forward_hook(leave) for m in model.modules()]
     modes = {id(m): m.training for m in model.modules()}
     model.eval()  # no dropout, no activation checkpointing (its reentrant form would hide the graph)
     try:
@@ -224,7 +237,7 @@ def probe_sequence_mixers(
     probe = Probe(tokens=length)
     mixing: set[int] = set()
     for key in order:
-        _, module, inputs, output = calls[key]
+        _, inputs, output = calls[key]
         out_dim = _sequence_dim(output, length)
         if out_dim is None or not inputs:
             continue

@@ -279,16 +279,21 @@ def _audit_modules(
 
     handled = sequence_parallel_mixers(model_name_or_path)
     probe: Probe | str = "registration was given a config or a name"
+    inside = {id(m) for mixer in handled for m in mixer.modules()}
     if isinstance(model_name_or_path, torch.nn.Module):
         unregister_from_transformers()  # an installed session's hooks and layers must not see the probe's forward
         declared = set(position_wise)
-        inside = {id(m) for m in handled}
         probe = probe_sequence_mixers(
             model_name_or_path,
             [implementation],
             lambda m: id(m) in inside or type(m).__name__ in declared,
         )
     if unrouted is not None and not isinstance(probe, Probe):
+        raise unrouted
+    if unrouted is not None and any(  # an attention module the probe could not read may well attend by itself
+        computes_attention(type(m).__name__) and id(m) not in probe.probed and id(m) not in inside
+        for m in model_name_or_path.modules()
+    ):
         raise unrouted
     if unrouted is not None and probe.mixers:
         eager = getattr(config, "_attn_implementation", None) == "eager"
