@@ -7,6 +7,14 @@ so the wait is delegated to it rather than polled. A wait that raises is turned 
 Every such error is announced to the hooks (a ``"comm_error"`` event, :func:`failed`) before it is
 raised, so a watchdog logs it where it happens even if a caller swallows it.
 
+**Interruptible waits.** While an :func:`interruptible` block is open (:mod:`ds_ring.preemption` opens one
+around a training step in flight), a host wait runs in a helper thread and the main thread wakes every
+:data:`POLL_S` seconds: Python runs signal handlers only in the main thread between bytecodes, so a rank
+blocked on a peer that stopped would otherwise not see its own SIGTERM until the wait ends. Between wakes
+the block's check runs and may raise (a peer abandoned the step). Slicing ``Work.wait(timeout)`` instead
+does not work on gloo: a point-to-point wait that times out closes the connection (torch 2.13, measured),
+and ``Work.is_completed()`` of a send or receive never turns true without a wait.
+
 **NCCL** (``ProcessGroupNCCL``, as PyTorch documents it; not yet run here, the project has no GPU):
 
 - ``Work.wait()`` *without* a timeout only makes the current CUDA stream wait for the work: the host goes on.
@@ -32,9 +40,11 @@ raised, so a watchdog logs it where it happens even if a caller swallows it.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -55,6 +65,8 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "resolve_timeout",
     "process_group_timeout_s",
+    "interruptible",
+    "POLL_S",
 ]
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -80,6 +92,24 @@ def process_group_timeout_s(timeout_s: float) -> float:
     own bound (NCCL's watchdog, gloo's group timeout) stays the backstop behind ds_ring's bounded waits,
     which name the rank, peer and step first."""
     return 2 * _checked_timeout(timeout_s)
+
+
+POLL_S = 0.1
+"""Seconds between two wakes of the main thread in an :func:`interruptible` wait."""
+
+_checks: list[Callable[[], None]] = []  # the open interruptible blocks' checks, innermost last
+
+
+@contextlib.contextmanager
+def interruptible(check: Callable[[], None]) -> Iterator[None]:
+    """While the block runs, host waits (:func:`wait_all` without ``in_stream``) wake every :data:`POLL_S`
+    seconds, let pending signal handlers run and call ``check()``, whose exception ends the wait (the work
+    is left behind: the caller is abandoning what it was doing). Main thread only."""
+    _checks.append(check)
+    try:
+        yield
+    finally:
+        _checks.remove(check)
 
 
 _TIMEOUT_WORDS = ("timed out", "timing out")  # gloo's wait; NCCL's Work.wait(timeout) and watchdog
@@ -128,6 +158,36 @@ def wait_all(
                 raise failed(CommError(rank, item.peer, step, op, f"waiting for {item.what}", str(exc))) from exc
         WATCH.watch(pending, timeout_s=timeout_s, rank=rank, op=op, step=step)
         return 0.0
+    if _checks and threading.current_thread() is threading.main_thread():
+        return _wait_in_helper(pending, timeout_s=timeout_s, rank=rank, op=op, step=step)
+    return _wait_host(pending, timeout_s=timeout_s, rank=rank, op=op, step=step)
+
+
+def _wait_in_helper(pending: Sequence[Pending], *, timeout_s: float, rank: int, op: str, step: int) -> float:
+    """:func:`_wait_host` in a daemon thread; the main thread wakes every :data:`POLL_S` s for signals and checks."""
+    result: list[float] = []
+    error: list[BaseException] = []
+    done = threading.Event()
+
+    def wait() -> None:
+        try:
+            result.append(_wait_host(pending, timeout_s=timeout_s, rank=rank, op=op, step=step))
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+            error.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=wait, name=f"ds_ring wait {op}", daemon=True).start()
+    while not done.wait(POLL_S):
+        for check in list(_checks):
+            check()
+    if error:
+        raise error[0]
+    return result[0]
+
+
+def _wait_host(pending: Sequence[Pending], *, timeout_s: float, rank: int, op: str, step: int) -> float:
+    """The bounded host wait of :func:`wait_all`: seconds blocked."""
     started = time.monotonic()
     deadline = started + timeout_s
     for item in pending:
