@@ -180,7 +180,7 @@ class Preemption:
         except StepAbandoned:
             raise
         except BaseException as exc:
-            if self.abandoned is not None:  # raised inside a callback that wrapped it (autograd)
+            if self.abandoned is not None and self.abandoned.step == step:  # raised inside a callback that wrapped it
                 raise self.abandoned from exc
             if self._phase in ("step", "gate") and (self.signalled or self._peer_abandoned() is not None):
                 raise self._abandon(f"{type(exc).__name__} while a preemption is under way: {exc}") from exc
