@@ -41,9 +41,11 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ds_ring.comm.agree import agree
@@ -166,6 +168,9 @@ def _write_rank_files(engine: Any, save_dir: Path, tag: str, client_state: dict)
         return save(state_dict, path)
 
     checkpoint_engine.save = recording
+    module_state_dict = engine.module_state_dict
+    if engine.zero_optimization_partition_weights():
+        engine.module_state_dict = partial(_partitioned_state_dict, engine, module_state_dict)
     try:
         engine._create_checkpoint_file(str(save_dir), tag, False)
         engine._save_checkpoint(str(save_dir), tag, client_state=client_state)
@@ -177,7 +182,21 @@ def _write_rank_files(engine: Any, save_dir: Path, tag: str, client_state: dict)
             checkpoint_engine.save = save
         else:
             del checkpoint_engine.save
+        if "module_state_dict" in vars(engine):
+            del engine.module_state_dict
     return written
+
+
+def _partitioned_state_dict(engine: Any, module_state_dict: Any, *args: Any, **kwargs: Any) -> dict:
+    """ZeRO 3: the module's state dict with every partitioned parameter as the empty placeholder DeepSpeed's save
+    writes (its checkpoint prologue re-partitions them first: that waits on gathers in flight, which peers stopped
+    mid-step never finish). Abandoned mid-forward or mid-backward, some parameters are still gathered whole; their
+    values live in the optimizer states' partitions either way."""
+    state = module_state_dict(*args, **kwargs)
+    for name, param in engine.module.named_parameters():
+        if name in state and hasattr(param, "ds_id"):
+            state[name] = torch.empty(0, dtype=param.dtype, device=param.device)
+    return state
 
 
 def _publish_if_complete(engine: Any, save_dir: Path, tag: str, token: str, world: int) -> bool:

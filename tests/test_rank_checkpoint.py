@@ -23,6 +23,7 @@ from ds_ring.tiles.zero import gathered
 from launch.model import TinyGPT
 from tests.dist import CaseLog, assert_no_failures, run_distributed
 
+pytestmark = pytest.mark.slow  # about 70 s on 2 shared cores: 12 engines
 SEQ, VOCAB, BATCH = 32, 11, 2
 
 
