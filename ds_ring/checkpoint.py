@@ -132,7 +132,8 @@ def save_rank_checkpoint(
     (a periodic save of the same step). Returns whether ``latest`` names ``tag`` on return.
 
     Raises:
-        ValueError: with a decoupled (asynchronous) checkpoint engine, before anything is written.
+        ValueError: with a decoupled (asynchronous) checkpoint engine, MoE layers or NVMe optimizer offload
+            (DeepSpeed writes more there), before anything is written.
     """
     save_dir, tag = Path(save_dir), str(tag)
     if _read_latest(save_dir) == tag:
@@ -141,6 +142,12 @@ def save_rank_checkpoint(
         raise ValueError(
             "ds_ring.save_rank_checkpoint needs DeepSpeed's default checkpoint engine: a decoupled engine is still "
             "writing when the save returns; remove the checkpoint engine setting from the ds_config"
+        )
+    if getattr(engine, "has_moe_layers", False) or engine.zero_nvme_offload_optimizer():
+        raise ValueError(
+            "ds_ring.save_rank_checkpoint writes what DeepSpeed's save writes for dense models without NVMe "
+            "optimizer offload; this engine has MoE layers or zero_optimization.offload_optimizer.device 'nvme': "
+            "run steps without engine.preemption.step_in_flight (the end-of-step save covers them)"
         )
     rank, world = dist.get_rank(), dist.get_world_size()
     directory = save_dir / tag

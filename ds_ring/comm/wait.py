@@ -42,11 +42,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -163,27 +165,53 @@ def wait_all(
     return _wait_host(pending, timeout_s=timeout_s, rank=rank, op=op, step=step)
 
 
-def _wait_in_helper(pending: Sequence[Pending], *, timeout_s: float, rank: int, op: str, step: int) -> float:
-    """:func:`_wait_host` in a daemon thread; the main thread wakes every :data:`POLL_S` s for signals and checks."""
-    result: list[float] = []
-    error: list[BaseException] = []
-    done = threading.Event()
+class _Helper:
+    """A daemon thread that runs host waits handed to it, one at a time (started once: a thread per wait costs
+    ~0.3 ms on a loaded core, a hand-over to a running one a fraction of it)."""
 
-    def wait() -> None:
+    def __init__(self) -> None:
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="ds_ring waits", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            wait, outcome, done = self._requests.get()
+            try:
+                outcome.append((True, wait()))
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+                outcome.append((False, exc))
+            finally:
+                done.set()
+
+    def run(self, wait: Callable[[], float]) -> float:
+        """``wait()`` on the helper; the main thread wakes every :data:`POLL_S` s to run the checks. A check that
+        raises leaves the helper blocked in the wait: the next wait gets a new helper."""
+        global _helper
+        outcome: list[tuple[bool, object]] = []
+        done = threading.Event()
+        self._requests.put((wait, outcome, done))
         try:
-            result.append(_wait_host(pending, timeout_s=timeout_s, rank=rank, op=op, step=step))
-        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
-            error.append(exc)
-        finally:
-            done.set()
+            while not done.wait(POLL_S):
+                for check in list(_checks):
+                    check()
+        except BaseException:
+            _helper = None
+            raise
+        ok, value = outcome[0]
+        if not ok:
+            raise value  # type: ignore[misc]
+        return value  # type: ignore[return-value]
 
-    threading.Thread(target=wait, name=f"ds_ring wait {op}", daemon=True).start()
-    while not done.wait(POLL_S):
-        for check in list(_checks):
-            check()
-    if error:
-        raise error[0]
-    return result[0]
+
+_helper: _Helper | None = None
+
+
+def _wait_in_helper(pending: Sequence[Pending], *, timeout_s: float, rank: int, op: str, step: int) -> float:
+    """:func:`_wait_host` on the helper thread; the main thread wakes every :data:`POLL_S` s for signals and checks."""
+    global _helper
+    if _helper is None:
+        _helper = _Helper()
+    return _helper.run(partial(_wait_host, pending, timeout_s=timeout_s, rank=rank, op=op, step=step))
 
 
 def _wait_host(pending: Sequence[Pending], *, timeout_s: float, rank: int, op: str, step: int) -> float:
