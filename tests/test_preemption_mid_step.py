@@ -12,8 +12,8 @@ step. Once rank 1 has logged that it sleeps (progress, not a clock), the signal 
 Every worker must be gone within ``grace_s`` + 3 s of the signal (torchrun itself within ``grace_s`` + 10 s: its
 agent's own teardown), every worker must exit 0 having abandoned
 step 3, ``latest`` must name step 2 (each rank's part written, no collective), and the same command relaunched
-must resume from step 2 and end with the uninterrupted run's parameters (bit-equal). About 2 minutes on 2 shared
-cores: marked slow.
+must resume from step 2 and end with the uninterrupted run's parameters (bit-equal). The SIGTERM case is a CI job
+(``jobs``: 1 min for the uninterrupted run and 2 for the case at load 20 on 2 cores), the SIGUSR1 case ``slow``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import torch
 from ds_ring.testing import Progress
 from tests.trainer_runs import BIN, ROOT, TRAIN, free_port, launched, reap, torchrun_reaped
 
-pytestmark = pytest.mark.slow
 STEPS, STALLED_STEP, GRACE_S = 6, 3, 2.0
 FAULT = f"sleep:rank=1:step={STALLED_STEP}:seconds=60"
 WORKER_SLACK_S = 3.0  # a worker's save and exit after the grace-bound abandon, on a loaded machine
@@ -135,6 +134,7 @@ def _check(run: Path, output: str, workers_s: float, gone_s: float, uninterrupte
     assert not unequal, f"parameters differ from the uninterrupted run: {unequal}"
 
 
+@pytest.mark.jobs  # CI's second step
 @pytest.mark.timeout(900)
 def test_sigterm_mid_step_to_torchrun(uninterrupted, tmp_path: Path) -> None:
     args = _args(tmp_path)
@@ -146,6 +146,7 @@ def test_sigterm_mid_step_to_torchrun(uninterrupted, tmp_path: Path) -> None:
           f"(grace {GRACE_S:g} s)")  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_sigusr1_mid_step_to_one_rank(uninterrupted, tmp_path: Path) -> None:
     args = _args(tmp_path)
