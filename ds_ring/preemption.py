@@ -151,10 +151,13 @@ class Preemption:
             flag = all_reduce(flag, group=self.group, op="preemption", step=step, timeout_s=self.timeout_s)
         self.stopping = bool(flag.item())
         if self.stopping:
-            elapsed = "" if self.signalled_at is None else f" ({time.monotonic() - self.signalled_at:.1f} s after it)"
-            received = f"received {self.signalled}{elapsed}" if self.signalled else "another rank was signalled"
-            logger.warning("ds_ring: rank %s %s: stopping after step %s to save it", _rank(), received, step)
+            self._log_stop(step)
         return self.stopping
+
+    def _log_stop(self, step: int) -> None:
+        elapsed = "" if self.signalled_at is None else f" ({time.monotonic() - self.signalled_at:.1f} s after it)"
+        received = f"received {self.signalled}{elapsed}" if self.signalled else "another rank was signalled"
+        logger.warning("ds_ring: rank %s %s: stopping after step %s to save it", _rank(), received, step)
 
     @contextlib.contextmanager
     def step_in_flight(self, step: int, save_dir: str | os.PathLike) -> Iterator[None]:
@@ -208,7 +211,7 @@ class Preemption:
             flag = all_reduce(flag, group=self.group, op="preemption gate", step=self._step, timeout_s=self.timeout_s)
         if flag.item():
             self.stopping = True
-            logger.warning("ds_ring: rank %s: a rank was signalled; finishing step %s to save it", _rank(), self._step)
+            self._log_stop(self._step)
         self._phase = "update"
         yield
         self._phase = "done"
