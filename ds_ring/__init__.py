@@ -10,7 +10,7 @@ from typing import Any
 
 from ds_ring.attention import MultiheadRingDilatedAttention, RingDilatedAttention
 from ds_ring.calls import ring_dilated_attention, sequence_parallel_attention
-from ds_ring.checkpoint import load_checkpoint, save_checkpoint
+from ds_ring.checkpoint import load_checkpoint, save_checkpoint, save_rank_checkpoint
 from ds_ring.hooks import Event, register_hook
 from ds_ring.kernels import dilated_attention, merge
 from ds_ring.loss import sequence_parallel_cross_entropy
@@ -23,6 +23,7 @@ _WITH_DEEPSPEED = {
     "load_config": "ds_ring.config",
     "RingAttentionConfig": "ds_ring.config",
     "initialize": "ds_ring.engine",
+    "StepAbandoned": "ds_ring.preemption",
 }
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "RingAttentionConfig",
     "RingDilatedAttention",
     "RingMonitor",
+    "StepAbandoned",
     "Topology",
     "dilated_attention",
     "dilated_attention_reference",
@@ -44,6 +46,7 @@ __all__ = [
     "ring_dilated_attention",
     "run_main",
     "save_checkpoint",
+    "save_rank_checkpoint",
     "sequence_parallel_attention",
     "sequence_parallel_cross_entropy",
     "shard_sequence",

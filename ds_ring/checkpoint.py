@@ -24,6 +24,14 @@ of a step differ from the ones the old shape would have drawn.
 Both are collectives: the ranks agree on the tag (``ds_ring.comm.agree``), so ranks that see
 different checkpoint directories fail together with each rank's view. Needs DeepSpeed's default
 (synchronous) checkpoint engine.
+
+:func:`save_rank_checkpoint` is the one save that is no collective, for a preemption that abandons the
+step in flight (:mod:`ds_ring.preemption`): each rank writes the files DeepSpeed's save would have it
+write (DeepSpeed's per-rank writers, without its barriers and tag check), fsyncs them and records them
+in its own marker :data:`RANK_PART`; a rank that then finds every rank's marker of the same run (the
+preemption's token) writes :data:`COMPLETE` and ``latest`` exactly as :func:`save_checkpoint` does. Two
+ranks may both find them: they write the same bytes, each through its own temporary file. A rank that
+never writes its part leaves ``latest`` where it was.
 """
 
 from __future__ import annotations
@@ -33,9 +41,11 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ds_ring.comm.agree import agree
@@ -43,13 +53,24 @@ from ds_ring.parallel.groups import control_world
 from ds_ring.shape import TrainingShape, how_to_load
 from ds_ring.universal import convert_to_universal
 
-__all__ = ["COMPLETE", "LATEST", "Resumed", "save_checkpoint", "load_checkpoint", "checkpoint_files"]
+__all__ = [
+    "COMPLETE",
+    "LATEST",
+    "RANK_PART",
+    "Resumed",
+    "save_checkpoint",
+    "save_rank_checkpoint",
+    "load_checkpoint",
+    "checkpoint_files",
+]
 
 logger = logging.getLogger("ds_ring.checkpoint")
 
 LATEST = "latest"
 COMPLETE = "ds_ring_complete.json"
 """Written by rank 0 into a tag directory once every rank's files of it are complete."""
+RANK_PART = "ds_ring_rank{rank}.json"
+"""Written by :func:`save_rank_checkpoint` into the tag directory once this rank's files are complete."""
 
 
 def _agreement(engine: Any) -> dict[str, Any]:
@@ -97,6 +118,110 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike, tag: str, client_s
         _write_atomically(directory / COMPLETE, json.dumps(marker, indent=1))
         _write_atomically(save_dir / LATEST, tag)
     return directory
+
+
+def save_rank_checkpoint(
+    engine: Any, save_dir: str | os.PathLike, tag: str, client_state: dict | None = None, *, token: str
+) -> bool:
+    """This rank's part of checkpoint ``tag``, with no collective; publishes the tag once every rank's part is there.
+
+    For a preemption mid-step (``engine.preemption``'s :class:`~ds_ring.preemption.StepAbandoned`), while the
+    peers may be anywhere in the step: before the optimizer update the engine's parameters and optimizer state
+    are the last completed step's. ``token`` names the run (``engine.preemption.token``): parts of another
+    run's save of the same tag are not counted. Nothing is written when ``latest`` already names ``tag``
+    (a periodic save of the same step). Returns whether ``latest`` names ``tag`` on return.
+
+    Raises:
+        ValueError: with a decoupled (asynchronous) checkpoint engine, MoE layers or NVMe optimizer offload
+            (DeepSpeed writes more there), before anything is written.
+    """
+    save_dir, tag = Path(save_dir), str(tag)
+    if _read_latest(save_dir) == tag:
+        return True
+    if getattr(engine.checkpoint_engine, "is_decoupled", lambda: False)():
+        raise ValueError(
+            "ds_ring.save_rank_checkpoint needs DeepSpeed's default checkpoint engine: a decoupled engine is still "
+            "writing when the save returns; remove the checkpoint engine setting from the ds_config"
+        )
+    if getattr(engine, "has_moe_layers", False) or engine.zero_nvme_offload_optimizer():
+        raise ValueError(
+            "ds_ring.save_rank_checkpoint writes what DeepSpeed's save writes for dense models without NVMe "
+            "optimizer offload; this engine has MoE layers or zero_optimization.offload_optimizer.device 'nvme': "
+            "run steps without engine.preemption.step_in_flight (the end-of-step save covers them)"
+        )
+    rank, world = dist.get_rank(), dist.get_world_size()
+    directory = save_dir / tag
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / RANK_PART.format(rank=rank)).unlink(missing_ok=True)
+    written = _write_rank_files(engine, save_dir, tag, client_state or {})
+    files = {path.relative_to(directory).as_posix(): path.stat().st_size for path in written}
+    for name in files:
+        _fsync(directory / name)
+    part = {"tag": tag, "token": token, "rank": rank, "files": files}
+    _write_atomically(directory / RANK_PART.format(rank=rank), json.dumps(part), writer=rank)
+    return _publish_if_complete(engine, save_dir, tag, token, world)
+
+
+def _write_rank_files(engine: Any, save_dir: Path, tag: str, client_state: dict) -> list[Path]:
+    """What ``engine.save_checkpoint`` writes on this rank into the tag (model states where DeepSpeed writes them,
+    ZeRO optimizer states), through DeepSpeed's own writers minus its barriers; the paths written."""
+    written: list[Path] = []
+    checkpoint_engine = engine.checkpoint_engine
+    own = "save" in vars(checkpoint_engine)
+    save = checkpoint_engine.save
+
+    def recording(state_dict: dict, path: str) -> Any:
+        written.append(Path(path))
+        return save(state_dict, path)
+
+    checkpoint_engine.save = recording
+    module_state_dict = engine.module_state_dict
+    if engine.zero_optimization_partition_weights():
+        engine.module_state_dict = partial(_partitioned_state_dict, engine, module_state_dict)
+    try:
+        engine._create_checkpoint_file(str(save_dir), tag, False)
+        engine._save_checkpoint(str(save_dir), tag, client_state=client_state)
+        if engine.save_zero_checkpoint:
+            engine._create_zero_checkpoint_files(str(save_dir), tag)
+            engine._save_zero_checkpoint(str(save_dir), tag)
+    finally:
+        if own:
+            checkpoint_engine.save = save
+        else:
+            del checkpoint_engine.save
+        if "module_state_dict" in vars(engine):
+            del engine.module_state_dict
+    return written
+
+
+def _partitioned_state_dict(engine: Any, module_state_dict: Any, *args: Any, **kwargs: Any) -> dict:
+    """ZeRO 3: the module's state dict with every partitioned parameter as the empty placeholder DeepSpeed's save
+    writes (its checkpoint prologue re-partitions them first: that waits on gathers in flight, which peers stopped
+    mid-step never finish). Abandoned mid-forward or mid-backward, some parameters are still gathered whole; their
+    values live in the optimizer states' partitions either way."""
+    state = module_state_dict(*args, **kwargs)
+    for name, param in engine.module.named_parameters():
+        if name in state and hasattr(param, "ds_id"):
+            state[name] = torch.empty(0, dtype=param.dtype, device=param.device)
+    return state
+
+
+def _publish_if_complete(engine: Any, save_dir: Path, tag: str, token: str, world: int) -> bool:
+    """Write :data:`COMPLETE` and ``latest`` when every rank's part of ``tag`` from run ``token`` is there."""
+    directory, files = save_dir / tag, {}
+    for rank in range(world):
+        try:
+            part = json.loads((directory / RANK_PART.format(rank=rank)).read_text())
+        except FileNotFoundError:
+            return False
+        if part["token"] != token or part["tag"] != tag:
+            return False
+        files.update(part["files"])
+    writer = dist.get_rank()
+    marker = {"tag": tag, "shape": TrainingShape.of(engine).to_dict(), "files": files}
+    _write_atomically(directory / COMPLETE, json.dumps(marker, indent=1), writer=writer)
+    _write_atomically(save_dir / LATEST, tag, writer=writer)
+    return True
 
 
 @dataclass(frozen=True)
@@ -223,9 +348,10 @@ def _fsync(path: Path) -> None:
         os.fsync(handle.fileno())
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    """Replace ``path`` by a file holding ``text``: readers see the old file or the whole new one."""
-    temporary = path.with_name(f".{path.name}.tmp")
+def _write_atomically(path: Path, text: str, writer: int | str = "") -> None:
+    """Replace ``path`` by a file holding ``text``: readers see the old file or the whole new one. ``writer`` names
+    the temporary file when several processes may write ``path`` at once."""
+    temporary = path.with_name(f".{path.name}.tmp{writer}")
     with open(temporary, "w") as handle:
         handle.write(text)
         handle.flush()

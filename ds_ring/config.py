@@ -112,9 +112,10 @@ class PreemptionConfig(_Section):
     _WHERE = f"{SECTION}.preemption"
 
     enabled: bool = True
-    """Catch ``signals``: the ranks stop together at the end of the current step, save it and exit 0. Only once the
-    training loop polls ``engine.preemption.stop_requested()``; before that (or with ``false``) a signal does what it
-    did without ds_ring."""
+    """Catch ``signals``: the ranks stop together at the end of the current step, save it and exit 0 (in a loop that
+    runs its steps in ``engine.preemption.step_in_flight``, a step longer than half of ``grace_s`` is abandoned and
+    the step before it saved). Only once the training loop polls ``engine.preemption.stop_requested()`` or enters
+    ``step_in_flight``; before that (or with ``false``) a signal does what it did without ds_ring."""
 
     signals: list[str] = Field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
     """Signal names that announce a preemption: SIGTERM (SLURM, Kubernetes, the launchers), SIGUSR1 (SLURM's

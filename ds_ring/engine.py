@@ -6,6 +6,7 @@ the sequence-data-parallel group; attach the monitoring hooks the section switch
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from functools import partial
@@ -239,9 +240,32 @@ def attach_preemption(
     attachments = attachments_of(engine)
     if attachments.preemption is not None:
         attachments.preemption.close()
-    attachments.preemption = Preemption(config, group=group, timeout_s=timeout_s).install()
-    engine.preemption = attachments.preemption
-    return attachments.preemption
+    preemption = attachments.preemption = Preemption(config, group=group, timeout_s=timeout_s).install()
+    if dist.is_initialized():  # names this run's notices and checkpoint parts (rank 0's, on every rank)
+        token = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        preemption.token = token[0]
+    engine.preemption = preemption
+    _fence_updates(engine)
+    return preemption
+
+
+def _fence_updates(engine: Any) -> None:
+    """``engine.step()`` runs the optimizer update inside ``engine.preemption.updating()`` at a gradient
+    accumulation boundary (the gate that keeps a preemption from abandoning the step on some ranks only)."""
+    step = getattr(engine, "step", None)
+    if step is None or getattr(step, "_ds_ring_fenced", False):
+        return
+
+    def fenced_step(*args: Any, **kwargs: Any) -> Any:
+        preemption = getattr(engine, "preemption", None)
+        if preemption is None or not engine.is_gradient_accumulation_boundary():
+            return step(*args, **kwargs)
+        with preemption.updating():
+            return step(*args, **kwargs)
+
+    fenced_step._ds_ring_fenced = True  # type: ignore[attr-defined]
+    engine.step = fenced_step
 
 
 def initialize(

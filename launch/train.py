@@ -16,7 +16,8 @@ same directory (a plain re-run, ``torchrun --max-restarts``, a requeued SLURM jo
 latest checkpoint (data position included) on any shape: another rank count, sequence-parallel degree
 or ZeRO stage 1-3 (docs/elastic.md). The samples of step N are a function of N and the data-parallel
 index only, so with the same global batch the data order continues exactly. On SIGTERM or SIGUSR1
-(``ring_attention.preemption``) every rank stops after the current step, which is saved, and exits 0.
+(``ring_attention.preemption``) every rank stops after the current step, which is saved, and exits 0; a step
+longer than half the grace period is abandoned instead, and the step before it saved (docs/elastic.md).
 
 The ``ring_attention.monitoring`` section of the ds_config switches on
 per-step metrics (written through DeepSpeed's monitor; a monitor ``output_path`` left empty means
@@ -281,6 +282,15 @@ def save(engine: Any, save_dir: Path, step: int) -> float:
     return time.perf_counter() - started
 
 
+def save_part(engine: Any, save_dir: Path, step: int) -> tuple[float, bool]:
+    """This rank's part of checkpoint ``step`` (no collective: a preemption abandoned the step after it); the
+    seconds it took and whether the checkpoint is published (every rank's part written)."""
+    started = time.perf_counter()
+    published = ds_ring.save_rank_checkpoint(engine, save_dir, f"step{step}", {"step": step},
+                                             token=engine.preemption.token)  # fmt: skip
+    return time.perf_counter() - started, published
+
+
 def shut_down(engine: Any) -> None:
     """Close the engine's ring monitor, wait for every rank, then destroy the engine and the process group."""
     engine.ring_monitor.close()
@@ -344,19 +354,29 @@ def main(argv: list[str] | None = None) -> dict:
     tokens_per_step = micro * replicas * args.seq
     progress = tqdm(range(start_step, args.steps), disable=rank != 0, desc="train", unit="step")
     started = time.perf_counter()
+    abandoned = None
     for step in progress:
         current_step[0] = step + 1
-        monitor.begin_step(step + 1)
-        tokens, labels = make_batch(step, micro * replicas, args.seq, args.seed)
-        rows = slice(replica * micro, (replica + 1) * micro)
-        local_tokens, local_labels = (
-            ds_ring.shard_sequence(x[rows].to(engine.device), topology) for x in (tokens, labels)
-        )
-        logits = engine(local_tokens, positions)
-        loss = ds_ring.sequence_parallel_cross_entropy(logits, local_labels, topology)
-        if not monitor.skip_step():  # numerics_guard "skip_step": the batch is dropped on every rank
-            engine.backward(loss)
-            engine.step()
+        try:  # a preemption mid-step abandons it on every rank: each saves its part of the last completed step
+            with engine.preemption.step_in_flight(step + 1, save_dir):
+                monitor.begin_step(step + 1)
+                tokens, labels = make_batch(step, micro * replicas, args.seq, args.seed)
+                rows = slice(replica * micro, (replica + 1) * micro)
+                local_tokens, local_labels = (
+                    ds_ring.shard_sequence(x[rows].to(engine.device), topology) for x in (tokens, labels)
+                )
+                logits = engine(local_tokens, positions)
+                loss = ds_ring.sequence_parallel_cross_entropy(logits, local_labels, topology)
+                if not monitor.skip_step():  # numerics_guard "skip_step": the batch is dropped on every rank
+                    engine.backward(loss)
+                    engine.step()
+        except ds_ring.StepAbandoned as stop:
+            abandoned = preempted = stop.completed
+            seconds, published = save_part(engine, save_dir, stop.completed)
+            print(f"preempted in step {stop.step}: abandoned it, saved rank {rank}'s part of step {stop.completed} "
+                  f"in {seconds:.2f} s ({'published' if published else 'not yet published'}); exiting 0",
+                  flush=True)  # fmt: skip
+            break
         losses.append(loss.item())
         progress.set_postfix(loss=f"{losses[-1]:.3f}")
         saved = args.save_every and (step + 1) % args.save_every == 0
@@ -376,8 +396,13 @@ def main(argv: list[str] | None = None) -> dict:
             break
     elapsed = time.perf_counter() - started
 
-    report_run(losses, tokens_per_step, elapsed)
     summary = {"start_step": start_step, "steps": args.steps, "losses": losses, "world": world, "preempted": preempted}
+    if abandoned is not None:  # peers may be anywhere: no collective from here on
+        engine.ring_monitor.close()
+        if os.environ.get("DS_RING_TRAIN_SUMMARY"):
+            Path(os.environ["DS_RING_TRAIN_SUMMARY"]).with_suffix(f".rank{rank}.json").write_text(json.dumps(summary))
+        return summary
+    report_run(losses, tokens_per_step, elapsed)
     if args.final_params and preempted is None:
         params = final_parameters(engine)
         if rank == 0:

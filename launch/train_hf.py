@@ -172,20 +172,42 @@ def ds_config(args: argparse.Namespace) -> dict:
     return json.loads(json.dumps(config))
 
 
+class Abandoned(Exception):
+    """A preemption abandoned a step; this rank saved its part of ``args[0]``, the step before (no collective)."""
+
+
 def _train(
     args: argparse.Namespace, engine: Any, session: Any, progress: Any, start_step: int, losses: list[float]
 ) -> int | None:
-    """Train over ``progress``'s batches, appending each step's loss; the step a preemption stopped after, or None."""
+    """Train over ``progress``'s batches, appending each step's loss; the step a preemption stopped after, or None.
+
+    With ``--save-dir`` a preemption may abandon the step in flight (``ds_ring.StepAbandoned``): this rank then
+    saves its part of the step before and raises :class:`Abandoned` (no collective from there on)."""
     monitor, rank = engine.ring_monitor, dist.get_rank()
     for step, batch in enumerate(progress, start=start_step):
-        monitor.begin_step(step + 1)
-        outputs = engine(**batch)  # with the tiled loss: the loss, and no logits
-        loss = (
-            outputs.loss if outputs.loss is not None else causal_lm_loss(session, outputs.logits, batch["shift_labels"])
+        in_flight = (
+            engine.preemption.step_in_flight(step + 1, args.save_dir) if args.save_dir else contextlib.nullcontext()
         )
-        if not monitor.skip_step():  # numerics_guard "skip_step": the batch is dropped on every rank
-            engine.backward(loss)
-            engine.step()
+        try:
+            with in_flight:
+                monitor.begin_step(step + 1)
+                outputs = engine(**batch)  # with the tiled loss: the loss, and no logits
+                loss = (
+                    outputs.loss
+                    if outputs.loss is not None
+                    else causal_lm_loss(session, outputs.logits, batch["shift_labels"])
+                )
+                if not monitor.skip_step():  # numerics_guard "skip_step": the batch is dropped on every rank
+                    engine.backward(loss)
+                    engine.step()
+        except ds_ring.StepAbandoned as stop:
+            started = time.perf_counter()
+            tag, token = f"step{stop.completed}", engine.preemption.token
+            published = ds_ring.save_rank_checkpoint(engine, args.save_dir, tag, {"step": stop.completed}, token=token)
+            print(f"preempted in step {stop.step}: abandoned it, saved rank {rank}'s part of step {stop.completed} "
+                  f"in {time.perf_counter() - started:.2f} s ({'published' if published else 'not yet published'}); "
+                  f"exiting 0", flush=True)  # fmt: skip
+            raise Abandoned(stop.completed) from stop
         losses.append(loss.item())
         progress.set_postfix(loss=f"{losses[-1]:.3f}")
         saved = bool(args.save_dir and args.save_every and (step + 1) % args.save_every == 0)
@@ -232,8 +254,13 @@ def main(argv: list[str] | None = None) -> dict:
     progress = tqdm(batches, disable=rank != 0, desc="train", unit="step", initial=start_step, total=args.steps)
     census = TensorCensus(model) if args.memory_census else contextlib.nullcontext()
     started = time.perf_counter()
-    with census:
-        preempted = _train(args, engine, session, progress, start_step, losses)
+    try:
+        with census:
+            preempted = _train(args, engine, session, progress, start_step, losses)
+    except Abandoned as abandoned:  # peers may be anywhere in the step: no collective from here on
+        session.close()
+        engine.ring_monitor.close()
+        return {"losses": losses, "preempted": abandoned.args[0]}
     elapsed = time.perf_counter() - started
     if args.memory_census and rank == 0:
         print(f"tensors alive at rank 0's peak: {census.peak.bytes / 2**20:.1f} MiB")

@@ -7,6 +7,14 @@ so the wait is delegated to it rather than polled. A wait that raises is turned 
 Every such error is announced to the hooks (a ``"comm_error"`` event, :func:`failed`) before it is
 raised, so a watchdog logs it where it happens even if a caller swallows it.
 
+**Interruptible waits.** While an :func:`interruptible` block is open (:mod:`ds_ring.preemption` opens one
+around a training step in flight), a host wait runs in a helper thread and the main thread wakes every
+:data:`POLL_S` seconds: Python runs signal handlers only in the main thread between bytecodes, so a rank
+blocked on a peer that stopped would otherwise not see its own SIGTERM until the wait ends. Between wakes
+the block's check runs and may raise (a peer abandoned the step). Slicing ``Work.wait(timeout)`` instead
+does not work on gloo: a point-to-point wait that times out closes the connection (torch 2.13, measured),
+and ``Work.is_completed()`` of a send or receive never turns true without a wait.
+
 **NCCL** (``ProcessGroupNCCL``, as PyTorch documents it; not yet run here, the project has no GPU):
 
 - ``Work.wait()`` *without* a timeout only makes the current CUDA stream wait for the work: the host goes on.
@@ -32,11 +40,15 @@ raised, so a watchdog logs it where it happens even if a caller swallows it.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import queue
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -55,6 +67,8 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "resolve_timeout",
     "process_group_timeout_s",
+    "interruptible",
+    "POLL_S",
 ]
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -80,6 +94,24 @@ def process_group_timeout_s(timeout_s: float) -> float:
     own bound (NCCL's watchdog, gloo's group timeout) stays the backstop behind ds_ring's bounded waits,
     which name the rank, peer and step first."""
     return 2 * _checked_timeout(timeout_s)
+
+
+POLL_S = 0.1
+"""Seconds between two wakes of the main thread in an :func:`interruptible` wait."""
+
+_checks: list[Callable[[], None]] = []  # the open interruptible blocks' checks, innermost last
+
+
+@contextlib.contextmanager
+def interruptible(check: Callable[[], None]) -> Iterator[None]:
+    """While the block runs, host waits (:func:`wait_all` without ``in_stream``) wake every :data:`POLL_S`
+    seconds, let pending signal handlers run and call ``check()``, whose exception ends the wait (the work
+    is left behind: the caller is abandoning what it was doing). Main thread only."""
+    _checks.append(check)
+    try:
+        yield
+    finally:
+        _checks.remove(check)
 
 
 _TIMEOUT_WORDS = ("timed out", "timing out")  # gloo's wait; NCCL's Work.wait(timeout) and watchdog
@@ -128,6 +160,62 @@ def wait_all(
                 raise failed(CommError(rank, item.peer, step, op, f"waiting for {item.what}", str(exc))) from exc
         WATCH.watch(pending, timeout_s=timeout_s, rank=rank, op=op, step=step)
         return 0.0
+    if _checks and threading.current_thread() is threading.main_thread():
+        return _wait_in_helper(pending, timeout_s=timeout_s, rank=rank, op=op, step=step)
+    return _wait_host(pending, timeout_s=timeout_s, rank=rank, op=op, step=step)
+
+
+class _Helper:
+    """A daemon thread that runs host waits handed to it, one at a time (started once: a thread per wait costs
+    ~0.3 ms on a loaded core, a hand-over to a running one a fraction of it)."""
+
+    def __init__(self) -> None:
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="ds_ring waits", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            wait, outcome, done = self._requests.get()
+            try:
+                outcome.append((True, wait()))
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+                outcome.append((False, exc))
+            finally:
+                done.set()
+
+    def run(self, wait: Callable[[], float]) -> float:
+        """``wait()`` on the helper; the main thread wakes every :data:`POLL_S` s to run the checks. A check that
+        raises leaves the helper blocked in the wait: the next wait gets a new helper."""
+        global _helper
+        outcome: list[tuple[bool, object]] = []
+        done = threading.Event()
+        self._requests.put((wait, outcome, done))
+        try:
+            while not done.wait(POLL_S):
+                for check in list(_checks):
+                    check()
+        except BaseException:
+            _helper = None
+            raise
+        ok, value = outcome[0]
+        if not ok:
+            raise value  # type: ignore[misc]
+        return value  # type: ignore[return-value]
+
+
+_helper: _Helper | None = None
+
+
+def _wait_in_helper(pending: Sequence[Pending], *, timeout_s: float, rank: int, op: str, step: int) -> float:
+    """:func:`_wait_host` on the helper thread; the main thread wakes every :data:`POLL_S` s for signals and checks."""
+    global _helper
+    if _helper is None:
+        _helper = _Helper()
+    return _helper.run(partial(_wait_host, pending, timeout_s=timeout_s, rank=rank, op=op, step=step))
+
+
+def _wait_host(pending: Sequence[Pending], *, timeout_s: float, rank: int, op: str, step: int) -> float:
+    """The bounded host wait of :func:`wait_all`: seconds blocked."""
     started = time.monotonic()
     deadline = started + timeout_s
     for item in pending:
