@@ -12,7 +12,6 @@ The rows go under ``--label`` into ``DIR/memory.json``; the plot is ``DIR/memory
 
 import argparse
 import contextlib
-import ctypes
 import json
 import tempfile
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import MIB, Series, peak_rss_mib, plot_panels, release_free_memory, reset_peak_rss, write_json
+from ds_ring.cpu_heap import configure_cpu_heap
 from ds_ring.testing import rank_results, spawn_ranks
 
 HEADS, HEAD_DIM = 8, 64
@@ -79,7 +79,7 @@ def _measure(rank: int, world: int, call: Call, local_len: int, device: str, liv
     import ds_ring
 
     if call.mmap_threshold is not None:
-        ctypes.CDLL("libc.so.6").mallopt(-3, call.mmap_threshold)  # M_MMAP_THRESHOLD
+        configure_cpu_heap(call.mmap_threshold)  # kept by ds_ring's own setting on the first call
     seq = local_len * world
     segments = None if call.segments is None else [max(1, int(seq * f)) for f in call.segments]
     rates = None if call.rates is None else list(call.rates)
