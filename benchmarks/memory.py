@@ -5,7 +5,7 @@ Every (call, ranks) runs at two local lengths in fresh rank processes (1 thread,
 dout exist, max over ranks; slope (q-shards) = Δextra ÷ Δ(bytes of a q shard), fixed (MiB) = extra₁ − slope · b₁
 (``benchmarks/SUITE.md``). With ``--live`` (CPU) the same call also runs under ``torch.profiler`` with memory
 profiling, and ``live_mib`` is the peak of the bytes of tensors made during it and still live: allocator-independent
-(glibc may keep freed memory resident; set ``MALLOC_MMAP_THRESHOLD_`` for the RSS to follow live tensors too).
+(the RSS follows live tensors too as far as glibc's heap allows: ds_ring fixes its mmap threshold on CPU ranks).
 The rows go under ``--label`` into ``DIR/memory.json``; the plot is ``DIR/memory.png``.
 
     python -m benchmarks.memory --ranks 1 2 4 --calls dense_ring dilated_ring --label before"""
