@@ -6,8 +6,8 @@ At the first ``auto`` call on a process group every rank of it times, on the dat
   ``REPEATS`` each: latency = the small one's time, bandwidth = the extra bytes over the extra time;
 - a few small matmuls shaped like attention blocks, the best of ``REPEATS``: the FLOP rate.
 
-About 10 ms on gloo loopback (with one timing per rate). Ranks measure different numbers (a busy core, a far host), so the
-numbers are then *agreed*: one all-reduce of every rank's row (a one-hot sum, so every rank ends up
+About 10 ms on gloo loopback (with one timing per rate). Ranks measure different numbers (a busy core, a far
+host), so the numbers are then *agreed*: one all-reduce of every rank's row (a one-hot sum, so every rank ends up
 with every row), and every rank takes the worst (largest latency, smallest bandwidth and FLOP rate)
 of the same rows — the same floats on every rank, hence the same choice. The result is cached per
 process group (the ranks, and so the hosts they run on), so later calls and layers cost nothing.
