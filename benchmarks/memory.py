@@ -5,14 +5,13 @@ Every (call, ranks) runs at two local lengths in fresh rank processes (1 thread,
 dout exist, max over ranks; slope (q-shards) = Δextra ÷ Δ(bytes of a q shard), fixed (MiB) = extra₁ − slope · b₁
 (``benchmarks/SUITE.md``). With ``--live`` (CPU) the same call also runs under ``torch.profiler`` with memory
 profiling, and ``live_mib`` is the peak of the bytes of tensors made during it and still live: allocator-independent
-(glibc may keep freed memory resident; set ``MALLOC_MMAP_THRESHOLD_`` for the RSS to follow live tensors too).
+(the RSS follows live tensors too as far as glibc's heap allows: ds_ring fixes its mmap threshold on CPU ranks).
 The rows go under ``--label`` into ``DIR/memory.json``; the plot is ``DIR/memory.png``.
 
     python -m benchmarks.memory --ranks 1 2 4 --calls dense_ring dilated_ring --label before"""
 
 import argparse
 import contextlib
-import ctypes
 import json
 import tempfile
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import MIB, Series, peak_rss_mib, plot_panels, release_free_memory, reset_peak_rss, write_json
+from ds_ring.cpu_heap import configure_cpu_heap
 from ds_ring.testing import rank_results, spawn_ranks
 
 HEADS, HEAD_DIM = 8, 64
@@ -79,7 +79,7 @@ def _measure(rank: int, world: int, call: Call, local_len: int, device: str, liv
     import ds_ring
 
     if call.mmap_threshold is not None:
-        ctypes.CDLL("libc.so.6").mallopt(-3, call.mmap_threshold)  # M_MMAP_THRESHOLD
+        configure_cpu_heap(call.mmap_threshold)  # kept by ds_ring's own setting on the first call
     seq = local_len * world
     segments = None if call.segments is None else [max(1, int(seq * f)) for f in call.segments]
     rates = None if call.rates is None else list(call.rates)

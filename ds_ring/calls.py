@@ -35,6 +35,7 @@ from torch.distributed import ProcessGroup
 
 from ds_ring.comm.agree import agree
 from ds_ring.comm.groups import group_rank, group_size, takes_cpu
+from ds_ring.cpu_heap import configure_cpu_heap
 from ds_ring.kernels.dilation import check_cu_seqlens, check_softcap, validate_qkv
 from ds_ring.kernels.sinks import check_sinks
 from ds_ring.parallel.topology import Topology
@@ -244,6 +245,8 @@ def _prepare(
     documents: tuple[int, ...] | None,
 ) -> Bound:
     """Validate, agree, check and plan one key's call; the bound function for it."""
+    if q.device.type == "cpu":
+        configure_cpu_heap()  # once per process: freed tensors leave the RSS (ds_ring/cpu_heap.py)
     validate_qkv(q, k, v, call.head_offset)
     check_sinks(call.sinks, q)
     call = dataclasses.replace(call, softcap=check_softcap(call.softcap))

@@ -25,6 +25,7 @@ from ds_ring.build_locks import clear_stale_build_locks
 from ds_ring.comm.backends import device_backend
 from ds_ring.comm.wait import DEFAULT_TIMEOUT_S, process_group_timeout_s
 from ds_ring.config import SECTION, MonitoringConfig, PreemptionConfig, RingAttentionConfig, read_section
+from ds_ring.cpu_heap import configure_cpu_heap
 from ds_ring.launch_env import discover_launch_env
 from ds_ring.monitor import RingMonitor, at_clean_exit, flush_writer
 from ds_ring.parallel.topology import Topology
@@ -130,6 +131,8 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     clear_stale_build_locks()
     discover_launch_env()
     backend = process_group_backend()
+    if backend == "gloo":
+        configure_cpu_heap()  # a CPU rank: freed tensors leave the RSS (ds_ring/cpu_heap.py)
     timeout = timedelta(seconds=process_group_timeout_s(timeout_s))  # NCCL's watchdog: the backstop
     store = _restart_safe_store(timedelta(seconds=timeout_s))
     device = local_cuda_device(backend)

@@ -24,7 +24,7 @@ inputs gradient checkpointing keeps on disk) and trains from the loss the model 
 and ``--memory-census`` has rank 0 print the tensors alive at its memory peak; with both, two million tokens over
 4 CPU ranks in under 5 GiB per rank (docs/performance.md, "Two million tokens on one 24 GiB machine")::
 
-    MALLOC_MMAP_THRESHOLD_=131072 torchrun --standalone --nproc-per-node 4 launch/train_hf.py \
+    torchrun --standalone --nproc-per-node 4 launch/train_hf.py \
         --deepspeed_config ds_configs/hf_long_context_world.json --long-context --offload-dir /tmp \
         --offload-recompute --seq 2097152 --steps 1 --dim 256 --layers 4 --vocab 32000 --memory-census
 

@@ -1,0 +1,105 @@
+"""The noise of ``auto``'s probe and what it does to the choice: the probe repeated ``--repeats`` times in one launch,
+the spread of what it measured, and ``auto``'s choice under every repeat on a grid of calls.
+
+Per world size, one launch of 1-thread CPU ranks (gloo): ``--repeats`` agreed probes (:func:`ds_ring.auto.probe.
+measure_link` then :func:`~ds_ring.auto.probe.agree_link`, exactly what ``auto``'s first call runs), the machine's load
+average beside each. Then, with no timing, :func:`ds_ring.auto.model.plan_options` under every repeat's link on
+``--seqs`` × heads (8/8, 8/2) × 64 fp32 causal calls (degrees as the run has them: ``1 × p``, and ``2 × p/2`` at
+``p = 4``): per point the choices, how often the most frequent one came out, and the gap between the best and the
+second-best strategy under the median link, set against the spread of those two options' predicted times over
+the repeats. Writes ``DIR/probe.json`` under ``--label``.
+
+    python -m benchmarks.probe --worlds 2 4 --repeats 20"""
+
+import argparse
+import collections
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import write_json
+from ds_ring.testing import rank_results, spawn_ranks
+
+
+def _probe_rank(rank: int, world: int, repeats: int) -> list[dict[str, Any]]:
+    """``repeats`` agreed probes of the world group (what ``auto``'s first call measures), each with the load."""
+    import torch
+
+    from ds_ring.auto.probe import agree_link, measure_link
+
+    rows = []
+    for _ in range(repeats):
+        load = float(Path("/proc/loadavg").read_text().split()[0])
+        link = agree_link(measure_link(None, torch.device("cpu")), None)
+        rows.append({"latency_s": link.latency_s, "bandwidth": link.bandwidth, "flops": link.flops, "load": load})
+    return rows
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Min, median, max and max ÷ min of ``values``."""
+    return {"min": min(values), "median": statistics.median(values), "max": max(values),
+            "max_over_min": max(values) / min(values)}  # fmt: skip
+
+
+def stability(world: int, probes: list[dict[str, Any]], seqs: list[int]) -> list[dict[str, Any]]:
+    """``auto``'s choice under every probe on the grid (1-thread ranks, ``oversubscription`` 2 at 4 ranks on this
+    machine's 2 cores, as the topology records it)."""
+    from ds_ring.auto.model import Link, Problem, plan_options
+
+    links = [Link(latency_s=p["latency_s"], bandwidth=p["bandwidth"], flops=p["flops"], source="probe") for p in probes]
+    median = Link(**{key: statistics.median(p[key] for p in probes) for key in ("latency_s", "bandwidth", "flops")})
+    rows = []
+    for seq in seqs:
+        for heads, kv in ((8, 8), (8, 2)):
+            degrees = ((1, world), (2, world // 2)) if world == 4 else ((1, world),)
+            over = 2.0 if world == 4 else 1.0
+            problem = Problem(seq=seq, heads=heads, kv_heads=kv, head_dim=64, world=world, itemsize=4, causal=True,
+                              layouts=("contiguous",), degrees=degrees, oversubscription=over)  # fmt: skip
+            picks = [plan_options(problem, link)[0].label for link in links]
+            ranked = [o for o in plan_options(problem, median) if o.error is None]
+            best, second = ranked[0], next((o for o in ranked[1:] if o.strategy != ranked[0].strategy), None)
+            row = {"seq": seq, "heads": heads, "kv_heads": kv, "choices": dict(collections.Counter(picks)),
+                   "same_choice": collections.Counter(picks).most_common(1)[0][1] / len(picks),
+                   "median_choice": best.label}  # fmt: skip
+            if second is not None:
+                times = [{o.label: o.time_s for o in plan_options(problem, link)} for link in links]
+                ratios = [t[second.label] / t[best.label] for t in times]
+                row.update(second=second.label, gap=second.time_s / best.time_s - 1, ratio_spread=spread(ratios))
+            rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worlds", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--seqs", nargs="+", type=int, default=[2048, 4096, 8192, 16384, 32768])
+    parser.add_argument("--timeout-s", type=float, default=600)
+    parser.add_argument("--label", default="after", help="key of this run in the JSON (e.g. before / after)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args()
+    path = args.out / "probe.json"
+    everything = json.loads(path.read_text()) if path.exists() else {}
+    everything[args.label] = results = []
+    for world in args.worlds:
+        ranks = rank_results(spawn_ranks(_probe_rank, world, timeout_s=args.timeout_s, args=(args.repeats,)))
+        probes = ranks[0]  # agreed: the same on every rank
+        summary = {key: spread([p[key] for p in probes]) for key in ("latency_s", "bandwidth", "flops", "load")}
+        grid = stability(world, probes, args.seqs)
+        results.append({"world": world, "probes": probes, "spread": summary, "grid": grid})
+        s = summary
+        print(f"p={world}: {args.repeats} probes, load {s['load']['min']:.1f}-{s['load']['max']:.1f}; "
+              f"FLOP/s {s['flops']['min'] / 1e9:.1f}-{s['flops']['max'] / 1e9:.1f} G "
+              f"(×{s['flops']['max_over_min']:.2f}), "
+              f"bandwidth {s['bandwidth']['min'] / 1e9:.2f}-{s['bandwidth']['max'] / 1e9:.2f} GB/s "
+              f"(×{s['bandwidth']['max_over_min']:.2f}), latency {s['latency_s']['min'] * 1e6:.0f}-"
+              f"{s['latency_s']['max'] * 1e6:.0f} µs", flush=True)  # fmt: skip
+        for row in grid:
+            print(f"  {row['seq']:6d} {row['heads']}/{row['kv_heads']}: same choice {row['same_choice']:.2f} "
+                  f"{row['choices']}  gap to {row.get('second')} {row.get('gap', 0):.3f}", flush=True)  # fmt: skip
+        write_json(path, everything)
+
+
+if __name__ == "__main__":
+    main()
