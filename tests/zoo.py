@@ -81,7 +81,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma4_unified_assistant": {"text_config": {**_GEMMA4, **_NO_PER_LAYER_INPUT}},
     "gemma4_assistant": {"text_config": {**_GEMMA4, **_NO_PER_LAYER_INPUT}},
     "dots3_note": {"text_config": _DOTS3,
-                   "vision_config": {"pyramid_num_routed": [-1, 4], "adapter_in_dim": 64, "adapter_out_dim": 64}},
+                   "vision_config": {"pyramid_num_routed": [-1, 4], "adapter_in_dim": 64, "adapter_out_dim": 64},
+                   "audio_config": {"adapter_input_size": 64, "adapter_out_dim": 64, "downsample_hidden_size": 16,
+                                    "feature_size": 16}},
     "dots3_note_text": _DOTS3,
     "cohere_compass_text": {"rope_parameters": {t: {"rope_type": "default", "rope_theta": 10_000.0}
                                                 for t in ("full_attention", "sliding_attention")}},
@@ -272,8 +274,9 @@ def build_failures(names: Iterable[str]) -> dict[str, str]:
             try:
                 build(family)
             except Exception as err:  # noqa: BLE001 - every reason is listed, none is fatal
-                lines = [line for line in str(err).splitlines() if line.strip()]
-                failures[family] = f"{type(err).__name__}: {lines[0][:160]}" if lines else type(err).__name__
+                reason = err.__cause__ or err  # a config validator's reason is its cause
+                lines = [line.strip() for line in str(reason).splitlines() if line.strip()]
+                failures[family] = f"{type(reason).__name__}: {lines[0][:160]}" if lines else type(reason).__name__
     return failures
 
 
