@@ -1,14 +1,18 @@
 """Nothing silent: a registered model's sequence-mixing modules either run through ds_ring or are refused.
 
 Under sequence parallelism a rank holds a shard of the sequence, so every module that mixes information along
-the sequence must see the whole of it. Two checks, both naming the module class, why and what to do:
+the sequence must see the whole of it. Three checks, each naming the module class, why and what to do:
 
-* :func:`refuse_sequence_mixers`, at registration, from the module tree alone: state-space / Mamba mixers,
-  convolutions over time, linear / lightning / delta-rule attention, recurrent blocks and RNNs, recognised by
-  their class names (the model family's prefix removed) and by their torch types. A type the user knows to be
-  position-wise is let through with ``position_wise=("ClassName", ...)``. The state-space, short-convolution and
-  lightning-attention layers of :mod:`ds_ring.integrations.hf.recurrent` pass when registration is given the model
-  instance: ds_ring runs them sequence-parallel, their state carried across shards.
+* :func:`refuse_probed`, at registration of a model instance, by behaviour
+  (:func:`~ds_ring.integrations.hf.probe.probe_sequence_mixers`): the modules whose output at one position depends
+  on other positions' inputs while the attention interface stands in position-wise. Whatever they are called.
+* :func:`refuse_sequence_mixers`, at registration, from the module tree: for the modules the probe did not run or
+  read (and for a model given by name or config, built on the meta device: all of them), state-space / Mamba
+  mixers, convolutions over time, linear / lightning / delta-rule attention, recurrent blocks and RNNs, recognised
+  by their class names (whole, and with the model family's prefix removed) and by their torch types; and position
+  embeddings counted past a padding index. A type the user knows to be position-wise is let through with
+  ``position_wise=("ClassName", ...)``. The layers of :mod:`ds_ring.integrations.hf.recurrent` pass when
+  registration is given the model instance: ds_ring runs them sequence-parallel, their state carried across shards.
 * :class:`CallAudit`, while registered: the first forward of every attention module must call ds_ring's
   attention (itself or through a child). One that runs without calling it (its own
   ``F.scaled_dot_product_attention`` or eager code: it attended within the shard) is refused right after that
@@ -21,15 +25,17 @@ documents for models whose attention modules receive no ``**kwargs``.
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from ds_ring.integrations.hf.probe import Probe
 from ds_ring.integrations.hf.watch import ForwardWatch
 
-__all__ = ["refuse_sequence_mixers", "CallAudit", "ModelWatch", "BATCH_KEYS"]
+__all__ = ["computes_attention", "refuse_probed", "refuse_sequence_mixers", "CallAudit", "ModelWatch", "BATCH_KEYS"]
 
 _MIXER = re.compile(
     r"mamba|mixer|ssm|shortconv|conv|lightning|linearattention|lineardecoder|deltanet|deltarule|gateddelta|recurrent|"
@@ -56,6 +62,14 @@ def _short_name(module: nn.Module, prefix: str) -> str:
     return name[len(prefix) :] if prefix and name.lower().startswith(prefix.lower()) and name != prefix else name
 
 
+def _named_mixer(name: str) -> bool:
+    """A class name that says sequence mixer (and not a container, a position-wise layer or softmax attention)."""
+    mixer_named = bool(_MIXER.search(name)) and not any(
+        pattern.search(name) for pattern in (_POSITION_WISE, _STRUCTURE, _ATTENTION)
+    )
+    return mixer_named or bool(_LINEAR_ATTENTION.search(name))
+
+
 def _mixes_over_time(module: nn.Module) -> bool:
     """A torch layer that mixes neighbouring positions: a convolution wider than 1, or a recurrent net."""
     if isinstance(module, nn.RNNBase):
@@ -63,8 +77,43 @@ def _mixes_over_time(module: nn.Module) -> bool:
     return isinstance(module, nn.Conv1d | nn.Conv2d | nn.Conv3d) and max(module.kernel_size) > 1
 
 
+def computes_attention(class_name: str) -> bool:
+    """Whether a class name says softmax attention (``...Attention`` / ``...Attn``, not a linear one)."""
+    return bool(_ATTENTION.search(class_name)) and not _LINEAR_ATTENTION.search(class_name)
+
+
+def refuse_probed(probe: Probe) -> None:
+    """``ValueError`` naming the first module the probe found mixing along the sequence by itself."""
+    if not probe.mixers:
+        return
+    mixer = probe.mixers[0]
+    cls = type(mixer.module).__name__
+    seen = (
+        f"its output at one position depends on the inputs at other positions while transformers' attention "
+        f"interface stands in position-wise (a probe forward of {probe.tokens} tokens at registration)"
+    )
+    if computes_attention(cls):
+        raise ValueError(
+            f"{mixer.describe()} computes attention in its own code (e.g. F.scaled_dot_product_attention or eager "
+            f"code, ignoring attn_implementation), not through transformers' attention interface: {seen}. On one "
+            f"rank's shard it would attend only within that shard. ds_ring cannot run this model sequence-parallel; "
+            f"train it without sequence parallelism, or use a model whose attention goes through transformers' "
+            f"attention interface"
+        )
+    declare = cls if mixer.owner is None else mixer.owner
+    raise ValueError(
+        f"{mixer.describe()} mixes information along the sequence other than through attention: {seen}. Run on "
+        f"one rank's shard it would restart at every shard boundary, so ds_ring refuses it. Train this model "
+        f"without sequence parallelism, or, if {declare} is position-wise after all (the probe saw a dependency "
+        f"its weights give), declare it: register_with_transformers(..., position_wise=[{declare!r}])"
+    )
+
+
 def refuse_sequence_mixers(
-    model: nn.Module, position_wise: Iterable[str] = (), handled: Iterable[nn.Module] = ()
+    model: nn.Module,
+    position_wise: Iterable[str] = (),
+    handled: Iterable[nn.Module] = (),
+    probed: Iterable[nn.Module] = (),
 ) -> None:
     """``ValueError`` naming the first module that mixes along the sequence other than through attention.
 
@@ -73,21 +122,21 @@ def refuse_sequence_mixers(
         position_wise: class names the user declares position-wise (mixing nothing along the sequence).
         handled: modules ds_ring runs sequence-parallel itself (:mod:`ds_ring.integrations.hf.recurrent`): they and
             their children pass.
+        probed: modules whose behaviour the probe read (:func:`refuse_probed` judges them): their names are not
+            held against them.
     """
     from ds_ring.integrations.hf.recurrent import supported_mixer
 
     allowed = set(position_wise)
     prefix = _family_prefix(model)
     inside = {id(m) for mixer in handled for m in mixer.modules()}
+    read = {id(m) for m in probed}
     for path, module in model.named_modules():
         cls = type(module).__name__
         if cls in allowed or module is model or id(module) in inside:
             continue
-        short = _short_name(module, prefix)
-        mixer_named = bool(_MIXER.search(short)) and not any(
-            pattern.search(short) for pattern in (_POSITION_WISE, _STRUCTURE, _ATTENTION)
-        )
-        named = mixer_named or bool(_LINEAR_ATTENTION.search(short))
+        # the whole name too: a family prefix can carry the meaning (xLSTMBackend is "Backend" without it)
+        named = _named_mixer(_short_name(module, prefix)) or _named_mixer(cls)
         if type(module).__module__.startswith("transformers.pytorch_utils"):  # Conv1D is GPT-2's linear layer
             named = False
         position = "position" in path.rsplit(".", 1)[-1]
@@ -98,6 +147,8 @@ def refuse_sequence_mixers(
                 f"token its position from 0; ds_ring refuses it rather than shift every position. Train this model "
                 f"without sequence parallelism"
             )
+        if id(module) in read:
+            continue
         if named or _mixes_over_time(module):
             owner = next((m for p, m in model.named_modules() if path.startswith(f"{p}.") and supported_mixer(m)), None)
             if supported_mixer(module) or owner is not None:
@@ -154,14 +205,22 @@ class CallAudit:
             return
         _, before = self._open.pop()
         self._audited.add(id(module))
-        if self.calls == before:
-            raise ValueError(
-                f"{type(module).__name__} ran without calling ds_ring's attention: it computes attention in its own "
-                f"code (e.g. F.scaled_dot_product_attention or eager code, ignoring attn_implementation); on one "
-                f"rank's shard it attends only within that shard. ds_ring cannot run this model sequence-parallel; "
-                f"train it without sequence parallelism, or use a model whose attention goes through transformers' "
-                f"attention interface"
-            )
+        if self.calls != before:
+            return
+        refusal = ValueError(
+            f"{type(module).__name__} ran without calling ds_ring's attention: it computes attention in its own "
+            f"code (e.g. F.scaled_dot_product_attention or eager code, ignoring attn_implementation); on one "
+            f"rank's shard it attends only within that shard. ds_ring cannot run this model sequence-parallel; "
+            f"train it without sequence parallelism, or use a model whose attention goes through transformers' "
+            f"attention interface"
+        )
+        failed = sys.exc_info()[1]
+        if _out is None and failed is not None:
+            # the forward raised: torch runs this hook inside its except block and would silence (warn about) a
+            # raise here, re-raising the forward's error; that error carries ds_ring's reason instead
+            failed.add_note(f"ds_ring: {refusal}")
+            return
+        raise refusal
 
 
 class ModelWatch(ForwardWatch):

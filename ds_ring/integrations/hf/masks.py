@@ -65,6 +65,11 @@ class MaskSpec:
 
     __add__ = __radd__ = __mul__ = __rmul__ = __and__ = __rand__ = __or__ = __ror__ = __sub__ = __rsub__ = _operator
 
+    @classmethod
+    def __torch_function__(cls, func: Any, _types: Any, _args: Any = (), _kwargs: Any = None) -> Any:
+        # a torch function given the spec where it wants a mask tensor (Falcon's own F.scaled_dot_product_attention)
+        raise _builds_on_mask(f"{getattr(func, '__name__', func)}(...)")
+
 
 class MaskUsedAsTensor(ValueError, AttributeError):
     """Model code used a :class:`MaskSpec` as a tensor: a ``ValueError`` (a refusal), and an ``AttributeError`` so

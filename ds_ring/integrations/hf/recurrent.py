@@ -46,7 +46,7 @@ _DELTA = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
 @dataclass(frozen=True)
 class Family:
     """A modeling file whose mixer classes ``mixers`` mix the sequence only through its functions ``functions`` (none:
-    the mixer's own forward is wrapped, :func:`_lightning`)."""
+    the mixer's own forward is wrapped, :func:`_lightning`, :func:`_mlstm`)."""
 
     module: str
     mixers: tuple[str, ...]
@@ -72,6 +72,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("olmo_hybrid", ("OlmoHybridGatedDeltaNet",), _DELTA),
     Family("lara_mini", ("LaraMiniGatedDeltaNet",), _DELTA),
     Family("kimi_linear", ("KimiLinearDeltaAttention",), ("causal_conv1d_fn", "chunk_kimi_delta_attention")),
+    Family("xlstm", ("xLSTMBackend",), ()),
 )
 """Families whose sequence mixers ds_ring runs sequence-parallel (``transformers.models.<module>``)."""
 
@@ -251,7 +252,8 @@ def install_recurrent(
 
     wrapped = [m for m in mixers if not _family_of(m).functions]
     for mixer in wrapped:
-        mixer.forward = _lightning(mixer, mixer.forward, shards)
+        wrapper = _mlstm if _family_of(mixer).module == "xlstm" else _lightning
+        mixer.forward = wrapper(mixer, mixer.forward, shards)
 
     def restore() -> None:
         for modeling, name, original in reversed(undo):
@@ -315,6 +317,89 @@ def _lightning(module: nn.Module, forward: Callable[..., Any], shards: _Shards) 
                         out = tie(out, h_in)
                 outputs.append(out)
         return torch.cat(outputs, dim=1), None
+
+    return sequence_parallel
+
+
+def _mlstm(module: nn.Module, forward: Callable[..., Any], shards: _Shards) -> Callable[..., Any]:
+    """xLSTM's mLSTM backend over this rank's shard, its state carried exactly (no packed documents).
+
+    Per head the mLSTM keeps a matrix memory ``C``, a normaliser ``n`` and a stabiliser ``m`` (``C`` and ``n`` are
+    stored as ``e^{-m}`` times their true values). Over a run of tokens with total log forget gate ``G`` it maps
+    ``(C, n, m)`` to ``m' = max(G + m, M)``, ``C' = e^{G + m - m'} C + e^{M - m'} C⁰`` (``n`` alike), where
+    ``(C⁰, n⁰, M)`` is what the run reaches from ``(0, 0, -∞)``: the same max-plus and affine steps the layer's
+    chunkwise kernel takes, regrouped. Each chunk runs once from ``(0, 0, -∞)`` for that summary; the summaries are
+    all-gathered and folded in sequence order from the whole model's start ``(0, 0, 0)``; each chunk then runs again
+    from the state so reached, through the layer's own initial-state path. A chunk must be a whole number of the
+    layer's kernel chunks (``config.chunk_size``), so that it computes exactly as the whole sequence does."""
+
+    def sequence_parallel(
+        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, igate: torch.Tensor, fgate: torch.Tensor,
+        c_initial: torch.Tensor | None = None, n_initial: torch.Tensor | None = None,
+        m_initial: torch.Tensor | None = None, return_last_states: bool | None = None, mode: str | None = None,
+    ) -> Any:  # fmt: skip
+        given = (c_initial, n_initial, m_initial)
+        if not shards.active:
+            return forward(query, key, value, igate, fgate, *given, return_last_states=return_last_states, mode=mode)
+        if any(state is not None and bool(state.ne(0).any()) for state in given):  # a cache's zeros: a fresh start
+            raise _refuse_state("xLSTM's mLSTM layer given a state")
+        from ds_ring.recurrent.exchange import gather_summaries, tie
+
+        pieces = shards.pieces(query.shape[2])
+        size, kernel = pieces.chunks[0].end - pieces.chunks[0].begin, module.config.chunk_size
+        if size % kernel:
+            raise ValueError(
+                f"xLSTM's mLSTM layer computes in chunks of config.chunk_size = {kernel} tokens, and each of the "
+                f"{pieces.chunk_count} chunks the ranks hold has {size}: ds_ring reproduces the whole model exactly "
+                f"only on whole kernel chunks; use a sequence length that is a multiple of "
+                f"{kernel * pieces.chunk_count}"
+            )
+        if any(len(c.segments) > 1 or (c.index > 0 and not c.segments[0].continues) for c in pieces.chunks):
+            raise ValueError(
+                "xLSTM's mLSTM layer under sequence parallelism with packed documents: ds_ring does not restart "
+                "its state at a document's first token; train it on unpacked batches"
+            )
+        batch, heads, _, dqk = query.shape
+        dtype = torch.promote_types(query.dtype, torch.float32)
+        zeros_c = query.new_zeros(batch, heads, dqk, value.shape[-1], dtype=dtype)
+        zeros_n, zeros_m = (
+            query.new_zeros(batch, heads, dqk, dtype=dtype),
+            query.new_zeros(batch, heads, 1, dtype=dtype),
+        )
+        parts = [
+            tuple(t[:, :, c.offset : c.offset + size] for t in (query, key, value, igate, fgate)) for c in pieces.chunks
+        ]
+        summaries = []
+        for part in parts:
+            _, (c0, n0, m0) = forward(*part, zeros_c, zeros_n, zeros_m - torch.inf, mode="inference")
+            g = torch.nn.functional.logsigmoid(part[4].to(dtype)).sum(-1, keepdim=True)  # [b, heads, 1]
+            summaries.append(torch.cat([g.flatten(), m0.to(dtype).flatten(), c0.to(dtype).flatten(),
+                                        n0.to(dtype).flatten()]))  # fmt: skip
+        gathered = gather_summaries(
+            torch.cat(summaries), shards.group, op="recurrent_mlstm", timeout_s=shards.timeout_s
+        )
+        cuts = [zeros_m.numel(), zeros_m.numel(), zeros_c.numel(), zeros_n.numel()]
+        by_chunk = {}
+        for rank, held in enumerate(pieces.order):
+            for slot, index in enumerate(held):
+                row = gathered[rank].view(len(held), -1)[slot]
+                g, m, c, n = row.split(cuts)
+                by_chunk[index] = (g.view_as(zeros_m), m.view_as(zeros_m), c.view_as(zeros_c), n.view_as(zeros_n))
+        outputs, last = [], None
+        for chunk, part in zip(pieces.chunks, parts, strict=True):
+            c_in, n_in, m_in = zeros_c, zeros_n, zeros_m  # the whole model's start
+            for index in range(chunk.index):
+                g, m0, c0, n0 = by_chunk[index]
+                m_out = torch.maximum(g + m_in, m0)
+                carried, fresh = torch.exp(g + m_in - m_out), torch.exp(m0 - m_out)
+                c_in = carried[..., None] * c_in + fresh[..., None] * c0
+                n_in, m_in = carried * n_in + fresh * n0, m_out
+            h, last = forward(*part, c_in, n_in, m_in, mode="inference")
+            outputs.append(tie(h, gathered))
+        h = torch.cat(outputs, dim=2)
+        mode = mode or module.config.mode
+        keep = return_last_states if return_last_states is not None else module.config.return_last_states
+        return h if "train" in mode and not keep else (h, last)
 
     return sequence_parallel
 

@@ -9,6 +9,7 @@ model's config and before any communication, what the attention cannot compute.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -19,10 +20,17 @@ import torch.distributed as dist
 
 from ds_ring.config import SECTION, DsConfig, RingAttentionConfig, read_section
 from ds_ring.integrations.hf.attention import SequenceParallelAttention
-from ds_ring.integrations.hf.audit import CallAudit, ModelWatch, refuse_sequence_mixers
+from ds_ring.integrations.hf.audit import (
+    CallAudit,
+    ModelWatch,
+    computes_attention,
+    refuse_probed,
+    refuse_sequence_mixers,
+)
 from ds_ring.integrations.hf.documents import refuse_padding
 from ds_ring.integrations.hf.long_context import check_long_context
 from ds_ring.integrations.hf.masks import MaskSpec, mask_spec
+from ds_ring.integrations.hf.probe import Probe
 from ds_ring.integrations.hf.recurrent import install_recurrent, sequence_parallel_mixers
 from ds_ring.integrations.hf.session import SequenceParallelSession, installed_sessions
 from ds_ring.parallel.topology import Topology
@@ -34,6 +42,8 @@ __all__ = [
     "HUB_KERNEL",
     "OWN_NAME",
 ]
+
+_log = logging.getLogger(__name__)
 
 OWN_NAME = "ds_ring"
 """The registry entry ds_ring adds (``core_attn_implementation="ds_ring"``) for models that allow no ``sdpa`` but
@@ -95,7 +105,8 @@ def register_with_transformers(
             along the sequence.
 
     Nothing runs silently wrong: the model's modules that mix along the sequence other than through attention
-    (state-space, recurrent, convolution, linear-attention layers) are refused now; while registered, an
+    are refused now, found by what they do on a model instance (a dependency probe, whatever they are called:
+    :mod:`~ds_ring.integrations.hf.probe`) and by their class names otherwise; while registered, an
     attention module whose first forward does not call ds_ring's attention is refused right after it
     (:class:`~ds_ring.integrations.hf.audit.CallAudit`), a mask ds_ring does not compute is refused on its
     first call (:mod:`~ds_ring.integrations.hf.masks`), and so is an attention call before the section's
@@ -109,7 +120,9 @@ def register_with_transformers(
 
     Raises:
         ValueError: naming the field and the fix: before any communication, ``eager`` or an unknown
-            implementation, a model config with heads the strategy cannot split, a malformed section, a
+            implementation, a model with attention modules whose config selects another implementation (a model
+            with no attention registers as transformers builds it, ``eager``), a model config with heads the
+            strategy cannot split, a malformed section, a
             ``long_context`` the model cannot take; on every rank, ranks with different sections; a topology with
             other degrees.
     """
@@ -126,10 +139,11 @@ def register_with_transformers(
         )
     if not own:
         _check_implementation(core_attn_implementation, ALL_ATTENTION_FUNCTIONS)
-    model_config = _model_config(model_name_or_path, core_attn_implementation)
+    model_config, unrouted = _model_config(model_name_or_path, core_attn_implementation)
     if model_config is not None and section.enabled:
-        handled = sequence_parallel_mixers(model_name_or_path)
-        refuse_sequence_mixers(_module_tree(model_name_or_path, model_config), position_wise, handled)
+        _audit_modules(model_name_or_path, model_config, core_attn_implementation, position_wise, unrouted)
+    elif unrouted is not None:
+        raise unrouted
     if isinstance(model_name_or_path, torch.nn.Module):
         check_long_context(model_name_or_path, section.long_context)
     if topology is None and not dist.is_initialized():
@@ -220,32 +234,78 @@ def _check_implementation(name: str, registry: Mapping[str, Any]) -> None:
         raise ValueError(f"core_attn_implementation {name!r} is not one of transformers' {sorted(registry)}")
 
 
-def _model_config(model_name_or_path: Any, implementation: str) -> Any:
-    """The model's config: from a model, a config, or a name / directory (``AutoConfig``); ``None`` if none."""
+def _model_config(model_name_or_path: Any, implementation: str) -> tuple[Any, ValueError | None]:
+    """The model's config: from a model, a config, or a name / directory (``AutoConfig``); ``None`` if none. With it,
+    the refusal due if the model has attention modules: its config selects an attention other than the one ds_ring
+    replaces (eager only, or another entry). A model with none (Mamba: eager, no attention) needs no entry."""
     if model_name_or_path is None:
-        return None
+        return None, None
     from transformers import AutoConfig, PretrainedConfig
 
     if isinstance(model_name_or_path, PretrainedConfig):
-        return model_name_or_path
+        return model_name_or_path, None
     if hasattr(model_name_or_path, "config"):  # a built model, or a wrapper of one (PEFT): check what it calls
         config = model_name_or_path.config
         used = getattr(config, "_attn_implementation", None)
         if used == "eager" and getattr(model_name_or_path, "_supports_attention_backend", True) is False:
-            raise ValueError(
+            return config, ValueError(
                 f"{type(model_name_or_path).__name__} computes attention in its own code (transformers offers it no "
                 f"attention implementation but eager, which never calls a registered one): on one rank's shard it "
                 f"would attend only within that shard. ds_ring cannot run this model sequence-parallel; train it "
                 f"without sequence parallelism"
             )
         if used is not None and used != implementation:  # None: a wrapper's config that does not say
-            raise ValueError(
+            return config, ValueError(
                 f"core_attn_implementation {implementation!r} does not match the model's config._attn_implementation "
                 f"{used!r}; build the model with attn_implementation={implementation!r} (or register {used!r}) so "
                 f"that its attention calls the replaced entry"
             )
-        return config
-    return AutoConfig.from_pretrained(model_name_or_path)
+        return config, None
+    return AutoConfig.from_pretrained(model_name_or_path), None
+
+
+def _audit_modules(
+    model_name_or_path: Any, config: Any, implementation: str, position_wise: Sequence[str], unrouted: Exception | None
+) -> None:
+    """Refuse the model's modules that would mix along the sequence behind ds_ring's back (:mod:`.audit`).
+
+    A model instance is probed (:func:`~ds_ring.integrations.hf.probe.probe_sequence_mixers`): ``unrouted`` (its
+    config selects another attention) is raised if anything mixes the sequence other than the layers ds_ring runs
+    sequence-parallel, and nothing else is: a model with no attention (Mamba built as transformers builds it,
+    ``_attn_implementation == "eager"``) registers. A model the probe cannot run (meta device, ZeRO 3 partitions),
+    a name or a config are judged by their class names, and ``unrouted`` is raised as it stands.
+    """
+    from ds_ring.integrations.hf.probe import probe_sequence_mixers
+
+    handled = sequence_parallel_mixers(model_name_or_path)
+    probe: Probe | str = "registration was given a config or a name"
+    inside = {id(m) for mixer in handled for m in mixer.modules()}
+    if isinstance(model_name_or_path, torch.nn.Module):
+        unregister_from_transformers()  # an installed session's hooks and layers must not see the probe's forward
+        declared = set(position_wise)
+        probe = probe_sequence_mixers(
+            model_name_or_path,
+            [implementation],
+            lambda m: id(m) in inside or type(m).__name__ in declared,
+        )
+    if unrouted is not None and not isinstance(probe, Probe):
+        raise unrouted
+    if unrouted is not None and any(  # an attention module the probe could not read may well attend by itself
+        computes_attention(type(m).__name__) and id(m) not in probe.probed and id(m) not in inside
+        for m in model_name_or_path.modules()
+    ):
+        raise unrouted
+    if unrouted is not None and probe.mixers:
+        eager = getattr(config, "_attn_implementation", None) == "eager"
+        if not eager or any(computes_attention(m.owner or type(m.module).__name__) for m in probe.mixers):
+            raise unrouted  # attention that runs another entry (or eager only): the config says why
+    probed = [m for m in model_name_or_path.modules() if id(m) in probe.probed] if isinstance(probe, Probe) else []
+    refuse_sequence_mixers(_module_tree(model_name_or_path, config), position_wise, handled, probed)
+    if isinstance(probe, Probe):
+        refuse_probed(probe)
+    elif isinstance(model_name_or_path, torch.nn.Module):
+        _log.warning("ds_ring could not probe %s (%s): its modules were judged by class name only",
+                     type(model_name_or_path).__name__, probe)  # fmt: skip
 
 
 def _replace(interface: Any, key: str, value: Any) -> tuple[Any, str, bool, Any]:
