@@ -6,8 +6,9 @@ found by the dependency probe and refused naming them; a position-wise module wi
 forward's backstop raises ds_ring's ``ValueError`` (never torch's silenced hook warning, never a library's
 ``TypeError``). On 2 ranks: Mamba, Mamba2, Falcon-Mamba and xLSTM built with ``from_config`` alone (``eager``, no
 attention) and registered over ``sdpa`` train equal to the whole model (float64, loss and every gradient, ring and
-Ulysses; xLSTM's mLSTM state carried across shards); Falcon's own ``F.scaled_dot_product_attention`` is refused at
-registration, and Falcon registered by its config is refused by ds_ring's error on its first forward.
+Ulysses; xLSTM's mLSTM state carried across shards), while Llama built ``eager`` is refused over ``sdpa``;
+Falcon's own ``F.scaled_dot_product_attention`` is refused at registration, and Falcon registered by its config is
+refused by ds_ring's error on its first forward.
 """
 
 from __future__ import annotations
@@ -181,7 +182,7 @@ def _cases(rank: int, world: int) -> list[str]:
 
     import ds_ring
     from ds_ring.integrations.hf import register_with_transformers, shard_batch
-    from tests.zoo import STRATEGIES, batch, reference, relative_error, sequence_parallel
+    from tests.zoo import STRATEGIES, batch, build, reference, relative_error, sequence_parallel
 
     transformers.logging.set_verbosity_error()
     warnings.simplefilter("ignore")
@@ -201,6 +202,9 @@ def _cases(rank: int, world: int) -> list[str]:
                 got_loss, got_grads = sequence_parallel(model, full, section, topologies[name])
                 error = max(relative_error(got_grads, grads), abs(float(got_loss - loss)) / abs(float(loss)))
                 assert error < 1e-6, f"relative error {error:.2g}"
+    eager = r"does not match the model's config._attn_implementation 'eager'"
+    with log.case("a model with attention, built eager, is refused over sdpa"), pytest.raises(ValueError, match=eager):
+        register_with_transformers(build("llama"), config=ring, topology=topologies["ring"])
     falcon = _falcon()
     own = r"FalconAttention \(at transformer.h.0.self_attention\) computes attention in its own code"
     with (

@@ -309,9 +309,10 @@ def reference(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> tuple[to
 
 
 def _implementation(model: torch.nn.Module) -> str:
-    """``sdpa`` where the family allows it, else ds_ring's own registry entry; a family without attention modules
-    (Mamba) is left as transformers builds it (``eager``) and registered over ``sdpa``, as its users do."""
-    if not any(re.search(r"(Attention|Attn)$", type(m).__name__) for m in model.modules()):
+    """``sdpa`` where the family allows it, else ds_ring's own registry entry; a family that takes no attention
+    implementation but eager (Mamba, xLSTM: no attention at all) is left as transformers builds it and registered
+    over ``sdpa``, as its users do."""
+    if not getattr(model, "_supports_sdpa", False) and getattr(model, "_supports_attention_backend", True) is False:
         return "sdpa"
     with contextlib.suppress(ValueError, ImportError):
         model.set_attn_implementation("sdpa")

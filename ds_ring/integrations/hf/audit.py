@@ -104,8 +104,8 @@ def refuse_probed(probe: Probe) -> None:
     raise ValueError(
         f"{mixer.describe()} mixes information along the sequence other than through attention: {seen}. Run on "
         f"one rank's shard it would restart at every shard boundary, so ds_ring refuses it. Train this model "
-        f"without sequence parallelism, or, if {declare} is position-wise after all (the probe saw a dependency "
-        f"its weights give), declare it: register_with_transformers(..., position_wise=[{declare!r}])"
+        f"without sequence parallelism (register_with_transformers(..., position_wise=[{declare!r}]) lets it "
+        f"through, which is right only if the dependency measured is not along the sequence)"
     )
 
 
