@@ -31,15 +31,34 @@ REASONS = {
     "chunked mask": r"is given a mask with chunked attention",
     "mask built on": r"uses its attention mask as a tensor",
     "padded positions": r"position embedding with padding_idx",
+    "bidirectional": r"attends bidirectionally but ring_attention.causal is True",
+    "mask of masks": r"is given a mask with an OR of masks",
+    "eager only": r"does not match the model's config._attn_implementation 'eager'",
 }
 """Why ds_ring refuses a family: a key of :data:`EXPECTED_REFUSALS` → the message it gives."""
 
 EXPECTED_REFUSALS: dict[str, str] = {
-    **dict.fromkeys(["axk2", "deepseek_v32", "glm_moe_dsa", "hy_v4"], "mask built on"),
+    **dict.fromkeys(["axk2", "deepseek_v32", "dots3_note", "dots3_note_text", "glm_moe_dsa", "hy_v4"], "mask built on"),
     **dict.fromkeys(
-        ["bailing_hybrid", "inkling_text", "qwen4_exp", "qwen4_exp_text", "recurrent_gemma", "zamba", "zaya"],
+        [
+            "bailing_hybrid",
+            "inkling_text",
+            "inkling2_text",
+            "inkling2_loop_text",
+            "lfm2_moe",
+            "qwen4_exp",
+            "qwen4_exp_text",
+            "recurrent_gemma",
+            "zamba",
+            "zaya",
+        ],
         "sequence mixer",
     ),  # fmt: skip
+    # a vision or audio tower's convolution, which the text-only probe does not run: judged by its type
+    **dict.fromkeys(["gemma3", "gemma4", "git", "moss_transcribe_diarize", "phi4_multimodal"], "sequence mixer"),
+    "blt": "bidirectional",  # its cross-attention between bytes and patches
+    "gemma4_unified": "mask of masks",
+    "got_ocr2": "eager only",  # its vision tower has no sdpa, so the model stays eager
     **dict.fromkeys(
         [
             "big_bird",
