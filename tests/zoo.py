@@ -1,14 +1,15 @@
 """transformers' causal-LM zoo under ds_ring: every family built tiny, trained one step sequence-parallel.
 
 Each family in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` is built from its default config made tiny (2 layers,
-hidden 64, 4 heads / 2 K/V heads, vocab 128, sliding windows of 16 tokens: shorter than one rank's shard),
-random weights, float64, dropout off. The reference is the whole model on one process with ``eager``
-attention (the model's own masks, windows, sinks and soft-capping); ds_ring runs it registered
-(:func:`register_with_transformers`), on batches from :func:`shard_batch`, with :func:`causal_lm_loss`. A family
-is *equal* when the loss and every parameter gradient (summed over the sequence group) match the reference,
-*refused* when registration or the first step raises a ``ValueError`` naming why, *wrong* otherwise, and
-*crash* on any other exception. Families that do not build from a tiny decoder-only config are listed with the
-reason (:func:`build_failures`).
+hidden 64, 4 heads / 2 K/V heads, vocab 128, sliding windows of 16 tokens: shorter than one rank's shard; per-family
+sizes in :data:`OVERRIDES` / :data:`CONSTRUCTED`), random weights, float64 throughout (:class:`Float64Throughout`),
+dropout off. The reference is the whole model on one process with ``eager`` attention (the model's own masks,
+windows, sinks and soft-capping); ds_ring runs it registered (:func:`register_with_transformers`), on batches from
+:func:`shard_batch`, with :func:`causal_lm_loss`. A family is *equal* when the loss and each parameter's gradient
+(summed over the sequence group) match the reference to :data:`TOLERANCE` of that parameter's own scale
+(:func:`worst_error`), *refused* when ds_ring raises a ``ValueError`` naming why, *wrong* otherwise, *no reference*
+when the whole model fails too, and *crash* on any other exception. Families that do not build tiny here are listed
+with the reason (:func:`build_failures`).
 
 ``python -m tests.zoo`` runs the zoo on 2 ranks and writes ``docs/model_zoo.md`` (the table the docs show);
 ``tests/test_model_zoo.py`` runs the same code and checks the outcomes against :data:`EXPECTED_REFUSALS`.
@@ -396,9 +397,8 @@ def worst_error(
     return worst
 
 
-def _reference_or_why(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> tuple[Any, Any, str | None, list[str]]:
-    """The reference (in eval mode where training is random, e.g. PhiMoE's sparsemixer), or why there is none; and
-    the model functions that round float64 to float32 (sorted)."""
+def _reference_or_why(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> tuple[Any, Any, str | None]:
+    """The reference (in eval mode where training is random, e.g. PhiMoE's sparsemixer), or why there is none."""
     try:
         loss, grads = reference(model, full)
         if not torch.equal(reference(model, full)[0], loss):
