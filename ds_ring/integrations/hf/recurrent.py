@@ -9,7 +9,8 @@ the registered model's forward, runs the rank's shard exactly as the whole seque
 convolution's inputs carried across shards and reset at every packed document's first token), calling the original
 for every piece; outside it, the original runs as it was. The fused kernels that skip those functions
 (``mamba2_split_conv1d_scan_combined``, ``mamba_inner_fn``) answer "not available" while inside it, so the layer
-takes its unfused path. The layer's own code runs unchanged around them.
+takes its unfused path. The layer's own code runs unchanged around them. Two mixers are wrapped whole instead:
+MiniMax's lightning attention and xLSTM's mLSTM backend, each run from the state carried into its chunks.
 
 Under every strategy (ring, all-gather, Ulysses, hybrid) these layers run over the shards of the whole
 sequence-parallel group, in the layout's chunk order: a layer's exchange is then a few states per rank, whatever the
