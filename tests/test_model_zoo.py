@@ -34,6 +34,7 @@ REASONS = {
     "bidirectional": r"attends bidirectionally but ring_attention.causal is True",
     "mask of masks": r"is given a mask with an OR of masks",
     "eager only": r"does not match the model's config._attn_implementation 'eager'",
+    "positions counted": r"computes positions from the shard's own token index",
 }
 """Why ds_ring refuses a family: a key of :data:`EXPECTED_REFUSALS` → the message it gives."""
 
@@ -85,12 +86,27 @@ EXPECTED_REFUSALS: dict[str, str] = {
         "padded positions",
     ),
     **dict.fromkeys(["llama4", "llama4_text"], "chunked mask"),
+    # decoders of encoder-decoder families: their position embedding numbers the tokens it is given from 0
+    **dict.fromkeys(
+        [
+            "bart",
+            "blenderbot",
+            "blenderbot-small",
+            "marian",
+            "mbart",
+            "musicgen",
+            "musicgen_melody",
+            "pegasus",
+            "plbart",
+        ],
+        "positions counted",
+    ),
 }
 """Family → the key of :data:`REASONS` it is refused for (on every strategy)."""
 
 REPRESENTATIVE = [
     "llama", "qwen2_moe", "phimoe", "gemma2", "deepseek_v3", "nemotron", "stablelm", "gpt_bigcode", "mixtral",
-    "jamba", "mamba", "lfm3", "minimax", "qwen3_next", "doge", "llama4_text", "roberta", "gpt_neo",
+    "jamba", "mamba", "lfm3", "minimax", "qwen3_next", "doge", "llama4_text", "roberta", "gpt_neo", "bart",
 ]  # fmt: skip
 
 

@@ -30,6 +30,7 @@ from ds_ring.integrations.hf.audit import (
 from ds_ring.integrations.hf.documents import refuse_padding
 from ds_ring.integrations.hf.long_context import check_long_context
 from ds_ring.integrations.hf.masks import MaskSpec, mask_spec
+from ds_ring.integrations.hf.positions import POSITION_TOKENS, refuse_position_blind
 from ds_ring.integrations.hf.probe import Probe
 from ds_ring.integrations.hf.recurrent import install_recurrent, sequence_parallel_mixers
 from ds_ring.integrations.hf.session import SequenceParallelSession, installed_sessions
@@ -303,6 +304,12 @@ def _audit_modules(
     refuse_sequence_mixers(_module_tree(model_name_or_path, config), position_wise, handled, probed)
     if isinstance(probe, Probe):
         refuse_probed(probe)
+        text = _text_config(config)
+        vocab = int(getattr(text, "vocab_size", 0) or 0)
+        blind = refuse_position_blind(model_name_or_path, min(probe.tokens, POSITION_TOKENS), vocab)
+        if blind is not None:
+            _log.warning("ds_ring could not check that %s reads position_ids (%s)",
+                         type(model_name_or_path).__name__, blind)  # fmt: skip
     elif isinstance(model_name_or_path, torch.nn.Module):
         _log.warning("ds_ring could not probe %s (%s): its modules were judged by class name only",
                      type(model_name_or_path).__name__, probe)  # fmt: skip
