@@ -23,6 +23,11 @@ fi
 # torch first, alone: its ~3 GB of CUDA libraries are the slow part, and a failure there names torch
 "$VENV/bin/pip" install -q "$(grep '^torch==' "$CONSTRAINTS")"
 "$VENV/bin/pip" install -q -c "$CONSTRAINTS" -e ".[dev]"
+# The registry's torch brings triton, and DeepSpeed 0.16 compiles triton kernels when it is imported, which raises
+# "0 active drivers" where there is no GPU driver: without CUDA the venv goes without triton (eager torch needs none)
+if ! "$VENV/bin/python" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+  "$VENV/bin/pip" uninstall -q -y triton 2>/dev/null || true
+fi
 "$VENV/bin/python" - "$NAME" "$CONSTRAINTS" <<'PY'
 import sys
 from importlib.metadata import version
