@@ -4,8 +4,8 @@
 # launch/<name>-constraints.txt (torch the registry's build: a CUDA build, which runs on CPU), checks that the
 # installed versions equal the pins, builds DeepSpeed's CPU ops into their own cache and runs the tests that depend
 # on those packages: the block kernels and the oracle, every Hugging Face test, the DeepSpeed engine and ZeRO tests,
-# the ds_config section (the ring / Ulysses / hybrid modules by hand: the list below). Arguments after the name replace that test list. Exits
-# with pytest's status. Idempotent: a second run only re-checks the pins and re-installs ds_ring.
+# the ds_config section (the ring / Ulysses / hybrid modules by hand: the list below). Arguments after the name
+# replace that test list. Exits with pytest's status. Idempotent: a second run only re-checks the pins and re-installs ds_ring.
 # launch/oldest.sh and launch/newest.sh call this with their name.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -106,7 +106,7 @@ EXPECTED_REFUSALS: dict[str, str] = {
 
 REPRESENTATIVE = [
     "llama", "qwen2_moe", "phimoe", "gemma2", "deepseek_v3", "nemotron", "stablelm", "gpt_bigcode", "mixtral",
-    "jamba", "mamba", "lfm3", "minimax", "qwen3_next", "doge", "llama4_text", "roberta", "gpt_neo", "bart",
+    "jamba", "mamba", "lfm3", "minimax", "qwen3_next", "doge", "llama4_text", "roberta", "gpt_neo",
 ]  # fmt: skip
 
 

@@ -3,7 +3,7 @@
 :func:`ds_ring.integrations.hf.positions.refuse_position_blind` runs a model twice (``position_ids`` 0..n-1, then the
 second half moved on) and refuses a position embedding whose output did not change: under sequence parallelism every
 rank but the first would embed its tokens at the wrong positions. One process, tiny models, no communication; the
-registration path itself is covered by ``test_model_zoo.py`` (BART in its representative set).
+registration path itself is covered by ``test_model_zoo.py``'s every-family run (``-m zoo``).
 """
 
 from __future__ import annotations
