@@ -40,9 +40,10 @@ assert got == pins, f"installed {got}, pinned {pins}"
 PY
 if [ "$#" -eq 0 ]; then
   # the ring / Ulysses / hybrid modules (test_dilated_attention.py test_ring_attention.py
-  # test_ring_dilated_attention.py test_ulysses_hybrid.py test_attention_modules.py, ~10 min more) are passed by hand
+  # test_ring_dilated_attention.py test_ulysses_hybrid.py test_attention_modules.py, ~10 min more) are passed by hand;
+  # the zoo harness (test_model_zoo.py) builds the newest transformers' families in float64 throughout: not here
   set -- tests/test_block_kernels.py tests/test_merge.py tests/test_reference.py \
-    tests/test_hf_*.py tests/test_model_zoo.py tests/test_alst_ulysses_sp_hf.py tests/test_zero_equivalence.py \
+    tests/test_hf_*.py tests/test_alst_ulysses_sp_hf.py tests/test_zero_equivalence.py \
     tests/test_zero_gathers_wait.py tests/test_config.py tests/test_deepspeed_collective_errors.py
 fi
 # DeepSpeed's CPU ops are compiled per torch and DeepSpeed release: a cache of their own
