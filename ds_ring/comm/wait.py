@@ -48,7 +48,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -57,7 +56,7 @@ from ds_ring.comm.backends import device_backend
 from ds_ring.comm.errors import CommError, CommTimeoutError
 from ds_ring.comm.hosts import name_hosts
 from ds_ring.comm.stream_watch import WATCH
-from ds_ring.hooks import Event, emit, hooks_active
+from ds_ring.hooks import Event, current_labels, emit, hooks_active, pop_labels, push_labels
 
 __all__ = [
     "Pending",
@@ -211,7 +210,16 @@ def _wait_in_helper(pending: Sequence[Pending], *, timeout_s: float, rank: int, 
     global _helper
     if _helper is None:
         _helper = _Helper()
-    return _helper.run(partial(_wait_host, pending, timeout_s=timeout_s, rank=rank, op=op, step=step))
+    labels = current_labels()  # thread-local: the events a failed wait emits name the caller's step and layer
+
+    def wait() -> float:
+        token = push_labels(**labels)
+        try:
+            return _wait_host(pending, timeout_s=timeout_s, rank=rank, op=op, step=step)
+        finally:
+            pop_labels(token)
+
+    return _helper.run(wait)
 
 
 def _wait_host(pending: Sequence[Pending], *, timeout_s: float, rank: int, op: str, step: int) -> float:
