@@ -46,8 +46,3 @@ def test_the_newest_pins_are_at_or_above_the_floors() -> None:
     floors, newest = _declared_floors(), _pins("newest")
     assert set(newest) == set(_pins("oldest")), "the two constraint files pin different packages"
     assert all(newest[package] >= floors[package] for package in TESTED), newest
-
-
-def test_torch_floor_is_at_most_2_6() -> None:
-    """GPU clusters pin torch to their CUDA stack and lag releases behind: the floor stays where the code needs it."""
-    assert _declared_floors()["torch"] <= Version("2.6")
