@@ -20,34 +20,25 @@ import torch
 
 import ds_ring
 from ds_ring.tiles.zero import gathered
-from launch.model import TinyGPT
 from tests.dist import CaseLog, assert_no_failures, run_distributed
+from tests.test_zero_equivalence import SEQ, VOCAB
+from tests.test_zero_equivalence import _config as zero_config
+from tests.test_zero_equivalence import _model as tiny_model
 
 pytestmark = pytest.mark.slow  # about 70 s on 2 shared cores: 12 engines
-SEQ, VOCAB, BATCH = 32, 11, 2
+BATCH = 2
 
 
 def _config(stage: int) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": BATCH,
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": stage},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9,
-        "ring_attention": {
-            "strategy": "ring",
-            "sequence_parallel_size": 2,
-            "segment_lengths": [4, SEQ],
-            "dilation_rates": [1, 2],
-            "causal": True,
-            "preemption": {"signals": ["SIGUSR1"], "grace_s": 600},
-        },
-    }
+    """test_zero_equivalence's ds_config (2 sequence ranks) with SIGUSR1 preemption and a grace no step reaches."""
+    config = zero_config(stage, 2, BATCH)
+    config["ring_attention"]["preemption"] = {"signals": ["SIGUSR1"], "grace_s": 600}
+    return config
 
 
 def _engine(stage: int):
     torch.manual_seed(0)
-    model = TinyGPT(VOCAB, 16, 4, 2, SEQ, kv_heads=2, segment_lengths=[4, SEQ], dilation_rates=[1, 2])
+    model = tiny_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     engine, *_ = ds_ring.initialize(model=model, config=_config(stage), optimizer=optimizer, seq_len=SEQ)
     return engine
