@@ -161,14 +161,7 @@ def install(model: nn.Module, section: RingAttentionConfig, topology: Topology) 
     for module in modules:
         settings: dict[str, Any] = dict(topology=topology, timeout_s=section.timeout_s)
         if section.enabled:
-            settings.update(
-                strategy=section.strategy,
-                communication=section.communication,
-                layout=section.layout,
-                causal=section.causal,
-                segment_lengths=section.segment_lengths,
-                dilation_rates=section.dilation_rates,
-            )
+            settings.update(section.call_settings(), strategy=section.strategy)
         module.configure(**settings)
     return len(modules)
 
