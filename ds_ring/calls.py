@@ -14,17 +14,15 @@ documents, communication, timeout) — is
 Every later call with that key runs the bound function directly: no validation, no agreement lookup and
 no read of a tensor's values on the host, as long as document boundaries come as Python ints
 (``cu_seqlens=(0, 3000, 16384)``; a tensor is read back to key the call, a device sync on a GPU).
-Prepared calls are kept per placement (a :class:`~ds_ring.Topology` or a process group), the least
-recently used dropped after :data:`CACHE_SIZE`. Limit, as for every such cache: a rank whose call
-changes while the others repeat one they prepared is the only one that exchanges; it fails after its
-timeout with an error saying so.
+Prepared calls are kept per placement (a :class:`~ds_ring.Topology` or a process group) by the job's
+:class:`~ds_ring.comm.job.Job`, the least recently used dropped after :data:`CACHE_SIZE`. Limit, as for every
+such cache: a rank whose call changes while the others repeat one they prepared is the only one that exchanges;
+it fails after its timeout with an error saying so.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import threading
-import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -35,6 +33,7 @@ from torch.distributed import ProcessGroup
 
 from ds_ring.comm.agree import agree
 from ds_ring.comm.groups import group_rank, group_size, takes_cpu
+from ds_ring.comm.job import job
 from ds_ring.cpu_heap import configure_cpu_heap
 from ds_ring.kernels.dilation import check_cu_seqlens, check_softcap, validate_qkv
 from ds_ring.kernels.sinks import check_sinks
@@ -58,10 +57,6 @@ Output = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 CACHE_SIZE = 256
 """Prepared calls kept per placement."""
-
-_prepared: weakref.WeakKeyDictionary[object, OrderedDict[tuple, Bound]] = weakref.WeakKeyDictionary()
-_placements: weakref.WeakKeyDictionary[object, Placement] = weakref.WeakKeyDictionary()
-_lock = threading.Lock()
 
 
 def ring_dilated_attention(
@@ -206,14 +201,15 @@ def attend(
     backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     key = (op, strategy, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, backward,
            *described.values())  # fmt: skip
-    prepared = _cache(placement)
-    with _lock:
+    owner = job()
+    prepared = owner.owned(placement, "prepared calls", OrderedDict)
+    with owner.lock:
         bound = prepared.get(key)
         if bound is not None:
             prepared.move_to_end(key)
     if bound is None:
         bound = _prepare(q, k, v, call, placement, strategy, op, backward)
-        with _lock:
+        with owner.lock:
             prepared[key] = bound
             if len(prepared) > CACHE_SIZE:
                 prepared.popitem(last=False)
@@ -286,46 +282,32 @@ def _agree_on_call(
     agree(fields, group=group, op=op, timeout_s=timeout_s, cache=False, device=device)
 
 
-def _cache(placement: Placement) -> OrderedDict[tuple, Bound]:
-    with _lock:
-        return _prepared.setdefault(placement, OrderedDict())
-
-
 def topology_placement(topology: Topology) -> Placement:
     """The placement of calls over ``topology`` (built once per topology)."""
-    with _lock:
-        placement = _placements.get(topology)
-    if placement is None:
+
+    def make() -> Placement:
         degrees = Degrees(topology.ulysses, topology.ring, topology.get_sequence_parallel_rank())
-        placement = Placement(
+        return Placement(
             degrees, topology.sequence_parallel_group, topology.ulysses_group, topology.ring_group,
             topology.timeout_s, topology.control_group,
         )  # fmt: skip
-        with _lock:
-            placement = _placements.setdefault(topology, placement)
-    return placement
+
+    return job().owned(topology, "placement", make)
 
 
 def group_placement(group: ProcessGroup | None) -> Placement:
     """The placement of calls over a plain process group (``None``: the world): one ring of all its ranks.
 
     Control traffic takes the group itself when its backend takes CPU tensors, else tensors of the data's
-    device (there is no gloo twin to use: creating one is collective over the whole job).
+    device (there is no gloo twin to use: creating one is collective over the whole job). Without
+    ``torch.distributed`` every rank is the whole sequence.
     """
+    owner = job()
     if not dist.is_initialized():
-        return _ALONE
-    owner = dist.group.WORLD if group is None else group
-    with _lock:
-        placement = _placements.get(owner)
-    if placement is None:
+        return owner.owned(owner, "placement", lambda: Placement(Degrees(), None, None, None, None, lambda _: None))
+
+    def make() -> Placement:
         cpu = group if takes_cpu(group) else None
-        placement = Placement(
-            Degrees(1, group_size(group), group_rank(group)), group, None, group, None, lambda _group: cpu
-        )  # fmt: skip
-        with _lock:
-            placement = _placements.setdefault(owner, placement)
-    return placement
+        return Placement(Degrees(1, group_size(group), group_rank(group)), group, None, group, None, lambda _: cpu)
 
-
-_ALONE = Placement(Degrees(), None, None, None, None, lambda _group: None)
-"""The placement of a process without ``torch.distributed``: every rank is the whole sequence."""
+    return owner.owned(dist.group.WORLD if group is None else group, "placement", make)
