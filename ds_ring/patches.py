@@ -39,7 +39,7 @@ def check_library(library: str) -> Version:
     if library not in SUPPORTED:
         raise ValueError(f"ds_ring patches only {sorted(SUPPORTED)}, not {library!r}")
     version = Version(importlib.metadata.version(library).split("+")[0])
-    if version not in SpecifierSet(SUPPORTED[library]):
+    if not SpecifierSet(SUPPORTED[library]).contains(version, prereleases=True):  # a dev build of a release counts
         raise ValueError(
             f"ds_ring changes objects of {library} written for {library}{SUPPORTED[library]}, but {version} is "
             f"installed; install a release in that range"
