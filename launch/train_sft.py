@@ -43,7 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trainer", choices=("sft", "trainer"), default="sft")
     p.add_argument("--lora", action="store_true", help="train a LoRA adapter (r=4) instead of the whole model")
     p.add_argument("--sp-size", type=int, default=0, help="TrainingArguments(parallelism_config=...(sp_size=N))")
+    p.add_argument("--heads", type=int, default=3, help="attention heads (3: more than ALST can split over 2 ranks)")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--accumulation", type=int, default=1, help="gradient_accumulation_steps")
     p.add_argument("--lr", type=float, default=0.5, help="SGD's learning rate (a gradient ×2 shows)")
     p.add_argument("--samples", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
@@ -65,12 +67,12 @@ def build_tokenizer() -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")
 
 
-def build_model(seed: int) -> torch.nn.Module:
-    """A random Llama: hidden 24, 3 heads of 8 (3 K/V heads), 2 layers, vocab 64, fp32, sdpa."""
+def build_model(seed: int, heads: int = 3) -> torch.nn.Module:
+    """A random Llama: ``heads`` heads of 8 (as many K/V heads), 2 layers, hidden 24, vocab 64, fp32, sdpa."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=64, hidden_size=24, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=3, num_key_value_heads=3, head_dim=8, max_position_embeddings=256,
+                         num_attention_heads=heads, num_key_value_heads=heads, head_dim=8, max_position_embeddings=256,
                          pad_token_id=0, eos_token_id=1, bos_token_id=1, attn_implementation="sdpa")  # fmt: skip
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).float()
@@ -107,9 +109,10 @@ def lora(model: torch.nn.Module) -> torch.nn.Module:
 def training_arguments(args: argparse.Namespace) -> dict[str, Any]:
     common: dict[str, Any] = dict(
         output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=1, learning_rate=args.lr,
+        gradient_accumulation_steps=args.accumulation,
         optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0, logging_steps=1,
-        save_strategy="no", report_to=[], seed=args.seed, train_sampling_strategy="sequential",
-        dataloader_drop_last=True, bf16=False,
+        per_device_eval_batch_size=1, save_strategy="no", report_to=[], seed=args.seed,
+        train_sampling_strategy="sequential", dataloader_drop_last=True, bf16=False,
     )  # fmt: skip
     if args.reference:
         return {**common, "use_cpu": True}
@@ -129,7 +132,8 @@ def main(argv: list[str] | None = None) -> None:
         ds_ring.integrations.hf.apply_to_accelerate()  # the one ds_ring line: before the arguments and the trainer
     import datasets
 
-    tokenizer, model, rows = build_tokenizer(), build_model(args.seed), pairs(args.samples, args.seed)
+    tokenizer, model, rows = build_tokenizer(), build_model(args.seed, args.heads), pairs(args.samples, args.seed)
+    held_out = pairs(4, args.seed + 1)
     if args.trainer == "sft":
         from trl import SFTConfig, SFTTrainer
 
@@ -141,21 +145,25 @@ def main(argv: list[str] | None = None) -> None:
             torch.manual_seed(1)
             peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
         trainer = SFTTrainer(model=model, args=config, train_dataset=datasets.Dataset.from_list(rows),
-                             processing_class=tokenizer, peft_config=peft_config)  # fmt: skip
+                             eval_dataset=datasets.Dataset.from_list(held_out), processing_class=tokenizer,
+                             peft_config=peft_config)  # fmt: skip
     else:
         from transformers import Trainer, TrainingArguments
 
         model = lora(model) if args.lora else model
         trainer = Trainer(model=model, args=TrainingArguments(**training_arguments(args)),
-                          train_dataset=datasets.Dataset.from_list(tokenized(rows, tokenizer)))  # fmt: skip
+                          train_dataset=datasets.Dataset.from_list(tokenized(rows, tokenizer)),
+                          eval_dataset=datasets.Dataset.from_list(tokenized(held_out, tokenizer)))  # fmt: skip
     start = time.perf_counter()
     trainer.train()
     elapsed = time.perf_counter() - start
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    evaluated = trainer.evaluate()["eval_loss"]  # whole sequences, each rank its share of the held-out pairs
     if trainer.is_world_process_zero():
         world = int(os.environ.get("WORLD_SIZE", "1"))
         print(f"{args.trainer}{' + LoRA' if args.lora else ''}: {trainer.state.global_step} steps on {world} "
-              f"rank(s) in {elapsed:.1f} s; loss per step: {', '.join(f'{x:.4f}' for x in losses)}")  # fmt: skip
+              f"rank(s) in {elapsed:.1f} s; loss per step: {', '.join(f'{x:.4f}' for x in losses)}; held-out loss "
+              f"{evaluated:.6f}")  # fmt: skip
         if args.final_params:
             trained = [p.detach().cpu().clone() for p in trainer.model.parameters() if p.requires_grad]
             torch.save(trained, args.final_params)

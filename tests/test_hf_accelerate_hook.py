@@ -6,8 +6,9 @@
   dispatchers; a second call returns the same handle; ``undo()`` puts back exactly what was there, twice is a no-op;
 - without a ``ring_attention`` section (or without a ds_config) every dispatcher calls what it replaced: ALST as before;
 - on a machine without an accelerator a launched DeepSpeed job gets ``gloo`` (its ranks counted), nothing else does;
-- refused before any communication, naming the option: gradient accumulation, and arguments whose ranks accelerate
-  counted as one process.
+- refused before any communication, naming the fix: arguments whose ranks accelerate counted as one process;
+- the adapter hands each micro-batch the gradient-accumulation window it belongs to (the Trainer's windows), whose
+  counted tokens normalise the loss as one process does.
 """
 
 from __future__ import annotations
@@ -114,16 +115,30 @@ def test_a_launched_deepspeed_job_on_a_cpu_gets_gloo(monkeypatch: pytest.MonkeyP
     assert prepare(None) == (None, DistributedType.NO)  # a GPU: accelerate's choice
 
 
-def test_refused_before_any_communication_naming_the_option(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_uncounted_ranks_refused_before_any_communication(monkeypatch: pytest.MonkeyPatch) -> None:
     class State:
         num_processes = 1
 
     monkeypatch.setattr("accelerate.state.AcceleratorState", lambda: State())
-    with pytest.raises(ValueError, match="gradient_accumulation_steps=2 .* set gradient_accumulation_steps=1"):
-        accelerate_sp._refuse_what_differs({"gradient_accumulation_steps": 2})
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
     with pytest.raises(ValueError, match=r"counts 1 process\(es\) in a job of 2 ranks.*before TrainingArguments"):
-        accelerate_sp._refuse_what_differs({"gradient_accumulation_steps": 1})
+        accelerate_sp._refuse_uncounted_ranks()
     State.num_processes = 2
-    accelerate_sp._refuse_what_differs({"gradient_accumulation_steps": 1})
+    accelerate_sp._refuse_uncounted_ranks()
+
+
+def test_the_adapter_hands_each_micro_batch_its_accumulation_window() -> None:
+    class Adapter:
+        def __init__(self, batches):
+            self.batches = batches
+
+        def __iter__(self):
+            return iter(self.batches)
+
+    counted = [3, 0, 5, 2, 4]  # tokens not -100 in each micro-batch's shard
+    batches = [{"shift_labels": torch.tensor([[1] * n + [-100] * (6 - n)])} for n in counted]
+    got = list(accelerate_sp._windowed(Adapter)(batches, accumulation_steps=2))
+    windows = [batch[accelerate_sp.WINDOW_KEY] for batch in got]
+    assert windows[0] is windows[1] and windows[2] is windows[3] and windows[4] is not windows[3]
+    assert [(w.counted, w.batches) for w in (windows[0], windows[2], windows[4])] == [(3, 2), (7, 2), (4, 1)]

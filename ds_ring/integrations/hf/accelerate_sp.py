@@ -25,9 +25,8 @@ up, with dispatchers (one hook, version-checked by :func:`check_hooked_libraries
   ``torch.distributed`` with it, as it does on a CPU anyway), so accelerate counts every rank as it does on a GPU;
   arguments built before :func:`apply_to_accelerate` are refused at registration, naming the fix.
 
-What ds_ring cannot reproduce exactly is refused before the first step, naming the option: gradient accumulation
-(transformers and TRL normalise by the tokens of the whole accumulation window, which the adapter's one-sample
-micro-batches do not see).
+The loss is normalised as one process normalises it (transformers' and TRL's ``num_items_in_batch``): by the counted
+tokens of the whole gradient-accumulation window over every rank.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,8 +50,9 @@ ULYSSES_MODULE = "deepspeed.runtime.sequence_parallel.ulysses_sp"
 LOSS_MODULE = "transformers.trainer"
 LOSS_NAME = "deepspeed_sp_compute_loss"
 
-TESTED = {"accelerate": ("1.12.0", "1.15.0"), "transformers": ("5.0.0", "5.24.0"), "trl": ("1.16.0", "1.16.0")}
-"""The releases this hook is tested on: lowest and newest (CI: launch/oldest.sh, launch/newest.sh)."""
+TESTED = {"accelerate": ("1.12.0", "1.15.0"), "transformers": ("5.0.0", "5.24.0")}
+"""The releases the hook is declared for: setup.cfg's lowest and the newest pinned (launch/oldest-constraints.txt,
+launch/newest-constraints.txt; CI's launch/oldest.sh runs the tests on the lowest)."""
 
 
 @dataclass
@@ -210,25 +210,17 @@ def _section_enabled(ds_config: Mapping[str, Any] | None) -> bool:
     return isinstance(section, Mapping) and section.get("enabled", True) is not False
 
 
-def _refuse_what_differs(ds_config: Mapping[str, Any]) -> None:
-    """``ValueError`` naming the option, before any communication, where ds_ring cannot equal one process."""
+def _refuse_uncounted_ranks() -> None:
+    """``ValueError`` naming the fix, before any communication, when accelerate counts fewer processes than ranks."""
     from accelerate.state import AcceleratorState
 
-    steps = ds_config.get("gradient_accumulation_steps", 1)
-    if isinstance(steps, int) and steps > 1:
-        raise ValueError(
-            f"apply_to_accelerate: gradient_accumulation_steps={steps} under accelerate's sequence parallelism with a "
-            f"{SECTION!r} section: transformers and TRL normalise the loss by the tokens of the whole accumulation "
-            f"window, which the sequence-parallel loader's micro-batches (one sample each) cannot count; set "
-            f"gradient_accumulation_steps=1 and raise per_device_train_batch_size instead"
-        )
     counted, world = AcceleratorState().num_processes, dist.get_world_size() if dist.is_initialized() else 1
     if counted != world:
         raise ValueError(
             f"apply_to_accelerate: accelerate counts {counted} process(es) in a job of {world} ranks (on a machine "
             f"without an accelerator, TrainingArguments built before apply_to_accelerate() leave DeepSpeed's ranks "
             f"uncounted: every rank is process 0 and loads the same samples); call "
-            f"ds_ring.integrations.hf.apply_to_accelerate() before TrainingArguments(...), or pass use_cpu=True"
+            f"ds_ring.integrations.hf.apply_to_accelerate() before TrainingArguments(...)"
         )
 
 
@@ -241,15 +233,19 @@ def _attention_class(handle: AccelerateHandle, original: type) -> type:
         def register_with_transformers(cls, model_name_or_path: Any, core_attn_implementation: str | None = None,
                                        sequence_parallel_size: int = 1, micro_batch_size: int = 1,
                                        seq_length: int | None = None, seq_length_is_variable: bool = True,
-                                       **kwargs: Any) -> Any:  # fmt: skip
+                                       disable_in_eval: bool = False, **kwargs: Any) -> Any:  # fmt: skip
+            # disable_in_eval is named: accelerate passes it (True: the Trainer evaluates whole sequences) when the
+            # signature has it
             ds_config = _accelerator_ds_config()
             if not _section_enabled(ds_config):
+                if "disable_in_eval" in inspect.signature(original.register_with_transformers).parameters:
+                    kwargs["disable_in_eval"] = disable_in_eval
                 return original.register_with_transformers(
                     model_name_or_path=model_name_or_path, core_attn_implementation=core_attn_implementation,
                     sequence_parallel_size=sequence_parallel_size, micro_batch_size=micro_batch_size,
                     seq_length=seq_length, seq_length_is_variable=seq_length_is_variable, **kwargs,
                 )  # fmt: skip
-            _refuse_what_differs(ds_config)
+            _refuse_uncounted_ranks()
             if core_attn_implementation is None:  # accelerate's default: the model's own implementation
                 core_attn_implementation = _attn_implementation(model_name_or_path)
             if handle.session is not None:
@@ -257,8 +253,8 @@ def _attention_class(handle: AccelerateHandle, original: type) -> type:
                 handle.session = None
             mpu = alst.UlyssesSPAttentionHF.register_with_transformers(
                 model_name_or_path, core_attn_implementation, sequence_parallel_size, micro_batch_size,
-                seq_length=seq_length, seq_length_is_variable=seq_length_is_variable, config=dict(ds_config),
-                **kwargs,
+                seq_length=seq_length, seq_length_is_variable=seq_length_is_variable, disable_in_eval=disable_in_eval,
+                config=dict(ds_config), **kwargs,
             )  # fmt: skip
             handle.session = next(
                 (s for s in alst.installed_sessions() if s.topology is mpu), None
@@ -282,20 +278,71 @@ def _adapter_class(handle: AccelerateHandle, original: type) -> Callable[..., An
         session = handle.session
         if session is None or not session.installed or session.topology.sequence_parallel_group is not sp_group:
             return original(dl, sp_rank=sp_rank, sp_group=sp_group, sp_world_size=sp_world_size, device=device)
-        return alst.UlyssesSPDataLoaderAdapter(
-            dl, sp_rank, sp_group, sp_world_size, device, session=session, pad_to_multiple=True
+        steps = (_accelerator_ds_config() or {}).get("gradient_accumulation_steps", 1)
+        return _windowed(alst.UlyssesSPDataLoaderAdapter)(
+            dl,
+            sp_rank,
+            sp_group,
+            sp_world_size,
+            device,
+            session=session,
+            pad_to_multiple=True,
+            accumulation_steps=steps if isinstance(steps, int) else 1,
         )
 
     return UlyssesSPDataLoaderAdapter
 
 
+WINDOW_KEY = "ds_ring_accumulation_window"
+"""The key of the adapter's batches under which the hook hands the loss its accumulation window (popped there)."""
+
+
+@dataclass(eq=False)
+class _Window:
+    """One gradient-accumulation window of this rank: the counted tokens of the micro-batches it yielded."""
+
+    counted: int = 0
+    batches: int = 0
+    total: float | None = None
+    """The counted tokens of the window over every rank (its shards, the data-parallel replicas): at its first loss."""
+
+
+def _windowed(adapter: type) -> type:
+    """ds_ring's adapter, each yielded micro-batch carrying its accumulation window (:data:`WINDOW_KEY`)."""
+
+    class WindowedAdapter(adapter):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, accumulation_steps: int, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.accumulation_steps = accumulation_steps
+
+        def __iter__(self) -> Iterator[dict[str, Any]]:
+            window = _Window()
+            for index, batch in enumerate(super().__iter__()):
+                if index % self.accumulation_steps == 0:  # the Trainer's windows: from the start of each epoch
+                    window = _Window()
+                window.counted += int((batch["shift_labels"] != -100).sum())
+                window.batches += 1
+                yield {**batch, WINDOW_KEY: window}
+
+    return WindowedAdapter
+
+
 def _compute_loss(handle: AccelerateHandle, original: Callable[..., Any]) -> Callable[..., Any]:
-    """transformers' ``deepspeed_sp_compute_loss``, or ds_ring's group mean for the ds_ring registration."""
-    from ds_ring.loss import sequence_parallel_mean
+    """transformers' ``deepspeed_sp_compute_loss``, or ds_ring's window mean for the ds_ring registration.
+
+    One process (the Trainer, TRL) divides the loss's token sum by the counted tokens of the whole accumulation window
+    (``num_items_in_batch``, over every data-parallel process). Here: this micro-batch's sum over the sequence group,
+    divided by the window's counted tokens over every rank (summed once per window, when the Trainer has fetched the
+    whole window), times the window's micro-batches (the Trainer divides a sequence-parallel loss by them) and the
+    data-parallel replicas (the engine averages over them). Each rank's gradient is its tokens' share, scaled for the
+    engine (the session's gradient scale); ``return_outputs`` as transformers'.
+    """
+    from ds_ring.comm.collectives import all_reduce
 
     def deepspeed_sp_compute_loss(accelerator: Any, model: Any, inputs: dict[str, Any], return_outputs: bool,
                                   pc: Any) -> Any:  # fmt: skip
         session = handle.session
+        window = inputs.pop(WINDOW_KEY, None)
         if session is None or not session.installed:
             return original(accelerator, model, inputs, return_outputs, pc)
         if "labels" not in inputs and "shift_labels" in inputs:  # as transformers: the model computes its loss
@@ -303,9 +350,22 @@ def _compute_loss(handle: AccelerateHandle, original: Callable[..., Any]) -> Cal
         outputs = model(**inputs)
         shard_mean = outputs.loss  # the mean over this shard's counted tokens (the model's loss or TRL's fused head)
         counted = (inputs["shift_labels"] != -100).sum()
-        shard_sum = torch.where(counted > 0, shard_mean * counted, shard_mean * 0)  # no token: 0, never 0 × nan
-        # the model's loss was called with labels set: transformers' own, unscaled; the session's scale goes here
-        loss = sequence_parallel_mean(shard_sum, counted, session.topology, gradient_scale=session.gradient_scale)
+        # a shard without counted tokens (a prompt's) has the mean nan (0 / 0): its sum is 0, its gradient none
+        shard_sum = torch.where(counted > 0, shard_mean, torch.zeros_like(shard_mean)) * counted
+        topology = session.topology
+        if window is None:  # a batch of another loader than the hook's adapter: a window of its own
+            window = _Window(counted=int(counted), batches=1)
+        if window.total is None:
+            counts = torch.tensor([float(window.counted)], dtype=torch.float64)
+            window.total = float(all_reduce(counts, group=topology.control_group(None), op="accumulation_window",
+                                            timeout_s=topology.timeout_s)[0])  # fmt: skip
+        group_sum = all_reduce(shard_sum.detach(), group=topology.sequence_parallel_group, op="window_loss",
+                               timeout_s=topology.timeout_s)  # fmt: skip
+        factor = window.batches * topology.get_data_parallel_world_size() / max(window.total, 1.0)
+        # the value: the group's share of the window mean; the gradient: this rank's tokens' share, scaled for the
+        # engine (the model's loss was called with labels set: transformers' own, unscaled)
+        share = shard_sum * (factor * session.gradient_scale)
+        loss = share + (group_sum * factor - share).detach()
         return (loss, outputs) if return_outputs else loss
 
     return deepspeed_sp_compute_loss
