@@ -89,13 +89,17 @@ def pairs(count: int, seed: int) -> list[dict[str, str]]:
 
 
 def tokenized(rows: list[dict[str, str]], tokenizer: Any) -> list[dict[str, list[int]]]:
-    """Rows for transformers' ``Trainer``: prompt and completion ids, labels -100 over the prompt (batch 1: lengths
-    vary)."""
+    """Rows for transformers' ``Trainer``: prompt and completion ids, labels -100 over the prompt, ``position_ids``
+    (ALST needs them); lengths vary (batch 1) and are even (ALST needs lengths that split in 2: a second ``<eos>``)."""
     out = []
     for row in rows:
         prompt = tokenizer(row["prompt"])["input_ids"]
         completion = tokenizer(row["completion"])["input_ids"] + [tokenizer.eos_token_id]
-        out.append({"input_ids": prompt + completion, "labels": [-100] * len(prompt) + completion})
+        completion += [tokenizer.eos_token_id] * ((len(prompt) + len(completion)) % 2)
+        ids = prompt + completion
+        out.append(
+            {"input_ids": ids, "labels": [-100] * len(prompt) + completion, "position_ids": list(range(len(ids)))}
+        )
     return out
 
 

@@ -11,14 +11,18 @@ accelerate config under ``accelerate launch`` (``launch/accelerate_sp.yaml``), o
   do not split in 2), SFTTrainer with packing (TRL's padding-free batches) and ``completion_only_loss``; ring and
   hybrid, each launcher, each trainer, the whole model and a LoRA adapter (PEFT's ``get_peft_model``; TRL's
   ``peft_config=``);
+- gradient accumulation (2 micro-batches per step): the loss normalised by the tokens of the whole window, as one
+  process normalises it; ``evaluate()`` after training gives one process's held-out loss;
 - without a ``ring_attention`` section the run is DeepSpeed's ALST, unchanged (a model with 4 heads): the Trainer
-  gives the parameters of one process trained at twice the learning rate (2× the gradient), and SFTTrainer with
-  packing stops with ALST's ``IndexError``.
+  gives the parameters of one process trained at twice the learning rate (2× the gradient), SFTTrainer with
+  packing stops with ALST's ``IndexError``, and the 3-head model is refused.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,18 +57,30 @@ def _params(path: Path) -> list[torch.Tensor]:
     return torch.load(path)
 
 
-def _reference(tmp: Path, trainer: str, lora: bool, *extra: str) -> list[torch.Tensor]:
-    """One process, no DeepSpeed, no sequence parallelism: the parameters after 3 steps (cached per case)."""
-    name = f"reference-{trainer}{'-lora' if lora else ''}{''.join(extra)}".replace("-", "_").replace(" ", "")
+def _held_out(output: str) -> float:
+    """The held-out loss the script printed (``evaluate()`` after training)."""
+    found = re.findall(r"held-out loss (\S+)", output)
+    assert found, output[-4000:]
+    return float(found[-1])
+
+
+def _reference(tmp: Path, trainer: str, lora: bool, *extra: str) -> tuple[list[torch.Tensor], float]:
+    """One process, no DeepSpeed, no sequence parallelism: the parameters after 3 steps and the held-out loss (cached
+    per case)."""
+    name = f"reference-{trainer}{'-lora' if lora else ''}{''.join(extra)}".replace("-", "_").replace(".", "_")
     path = tmp / f"{name}.pt"
     if not path.exists():
-        import sys
-
         command = [sys.executable, SCRIPT, "--reference", "--trainer", trainer, "--output-dir", str(tmp / name),
                    "--final-params", str(path), *(["--lora"] if lora else []), *extra]  # fmt: skip
         code, output = _run(command, tmp, name, free_port())
         assert code == 0, output[-4000:]
-    return _params(path)
+    return _params(path), _held_out((tmp / f"{name}.log").read_text())
+
+
+def _assert_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=TOLERANCE)
 
 
 @pytest.fixture(scope="module")
@@ -92,10 +108,9 @@ def test_trains_like_one_process(shared: Path, launcher: str, trainer: str, stra
     code, output = _run(command, shared, name, port)
     assert code == 0, output[-4000:]
     assert "3 steps on 2 rank(s)" in output, output[-4000:]
-    got, want = _params(shared / f"{name}.pt"), _reference(shared, trainer, lora)
-    assert len(got) == len(want)
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=TOLERANCE)
+    (want, held_out), got = _reference(shared, trainer, lora), _params(shared / f"{name}.pt")
+    _assert_equal(got, want)
+    assert abs(_held_out(output) - held_out) < TOLERANCE  # evaluate(): whole sequences, the ranks' shares gathered
     if not lora:  # the comparison means something: training moved the parameters far beyond the tolerance
         from launch.train_sft import build_model
 
@@ -119,13 +134,32 @@ def test_without_a_section_the_run_is_alsts_unchanged(shared: Path) -> None:
                                              "--final-params", str(shared / "alst.pt")]  # fmt: skip
     code, output = _run(command, shared, "alst", port)
     assert code == 0, output[-4000:]
-    got = _params(shared / "alst.pt")
-    twice = _reference(shared, "trainer", False, "--heads", "4", "--lr", "1.0")  # 2× the gradient, as SGD sees it
-    for a, b in zip(got, twice, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=TOLERANCE)
+    twice, _ = _reference(shared, "trainer", False, "--heads", "4", "--lr", "1.0")  # 2× the gradient, as SGD sees it
+    _assert_equal(_params(shared / "alst.pt"), twice)
 
     port = free_port()
     command = _launcher("torchrun", port) + ["--trainer", "sft", *common, "--output-dir", str(shared / "alst_sft")]
     code, output = _run(command, shared, "alst_sft", port)
     assert code not in (0, None), output[-4000:]
     assert "IndexError" in output and "refill" in output, output[-4000:]
+
+    port = free_port()  # the 3-head model of the other tests: ALST cannot split its heads over 2 ranks
+    command = _launcher("torchrun", port) + ["--trainer", "trainer", "--deepspeed_config", common[-1],
+                                             "--output-dir", str(shared / "alst_heads")]  # fmt: skip
+    code, output = _run(command, shared, "alst_heads", port)
+    assert code not in (0, None), output[-4000:]
+    assert "Attention head count 3 is not divisible by SP size 2" in output, output[-4000:]
+
+
+@pytest.mark.timeout(300)
+def test_gradient_accumulation_normalised_like_one_process(shared: Path) -> None:
+    """2 micro-batches per step: the loss divided by the counted tokens of the whole window, as TRL does in one
+    process (``num_items_in_batch``), not by each micro-batch's."""
+    port = free_port()
+    command = _launcher("torchrun", port) + ["--trainer", "sft", "--accumulation", "2", "--output-dir",
+                                             str(shared / "accumulated"), "--final-params",
+                                             str(shared / "accumulated.pt")]  # fmt: skip
+    code, output = _run(command, shared, "accumulated", port)
+    assert code == 0, output[-4000:]
+    want, _ = _reference(shared, "sft", False, "--accumulation", "2")
+    _assert_equal(_params(shared / "accumulated.pt"), want)
