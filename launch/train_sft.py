@@ -163,14 +163,24 @@ def main(argv: list[str] | None = None) -> None:
     elapsed = time.perf_counter() - start
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     evaluated = trainer.evaluate()["eval_loss"]  # whole sequences, each rank its share of the held-out pairs
+    trained = _gathered([p for p in trainer.model.parameters() if p.requires_grad])
     if trainer.is_world_process_zero():
         world = int(os.environ.get("WORLD_SIZE", "1"))
         print(f"{args.trainer}{' + LoRA' if args.lora else ''}: {trainer.state.global_step} steps on {world} "
               f"rank(s) in {elapsed:.1f} s; loss per step: {', '.join(f'{x:.4f}' for x in losses)}; held-out loss "
               f"{evaluated:.6f}")  # fmt: skip
         if args.final_params:
-            trained = [p.detach().cpu().clone() for p in trainer.model.parameters() if p.requires_grad]
             torch.save(trained, args.final_params)
+
+
+def _gathered(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """Copies of ``params``, whole: ZeRO 3 partitions them (gathered on every rank), other stages keep them whole."""
+    if not any(hasattr(p, "ds_id") for p in params):
+        return [p.detach().cpu().clone() for p in params]
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params):
+        return [p.detach().cpu().clone() for p in params]
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ accelerate config under ``accelerate launch`` (``launch/accelerate_sp.yaml``), o
   do not split in 2), SFTTrainer with packing (TRL's padding-free batches) and ``completion_only_loss``; ring and
   hybrid, each launcher, each trainer, the whole model and a LoRA adapter (PEFT's ``get_peft_model``; TRL's
   ``peft_config=``);
+- a LoRA adapter at ZeRO 0, 1, 2 and 3;
 - gradient accumulation (2 micro-batches per step): the loss normalised by the tokens of the whole window, as one
   process normalises it; ``evaluate()`` after training gives one process's held-out loss;
 - without a ``ring_attention`` section the run is DeepSpeed's ALST, unchanged (a model with 4 heads): the Trainer
@@ -163,3 +164,22 @@ def test_gradient_accumulation_normalised_like_one_process(shared: Path) -> None
     assert code == 0, output[-4000:]
     want, _ = _reference(shared, "sft", False, "--accumulation", "2")
     _assert_equal(_params(shared / "accumulated.pt"), want)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_lora_at_every_zero_stage(shared: Path, stage: int) -> None:
+    """SFTTrainer with TRL's ``peft_config=`` at ZeRO 0, 1 and 3 (2: above) equals one process."""
+    config = json.loads(CONFIGS["ring"].read_text())
+    config["zero_optimization"] = {"stage": stage}
+    path = shared / f"zero{stage}.json"
+    path.write_text(json.dumps(config))
+    port, name = free_port(), f"lora_zero{stage}"
+    command = _launcher("torchrun", port) + ["--trainer", "sft", "--lora", "--deepspeed_config", str(path),
+                                             "--output-dir", str(shared / name), "--final-params",
+                                             str(shared / f"{name}.pt")]  # fmt: skip
+    code, output = _run(command, shared, name, port)
+    assert code == 0, output[-4000:]
+    want, held_out = _reference(shared, "sft", True)
+    _assert_equal(_params(shared / f"{name}.pt"), want)
+    assert abs(_held_out(output) - held_out) < TOLERANCE

@@ -4,8 +4,9 @@ transformers' ``Trainer`` and TRL's trainers turn on sequence parallelism throug
 imports DeepSpeed ALST's ``UlyssesSPAttentionHF`` and ``UlyssesSPDataLoaderAdapter`` by their module path
 (``deepspeed.runtime.sequence_parallel.ulysses_sp``) and the Trainer computes the loss of a shard with
 ``transformers.trainer.deepspeed_sp_compute_loss``. None of the three libraries offers another extension point for
-them, so :func:`apply_to_accelerate` replaces exactly those three names, where accelerate and the Trainer look them
-up, with dispatchers (one hook, version-checked by :func:`check_hooked_libraries`, undone by the handle):
+them, so :func:`apply_to_accelerate` replaces exactly those names where accelerate and the Trainer look them up, and
+accelerate's ``PartialState._prepare_backend``, with dispatchers that call what they replaced unless the ds_config has
+an enabled section (one hook, version-checked by :func:`check_hooked_libraries`, undone by the handle):
 
 - **registration**: when the ds_config the ``Accelerator`` holds has an enabled ``ring_attention`` section, ds_ring's
   drop-in (:class:`~ds_ring.integrations.hf.alst.UlyssesSPAttentionHF`) registers with that ds_config: every strategy,
@@ -14,19 +15,17 @@ up, with dispatchers (one hook, version-checked by :func:`check_hooked_libraries
 - **the loader adapter**: for a ds_ring registration, ds_ring's adapter (each rank's batch gathered and run whole in
   turn, as ALST's; packed documents, TRL's padding-free batches and lengths that do not split into the shards: padded
   with label -100); otherwise DeepSpeed's.
-- **the loss**: for a ds_ring registration the group's token-weighted mean of the shards' losses (the model's own
-  loss, or TRL's fused LM head's), each rank's gradient its tokens' share scaled for the engine
-  (:func:`ds_ring.loss.sequence_parallel_mean` with the session's gradient scale), where transformers' back-propagates
-  the whole group's loss on every rank through a differentiable all-gather: ``sp ×`` the gradient at ZeRO 0-2.
+- **the loss**: for a ds_ring registration each shard's loss (the model's own, or TRL's fused LM head's) weighted by
+  its counted tokens and divided by the counted tokens of the whole gradient-accumulation window over every rank, as
+  one process divides by ``num_items_in_batch``; each rank's gradient its tokens' share, scaled for the engine (the
+  session's gradient scale). transformers' instead back-propagates the whole group's loss on every rank through a
+  differentiable all-gather: ``sp ×`` the gradient at ZeRO 0-2.
 - **counting ranks on a CPU**: transformers builds a DeepSpeed job's ``PartialState`` without a backend
   (``ddp_backend`` is dropped when ``deepspeed`` is set); on a machine without an accelerator accelerate then finds
   none and counts one process on every rank (all of them process 0, every rank loading the same samples). While
   applied, ``PartialState._prepare_backend`` names ``gloo`` for such a DeepSpeed job (DeepSpeed starts
   ``torch.distributed`` with it, as it does on a CPU anyway), so accelerate counts every rank as it does on a GPU;
   arguments built before :func:`apply_to_accelerate` are refused at registration, naming the fix.
-
-The loss is normalised as one process normalises it (transformers' and TRL's ``num_items_in_batch``): by the counted
-tokens of the whole gradient-accumulation window over every rank.
 """
 
 from __future__ import annotations
