@@ -46,9 +46,9 @@ def _launcher(kind: str, port: int) -> list[str]:
             "--main_process_port", str(port), SCRIPT]  # fmt: skip
 
 
-def _run(command: list[str], tmp: Path, name: str, port: int) -> tuple[int | None, str]:
+def _run(command: list[str], tmp: Path, name: str, port: int, **env: str) -> tuple[int | None, str]:
     try:
-        done = run_command(command, port, tmp / f"{name}.log", timeout=300)
+        done = run_command(command, port, tmp / f"{name}.log", timeout=300, **env)
     finally:
         assert reap(str(tmp)) == [], "processes left running"
     return done.code, done.output
@@ -131,23 +131,24 @@ def _without_section(tmp: Path) -> Path:
 def test_without_a_section_the_run_is_alsts_unchanged(shared: Path) -> None:
     port = free_port()
     common = ["--heads", "4", "--deepspeed_config", str(_without_section(shared))]
+    alst = {"PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION": "sdpa"}  # ALST needs it named (ds_ring: the model's own)
     command = _launcher("torchrun", port) + ["--trainer", "trainer", *common, "--output-dir", str(shared / "alst"),
                                              "--final-params", str(shared / "alst.pt")]  # fmt: skip
-    code, output = _run(command, shared, "alst", port)
+    code, output = _run(command, shared, "alst", port, **alst)
     assert code == 0, output[-4000:]
     twice, _ = _reference(shared, "trainer", False, "--heads", "4", "--lr", "1.0")  # 2× the gradient, as SGD sees it
     _assert_equal(_params(shared / "alst.pt"), twice)
 
     port = free_port()
     command = _launcher("torchrun", port) + ["--trainer", "sft", *common, "--output-dir", str(shared / "alst_sft")]
-    code, output = _run(command, shared, "alst_sft", port)
+    code, output = _run(command, shared, "alst_sft", port, **alst)
     assert code not in (0, None), output[-4000:]
     assert "IndexError" in output and "refill" in output, output[-4000:]
 
     port = free_port()  # the 3-head model of the other tests: ALST cannot split its heads over 2 ranks
     command = _launcher("torchrun", port) + ["--trainer", "trainer", "--deepspeed_config", common[-1],
                                              "--output-dir", str(shared / "alst_heads")]  # fmt: skip
-    code, output = _run(command, shared, "alst_heads", port)
+    code, output = _run(command, shared, "alst_heads", port, **alst)
     assert code not in (0, None), output[-4000:]
     assert "Attention head count 3 is not divisible by SP size 2" in output, output[-4000:]
 
