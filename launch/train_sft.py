@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=3, help="attention heads (3: more than ALST can split over 2 ranks)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--accumulation", type=int, default=1, help="gradient_accumulation_steps")
+    p.add_argument("--length", type=int, default=0, help="--trainer trainer: every row this long (0: as they come)")
     p.add_argument("--lr", type=float, default=0.5, help="SGD's learning rate (a gradient ×2 shows)")
     p.add_argument("--samples", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
@@ -88,14 +89,17 @@ def pairs(count: int, seed: int) -> list[dict[str, str]]:
     return [{"prompt": words(4, 17) + " ", "completion": words(3, 10)} for _ in range(count)]
 
 
-def tokenized(rows: list[dict[str, str]], tokenizer: Any) -> list[dict[str, list[int]]]:
+def tokenized(rows: list[dict[str, str]], tokenizer: Any, length: int = 0) -> list[dict[str, list[int]]]:
     """Rows for transformers' ``Trainer``: prompt and completion ids, labels -100 over the prompt, ``position_ids``
-    (ALST needs them); lengths vary (batch 1) and are even (ALST needs lengths that split in 2: a second ``<eos>``)."""
+    (ALST needs them); lengths vary (batch 1) and are even (ALST needs lengths that split in 2: a second ``<eos>``),
+    or are all ``length`` (``<eos>`` added, or the completion cut: ALST's loader needs one length on every rank)."""
     out = []
     for row in rows:
         prompt = tokenizer(row["prompt"])["input_ids"]
         completion = tokenizer(row["completion"])["input_ids"] + [tokenizer.eos_token_id]
         completion += [tokenizer.eos_token_id] * ((len(prompt) + len(completion)) % 2)
+        if length:
+            completion = (completion + [tokenizer.eos_token_id] * length)[: length - len(prompt)]
         ids = prompt + completion
         out.append(
             {"input_ids": ids, "labels": [-100] * len(prompt) + completion, "position_ids": list(range(len(ids)))}
@@ -155,9 +159,9 @@ def main(argv: list[str] | None = None) -> None:
         from transformers import Trainer, TrainingArguments
 
         model = lora(model) if args.lora else model
-        trainer = Trainer(model=model, args=TrainingArguments(**training_arguments(args)),
-                          train_dataset=datasets.Dataset.from_list(tokenized(rows, tokenizer)),
-                          eval_dataset=datasets.Dataset.from_list(tokenized(held_out, tokenizer)))  # fmt: skip
+        train, evaluation = (datasets.Dataset.from_list(tokenized(x, tokenizer, args.length)) for x in (rows, held_out))
+        trainer = Trainer(model=model, args=TrainingArguments(**training_arguments(args)), train_dataset=train,
+                          eval_dataset=evaluation)  # fmt: skip
     start = time.perf_counter()
     trainer.train()
     elapsed = time.perf_counter() - start

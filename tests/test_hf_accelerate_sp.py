@@ -132,11 +132,12 @@ def test_without_a_section_the_run_is_alsts_unchanged(shared: Path) -> None:
     port = free_port()
     common = ["--heads", "4", "--deepspeed_config", str(_without_section(shared))]
     alst = {"PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION": "sdpa"}  # ALST needs it named (ds_ring: the model's own)
-    command = _launcher("torchrun", port) + ["--trainer", "trainer", *common, "--output-dir", str(shared / "alst"),
-                                             "--final-params", str(shared / "alst.pt")]  # fmt: skip
+    command = _launcher("torchrun", port) + ["--trainer", "trainer", *common, "--length", "24", "--output-dir",
+                                             str(shared / "alst"), "--final-params",
+                                             str(shared / "alst.pt")]  # fmt: skip
     code, output = _run(command, shared, "alst", port, **alst)
     assert code == 0, output[-4000:]
-    twice, _ = _reference(shared, "trainer", False, "--heads", "4", "--lr", "1.0")  # 2× the gradient, as SGD sees it
+    twice, _ = _reference(shared, "trainer", False, "--heads", "4", "--length", "24", "--lr", "1.0")  # 2× the gradient
     _assert_equal(_params(shared / "alst.pt"), twice)
 
     port = free_port()
