@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=3, help="attention heads (3: more than ALST can split over 2 ranks)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--accumulation", type=int, default=1, help="gradient_accumulation_steps")
+    p.add_argument("--pad-to", type=int, default=None, help="SFTConfig(pad_to_multiple_of=N) (packed rows padded)")
     p.add_argument("--length", type=int, default=0, help="--trainer trainer: every row this long (0: as they come)")
     p.add_argument("--lr", type=float, default=0.5, help="SGD's learning rate (a gradient ×2 shows)")
     p.add_argument("--samples", type=int, default=16)
@@ -145,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.trainer == "sft":
         from trl import SFTConfig, SFTTrainer
 
-        config = SFTConfig(**training_arguments(args), packing=True, max_length=48, completion_only_loss=True)
+        config = SFTConfig(**training_arguments(args), packing=True, max_length=48, completion_only_loss=True,
+                           pad_to_multiple_of=args.pad_to)  # fmt: skip
         peft_config = None
         if args.lora:
             from peft import LoraConfig
