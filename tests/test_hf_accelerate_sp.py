@@ -141,15 +141,8 @@ def test_without_a_section_the_run_is_alsts_unchanged(shared: Path) -> None:
     _assert_equal(_params(shared / "alst.pt"), twice)
 
     port = free_port()
-    command = _launcher("torchrun", port) + [
-        "--trainer",
-        "sft",
-        *common,
-        "--pad-to",
-        "48",
-        "--output-dir",
-        str(shared / "alst_sft"),
-    ]  # fmt: skip  (rows of one length, as ALST needs)
+    sft = ["--trainer", "sft", *common, "--pad-to", "48", "--output-dir", str(shared / "alst_sft")]  # one length
+    command = _launcher("torchrun", port) + sft
     code, output = _run(command, shared, "alst_sft", port, **alst)
     assert code not in (0, None), output[-4000:]
     assert "IndexError" in output and "refill" in output, output[-4000:]
