@@ -38,6 +38,7 @@ from ds_ring.comm.groups import group_rank, group_size, takes_cpu
 from ds_ring.cpu_heap import configure_cpu_heap
 from ds_ring.kernels.dilation import check_cu_seqlens, check_softcap, validate_qkv
 from ds_ring.kernels.sinks import check_sinks
+from ds_ring.kernels.spans import Spans, resolve_spans
 from ds_ring.parallel.topology import Topology
 from ds_ring.strategies import AttentionCall, Bound, Degrees, Placement, Shape, Target, get_strategy
 
@@ -83,6 +84,8 @@ def ring_dilated_attention(
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
     strategy: str = "ring",
+    bidirectional_spans: torch.Tensor | Sequence | None = None,
+    prefix_lengths: int | Sequence[int] | None = None,
 ) -> Output:
     """Dilated (or dense) attention over a sequence sharded across ``group``.
 
@@ -112,6 +115,8 @@ def ring_dilated_attention(
             the softmax (sinks are not capped). ``None``: uncapped.
         strategy: ``"ring"``, ``"allgather"``, ``"ulysses"`` (all-to-all over ``group``), or ``"auto"``: the fastest
             of those the call admits by :mod:`ds_ring.auto` (chosen alike on every rank, logged).
+        bidirectional_spans, prefix_lengths: bidirectional spans inside the causal sequence, as
+            :func:`sequence_parallel_attention`.
 
     Returns:
         The local output shard ``[batch, seq/p, heads, v_head_dim]`` (and the LSE, the sinks included).
@@ -123,7 +128,7 @@ def ring_dilated_attention(
     """
     call = AttentionCall(
         segment_lengths, dilation_rates, causal, scale, communication, layout, head_offset, return_lse, timeout_s,
-        cu_seqlens, window, sinks, softcap,
+        cu_seqlens, window, sinks, softcap, bidirectional_spans, prefix_lengths,
     )  # fmt: skip
     return attend(q, k, v, call, group_placement(group), strategy, op="ring_dilated_attention")
 
@@ -148,6 +153,8 @@ def sequence_parallel_attention(
     window: int | None = None,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
+    bidirectional_spans: torch.Tensor | Sequence | None = None,
+    prefix_lengths: int | Sequence[int] | None = None,
 ) -> Output:
     """Dilated (or dense) attention over a sequence sharded across ``topology.sequence_parallel_group``.
 
@@ -178,6 +185,13 @@ def sequence_parallel_attention(
         softcap: attention logit soft-capping (Gemma 2, ``attn_logit_softcapping``): scores ``s = q·k·scale``
             become ``softcap·tanh(s / softcap)`` before the softmax, on every strategy (the tiled pure-torch
             block kernel computes capped blocks; sinks are not capped). ``None``: uncapped.
+        bidirectional_spans: tokens that see each other fully inside the causal sequence (Gemma 3's image tokens):
+            ``(start, stop)`` pairs over the *global* sequence, or per-token span ids ``[seq]`` (0: causal token;
+            equal nonzero ids: one span of consecutive tokens; a tensor is read to the host), the same on every rank
+            and batch row; each span inside one document. Dense attention, ``causal=True``, no ``window``, on every
+            strategy and layout; a ring moves only the rows of a span that reach back into an earlier shard.
+        prefix_lengths: prefix-LM (PaliGemma): the first ``P`` tokens of each document see each other fully; one
+            int, or one per document (the span ``(c_j, c_j + P_j)``).
 
     Returns:
         The local output shard ``[batch, seq/p, heads, v_head_dim]`` in the input dtype (and the LSE, the sinks
@@ -192,7 +206,7 @@ def sequence_parallel_attention(
     """
     call = AttentionCall(
         segment_lengths, dilation_rates, causal, scale, communication, layout, head_offset, return_lse, timeout_s,
-        cu_seqlens, window, sinks, softcap,
+        cu_seqlens, window, sinks, softcap, bidirectional_spans, prefix_lengths,
     )  # fmt: skip
     return attend(q, k, v, call, topology_placement(topology), strategy)
 
@@ -210,13 +224,16 @@ def attend(
     """Run ``call`` with ``strategy`` over ``placement`` (prepared on its key's first call); ``op`` names the
     entry point in agreement errors. Shapes and returns as :func:`sequence_parallel_attention`."""
     documents = _documents(call.cu_seqlens)
+    if call.bidirectional_spans is not None or call.prefix_lengths is not None:
+        spans = _spans(call, documents, q.shape[1] * placement.degrees.sequence if q.dim() == 4 else 0)
+        call = dataclasses.replace(call, bidirectional_spans=spans, prefix_lengths=None)
     sinks = call.sinks
     backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     key = (
         op, strategy, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, backward,
         _ints(call.segment_lengths), _ints(call.dilation_rates), call.causal, call.scale, call.communication,
         call.layout, call.head_offset, call.return_lse, call.timeout_s, documents, call.window, call.softcap,
-        None if sinks is None else (sinks.shape, sinks.dtype, sinks.device),
+        None if sinks is None else (sinks.shape, sinks.dtype, sinks.device), call.bidirectional_spans,
     )  # fmt: skip
     prepared = _cache(placement)
     with _lock:
@@ -294,11 +311,16 @@ def _agree_on_call(
         "layout": call.layout, "head_offset": call.head_offset, "return_lse": call.return_lse,
         "cu_seqlens": None if documents is None else list(documents), "communication": call.communication,
         "strategy": strategy, "window": call.window, "sinks": call.sinks is not None,
+        "bidirectional_spans": _listed(call.bidirectional_spans),
     }  # fmt: skip
     control = placement.control(placement.sequence)
     timeout_s = call.timeout_s if call.timeout_s is not None else placement.timeout_s
     group, device = (placement.sequence, q.device) if control is None else (control, None)
     agree(fields, group=group, op=op, timeout_s=timeout_s, cache=False, device=device)
+
+
+def _listed(spans: Spans | None) -> list[list[int]] | None:
+    return None if spans is None else [list(span) for span in spans]
 
 
 def _ints(values: Sequence[int] | None) -> tuple[int, ...] | None:
@@ -314,6 +336,13 @@ def _documents(cu_seqlens: torch.Tensor | Sequence[int] | None) -> tuple | None:
             check_cu_seqlens(cu_seqlens, 0)  # raises the shape / dtype error
         return tuple(cu_seqlens.tolist())
     return tuple(cu_seqlens)
+
+
+def _spans(call: AttentionCall, documents: tuple | None, seq: int) -> Spans | None:
+    """The call's bidirectional spans, resolved and checked over the global sequence of ``seq`` tokens (a tensor of
+    span ids read back: a host sync on a GPU)."""
+    bounds = check_cu_seqlens(documents, seq) or (0, seq)
+    return resolve_spans(call.bidirectional_spans, call.prefix_lengths, bounds)
 
 
 def _cache(placement: Placement) -> OrderedDict[tuple, Bound]:

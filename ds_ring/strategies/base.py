@@ -27,6 +27,7 @@ from torch.distributed import ProcessGroup
 
 from ds_ring.kernels.dilated import check_window_branches
 from ds_ring.kernels.dilation import check_softcap, make_branches
+from ds_ring.kernels.spans import check_span_options
 from ds_ring.registry import Registry
 
 __all__ = [
@@ -136,14 +137,24 @@ class AttentionCall:
     softcap: float | None = None
     """Attention logit soft-cap (Gemma 2): scores ``s`` become ``softcap·tanh(s / softcap)`` before the softmax;
     ``None``: uncapped."""
+    bidirectional_spans: torch.Tensor | Sequence | None = None
+    """Spans of tokens that see each other fully inside the causal sequence (Gemma 3's image tokens): ``(start,
+    stop)`` pairs over the global sequence, or per-token span ids ``[seq]``; ``None``: none. Strategies see them
+    resolved (:func:`ds_ring.kernels.spans.resolve_spans`: sorted pairs, prefixes included, ``None`` when empty)."""
+    prefix_lengths: int | Sequence[int] | None = None
+    """Prefix-LM (PaliGemma): the first ``P`` tokens of each document see each other fully (one int, or one per
+    document); ``None``: none. Resolved into ``bidirectional_spans`` before a strategy sees the call."""
 
     def check_options(self, rows: int | None = None) -> None:
         """``ValueError`` for branches, a window or a softcap that no strategy can run: the branch lists (segments
         clamped to ``rows``, this rank's shard length; ``None``: unknown, nothing clamped), a window with branches
-        or without ``causal``, a softcap that is not a finite number > 0."""
+        or without ``causal``, a softcap that is not a finite number > 0, bidirectional spans without ``causal``,
+        with a window or with branches."""
         make_branches(2**62 if rows is None else rows, self.segment_lengths, self.dilation_rates)
         check_window_branches(self.window, self.causal, self.segment_lengths)
         check_softcap(self.softcap)
+        spans = self.bidirectional_spans if self.prefix_lengths is None else self.prefix_lengths
+        check_span_options(spans, self.causal, self.window, self.segment_lengths)
 
 
 class Target(NamedTuple):
