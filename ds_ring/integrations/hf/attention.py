@@ -23,7 +23,7 @@ from ds_ring.comm.agree import agree
 from ds_ring.config import SECTION, RingAttentionConfig
 from ds_ring.integrations.hf.audit import CallAudit, ModelWatch
 from ds_ring.integrations.hf.documents import DOCUMENTS_KEY, Documents, document_positions
-from ds_ring.integrations.hf.masks import MaskSpec, check_mask_tensor
+from ds_ring.integrations.hf.masks import Blocks, MaskSpec, check_mask_tensor
 from ds_ring.parallel.order import shard_sequence
 from ds_ring.parallel.topology import Topology
 from ds_ring.zero import parameter_gradient_scale
@@ -147,13 +147,14 @@ class SequenceParallelAttention:
             if len(self._checked) > _CHECKED_KEPT:
                 self._checked.popitem(last=False)
         window = None if sliding_window is None or sliding_window >= bounds[-1] else sliding_window
+        spans = None if spec is None or spec.blocks is None else _spans(module, spec.blocks, bounds, window)
         branches = (None, None) if window is not None else (self.section.segment_lengths, self.section.dilation_rates)
         out = sequence_parallel_attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), *branches,
             causal=self.section.causal, scale=scaling, topology=self.topology, strategy=self.section.strategy,
             communication=self.section.communication, layout=self.section.layout,
             cu_seqlens=bounds if len(bounds) > 2 else None, window=window, sinks=kwargs.get("s_aux"),
-            softcap=softcap,
+            softcap=softcap, bidirectional_spans=spans,
         )  # fmt: skip
         return out, None
 
@@ -302,3 +303,39 @@ _SAME_SEQUENCE = (
 def _show(positions: torch.Tensor) -> str:
     values = positions.tolist()
     return str(values) if len(values) <= 8 else f"[{', '.join(map(str, values[:4]))}, ..., {values[-1]}]"
+
+
+def _spans(
+    module: nn.Module, blocks: Blocks, bounds: tuple[int, ...], window: int | None
+) -> tuple[tuple[int, int], ...] | None:
+    """The bidirectional spans of a mask's blocks (image tokens, a prefix) over the whole sequence (documents
+    ``bounds``), the same for every batch row; ``ValueError`` naming the module and the fix where they cannot be
+    computed."""
+    name, seq = type(module).__name__, bounds[-1]
+    if blocks.remapped and len(bounds) > 2:
+        raise ValueError(
+            f"{name} is given image spans that transformers indexes by positions within each packed document "
+            f"(remap_positions_for_packed_sequence over an OR of masks), not by the spans' own tokens; ds_ring "
+            f"computes spans by token: train this model on unpacked batches"
+        )
+    if blocks.columns != seq:
+        raise ValueError(
+            f"{name} is given image spans (blockwise_overlay) over {blocks.columns} tokens of a {seq}-token sequence: "
+            f"the model built them from this rank's shard of its token_type_ids, where a span crossing a shard "
+            f"boundary cannot be told from two; give the model its token_type_ids whole: "
+            f"shard_batch(session, batch, whole=('token_type_ids',))"
+        )
+    if len(set(blocks.rows)) > 1:
+        raise ValueError(
+            f"{name} is given image spans that differ between the batch's {len(blocks.rows)} rows; ds_ring computes "
+            f"one set of spans per call (as one set of documents): train with micro-batches of one row, or of rows "
+            f"with the same image layout"
+        )
+    spans = blocks.rows[0]
+    if spans and window is not None:
+        raise ValueError(
+            f"{name} is a sliding-window layer (window {window}) given image spans (AND(window, OR(causal, image "
+            f"spans))), which ds_ring's attention does not compute; set the model's sliding_window to at least the "
+            f"sequence length, or train this model without sequence parallelism"
+        )
+    return spans or None
