@@ -14,6 +14,7 @@ its own (multi-head latent attention): ``out``, ``dout`` and the output accumula
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -39,7 +40,7 @@ from ds_ring.kernels.dilation import (
 from ds_ring.kernels.merge import accum_dtype, merge_
 from ds_ring.kernels.piece import Grads, Piece
 from ds_ring.kernels.sinks import add_sinks_, check_sinks, sinks_grad
-from ds_ring.kernels.spans import Spans, check_span_options, resolve_spans, span_blocks
+from ds_ring.kernels.spans import BAND, DIAGONAL, Spans, check_span_options, resolve_spans, span_blocks
 from ds_ring.kernels.window import attend_band_backward, attend_band_into, check_window
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "regions_backward",
     "new_accumulators",
     "check_window_branches",
+    "span_cuts",
 ]
 
 
@@ -191,13 +193,24 @@ def _pieces(
 
 def _blocks(region: Region, rows: int, opts: Options) -> list[tuple[slice, slice, Piece]]:
     """``(query rows, key rows, piece)`` of one segment run of ``rows`` rows: the whole run, or with bidirectional
-    spans its blocks (:func:`~ds_ring.kernels.spans.span_blocks`)."""
+    spans its blocks (:func:`span_cuts`)."""
     if not region.spans:
         return [(slice(None), slice(None), opts.piece())]
-    return [
-        (slice(q0, q1), slice(k0, k1), opts.piece(causal=diagonal))
-        for q0, q1, k0, k1, diagonal in span_blocks(0, rows, 0, rows, region.spans)
-    ]
+    return span_cuts(0, rows, 0, rows, region.spans, opts)
+
+
+def span_cuts(qpos: int, m: int, kpos: int, n: int, spans: Spans, opts: Options) -> list[tuple[slice, slice, Piece]]:
+    """``(query rows, key rows, piece)`` offsets into a query run of ``m`` rows at ``qpos`` and a key run of ``n`` at
+    ``kpos`` (rate 1, one document) under bidirectional ``spans`` (:func:`~ds_ring.kernels.spans.span_blocks`): full
+    and causal blocks, and with the call's window its bands."""
+    cuts = []
+    for q0, q1, k0, k1, how in span_blocks(qpos, m, kpos, n, spans, opts.window):
+        if how == BAND:
+            piece = opts.piece((qpos + q0) - (kpos + k0))
+        else:
+            piece = dataclasses.replace(opts.piece(causal=how == DIAGONAL), window=None)
+        cuts.append((slice(q0, q1), slice(k0, k1), piece))
+    return cuts
 
 
 def regions_forward_(

@@ -21,6 +21,9 @@ from itertools import pairwise
 import torch
 
 __all__ = [
+    "BAND",
+    "DIAGONAL",
+    "FULL",
     "Spans",
     "check_spans",
     "check_span_options",
@@ -155,28 +158,49 @@ def _row_groups(start: int, stop: int, spans: Spans) -> Iterator[tuple[int, int,
         at = d
 
 
-def span_blocks(qpos: int, m: int, kpos: int, n: int, spans: Spans) -> list[tuple[int, int, int, int, bool]]:
+FULL, DIAGONAL, BAND = "full", "diagonal", "band"
+"""How a block of :func:`span_blocks` is computed: every pair, a causal block (rows and keys from one position), or
+the causal sliding window's band (queries ``(q0 + qpos) - (k0 + kpos)`` positions ahead of the keys)."""
+
+
+def span_blocks(
+    qpos: int, m: int, kpos: int, n: int, spans: Spans, window: int | None = None
+) -> list[tuple[int, int, int, int, str]]:
     """The blocks of ``m`` queries at positions ``[qpos, qpos + m)`` over ``n`` keys at ``[kpos, kpos + n)`` under
-    ``causal OR same span`` (both runs in one document): ``(q0, q1, k0, k1, diagonal)`` offsets into the runs, each a
-    full block or (``diagonal``) a causal block whose rows and keys start at one position. They cover every visible
-    pair exactly once."""
+    ``causal OR same span`` (both runs in one document), and with a ``window`` under ``(causal OR same span) AND
+    window`` (Gemma 3's sliding layers; every span at most ``window`` long): ``(q0, q1, k0, k1, how)`` offsets into
+    the runs, ``how`` one of :data:`FULL`, :data:`DIAGONAL`, :data:`BAND`. They cover every visible pair exactly
+    once."""
     kend = kpos + n
     blocks = []
     for c, d, end in _row_groups(qpos, qpos + m, spans):
-        if end is not None:  # span rows see every key before the span's end
+        if end is not None:  # span rows see every key before the span's end (with a window: from i - window + 1)
+            first = kpos
+            if window is not None:  # the span's keys in full (all within the window), the keys before it by band
+                first = max(kpos, min(kend, _span_start(spans, c)))
+                if first > kpos:
+                    blocks.append((c - qpos, d - qpos, 0, first - kpos, BAND))
             k1 = min(kend, end)
-            if k1 > kpos:
-                blocks.append((c - qpos, d - qpos, 0, k1 - kpos, False))
+            if k1 > first:
+                blocks.append((c - qpos, d - qpos, first - kpos, k1 - kpos, FULL))
+            continue
+        if window is not None:  # causal rows: the window's band over the whole key run
+            blocks.append((c - qpos, d - qpos, 0, n, BAND))
             continue
         k1 = min(kend, c)  # causal rows: keys before them in full, the diagonal, nothing after
         if k1 > kpos:
-            blocks.append((c - qpos, d - qpos, 0, k1 - kpos, False))
+            blocks.append((c - qpos, d - qpos, 0, k1 - kpos, FULL))
         s, e = max(kpos, c), min(kend, d)
         if s < e:
-            blocks.append((s - qpos, e - qpos, s - kpos, e - kpos, True))
+            blocks.append((s - qpos, e - qpos, s - kpos, e - kpos, DIAGONAL))
             if e < d:
-                blocks.append((e - qpos, d - qpos, s - kpos, e - kpos, False))
+                blocks.append((e - qpos, d - qpos, s - kpos, e - kpos, FULL))
     return blocks
+
+
+def _span_start(spans: Spans, position: int) -> int:
+    """The first position of the span holding ``position``."""
+    return spans[bisect.bisect_right(spans, (position, float("inf"))) - 1][0]
 
 
 def resolve_spans(
@@ -215,7 +239,7 @@ def resolve_spans(
 
 def check_span_options(spans: object, causal: bool, window: int | None, segment_lengths: Sequence[int] | None) -> None:
     """``ValueError`` for spans (any form; ``None``: none) the kernels do not combine: without ``causal`` (every key
-    is visible already), with a sliding ``window``, or with LongNet branches (dense attention only)."""
+    is visible already), longer than a sliding ``window``, or with LongNet branches (dense attention only)."""
     if spans is None:
         return
     if not causal:
@@ -223,11 +247,14 @@ def check_span_options(spans: object, causal: bool, window: int | None, segment_
             "bidirectional_spans / prefix_lengths make spans bidirectional inside a causal sequence, but causal=False "
             "(every token sees every other already); pass causal=True, or drop the spans"
         )
-    if window is not None:
-        raise ValueError(
-            f"bidirectional_spans / prefix_lengths with window={window} are not computed by ds_ring (a sliding window "
-            f"over a sequence with bidirectional spans); use window=None (full attention) for these layers"
-        )
+    if window is not None and isinstance(spans, tuple) and all(isinstance(x, tuple) for x in spans):  # resolved
+        long = [(a, b) for a, b in spans if b - a > window]
+        if long:
+            raise ValueError(
+                f"bidirectional span {long[0]} is {long[0][1] - long[0][0]} tokens long, longer than window={window}: "
+                f"ds_ring computes (causal OR same span) AND window for spans of at most the window; use a window of "
+                f"at least {max(b - a for a, b in long)} or window=None for this layer"
+            )
     if segment_lengths is not None:
         raise ValueError(
             f"bidirectional_spans / prefix_lengths work with dense attention only, got segment_lengths="

@@ -27,11 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from ds_ring.kernels import overwrite
-from ds_ring.kernels.dilated import Options, attend_backward, attend_into
+from ds_ring.kernels.dilated import Options, attend_backward, attend_into, span_cuts
 from ds_ring.kernels.dilation import add_heads_, head_groups, select_heads
 from ds_ring.kernels.merge import accum_dtype
 from ds_ring.kernels.piece import Piece
-from ds_ring.kernels.spans import span_blocks
 from ds_ring.strategies.plan import Held, Run, SpanPlan, Travel, pieces
 
 __all__ = [
@@ -316,8 +315,8 @@ def _cuts(query: Run, key: Run, keys: slice, diagonal: bool, opts: Options) -> I
         yield query.rows, keys, _piece(query, key, diagonal, opts)
         return
     q0, k0 = query.rows.start, keys.start
-    for a, b, c, d, causal in span_blocks(query.position, query.count, key.position, key.count, opts.spans):
-        yield slice(q0 + a, q0 + b), slice(k0 + c, k0 + d), opts.piece(causal=causal)
+    for rows, cols, piece in span_cuts(query.position, query.count, key.position, key.count, opts.spans, opts):
+        yield slice(q0 + rows.start, q0 + rows.stop), slice(k0 + cols.start, k0 + cols.stop), piece
 
 
 def forward_block_(span: SpanPlan, member: int, kv: list[KV], shard: Shard, opts: Options) -> None:
