@@ -188,7 +188,8 @@ def sequence_parallel_attention(
         bidirectional_spans: tokens that see each other fully inside the causal sequence (Gemma 3's image tokens):
             ``(start, stop)`` pairs over the *global* sequence, or per-token span ids ``[seq]`` (0: causal token;
             equal nonzero ids: one span of consecutive tokens; a tensor is read to the host), the same on every rank
-            and batch row; each span inside one document. Dense attention, ``causal=True``, no ``window``, on every
+            and batch row; each span inside one document. Dense attention, ``causal=True``; with a ``window`` the mask
+            is ``(causal OR same span) AND window`` (Gemma 3's sliding layers; spans at most the window). Every
             strategy and layout; a ring moves only the rows of a span that reach back into an earlier shard.
         prefix_lengths: prefix-LM (PaliGemma): the first ``P`` tokens of each document see each other fully; one
             int, or one per document (the span ``(c_j, c_j + P_j)``).

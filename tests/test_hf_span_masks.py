@@ -1,13 +1,15 @@
 """Vision-language masks read from transformers' compositions and computed as ds_ring's bidirectional spans.
 
-- :func:`mask_spec` reads ``or_masks(causal, blockwise_overlay(ids))`` (Gemma 3's image tokens: full layers, and
-  with its sliding window; PaliGemma's prefix) into spans; any other OR, a non-consecutive block, a blockwise overlay
-  alone and image spans under a packed-sequence remap stay refused by name.
+- :func:`mask_spec` reads ``or_masks(causal, blockwise_overlay(ids))`` into spans: Gemma 3's image tokens (full
+  layers, and ``AND(window, OR(causal, images))`` on sliding ones), Gemma 4's ``OR(AND(window, causal), images)``,
+  PaliGemma's prefix, under the packed-sequence remap (marked); any other OR, a non-consecutive block and a
+  blockwise overlay alone stay refused by name.
 - A tiny float64 ``Gemma3ForConditionalGeneration`` (text tokens given Gemma-3-style ``token_type_ids``: two images,
   one straddling a shard boundary; no pixels) on 2 and 4 gloo ranks, ring (contiguous, zigzag), Ulysses and hybrid
   2 × 2, ``token_type_ids`` given whole by ``shard_batch(..., whole=("token_type_ids",))``: gathered logits, loss and
-  every parameter gradient equal the whole model's (``sdpa`` on transformers' own mask tensor); sharded
-  ``token_type_ids`` and a sliding window shorter than the sequence are refused by name.
+  every parameter gradient equal the whole model's (``sdpa`` on transformers' own mask tensor), with the sliding
+  layer's window longer than the sequence and of 8 tokens; sharded ``token_type_ids`` and an image longer than the
+  window are refused by name.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def test_image_spans_are_read_from_the_or():
     assert mask_spec(full) == MaskSpec(causal=True, window=None, blocks=spans)
     sliding = mu.and_masks(full, mu.sliding_window_overlay(8))  # Gemma 3's AND(window, OR(causal, images))
     assert mask_spec(sliding) == MaskSpec(causal=True, window=8, blocks=spans)
+    gemma4 = mu.or_masks(mu.sliding_window_causal_mask_function(8), mu.blockwise_overlay(ids))  # OR(AND(w, c), b)
+    assert mask_spec(gemma4) == MaskSpec(causal=True, window=8, blocks=spans)
     packed = mu.and_masks(full, mu.packed_sequence_mask_function(torch.zeros(1, 16, dtype=torch.long)))
     assert mask_spec(packed).blocks == spans
     remapped = mu.remap_positions_for_packed_sequence(full, torch.arange(16)[None])  # transformers' sliding layers
@@ -61,6 +65,13 @@ def test_image_spans_are_read_from_the_or():
         (lambda: mu.or_masks(mu.causal_mask_function, mu.bidirectional_mask_function), "an OR of masks"),
         (lambda: mu.or_masks(mu.causal_mask_function, lambda b, h, q, k: q > k), "an OR of masks"),
         (lambda: mu.blockwise_overlay(_ids([(2, 6)])), "outside an OR with causal"),
+        (
+            lambda: mu.or_masks(
+                mu.causal_mask_function,
+                mu.and_masks(mu.sliding_window_overlay(8), mu.blockwise_overlay(_ids([(2, 6)]))),
+            ),
+            "an OR of masks",
+        ),
         (
             lambda: mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(torch.tensor([[0, 0, -1, 0]]))),
             "not consecutive",
@@ -135,10 +146,34 @@ HYBRID = {"hybrid 2x2": {"strategy": "hybrid", "ulysses_degree": 2, "ring_degree
 def _rank(rank: int, world: int) -> list[str]:
     log, topologies = CaseLog(), {}
     batch = vlm_batch()
-    model = gemma3_vlm()
+    for window, model in ((None, gemma3_vlm()), (8, gemma3_vlm(8))):
+        _compare(log, model, batch, world, topologies, window)
+    section = STRATEGIES["ring"]
+    refusals = {
+        "sharded token_type_ids": (gemma3_vlm(), {}, "whole=\\('token_type_ids',\\)"),
+        "an image longer than the sliding window": (gemma3_vlm(6), {"whole": ("token_type_ids",)}, "window 6"),
+    }
+    for name, (refused, options, message) in refusals.items():
+        with log.case(f"refused: {name}"):
+            topology = topology_for(section, world, topologies)
+            session = register_with_transformers(
+                core_attn_implementation="sdpa", config=ds_config(**section), topology=topology
+            )
+            try:
+                with pytest.raises(ValueError, match=message):
+                    _sharded(refused, batch, session, **options)
+            finally:
+                session.close()
+    return log.failures
+
+
+def _compare(
+    log: CaseLog, model: torch.nn.Module, batch: dict, world: int, topologies: dict, window: int | None
+) -> None:
+    """The model on every strategy against itself whole (``window``: its sliding window, for the case's name)."""
     expected = _whole(model, batch)
     for strategy, section in {**STRATEGIES, **(HYBRID if world == 4 else {})}.items():
-        with log.case(f"gemma3 images, {strategy}"):
+        with log.case(f"gemma3 images, sliding window {window}, {strategy}"):
             topology = topology_for(section, world, topologies)
             session = register_with_transformers(
                 core_attn_implementation="sdpa", config=ds_config(**section), topology=topology
@@ -149,23 +184,6 @@ def _rank(rank: int, world: int) -> list[str]:
                 session.close()
             # Gemma 3's RMSNorm computes in float32 inside the float64 model (as in test_hf_windows_and_sinks)
             assert_same(got, expected, rtol=1e-5, atol=1e-8)
-    section = STRATEGIES["ring"]
-    refusals = {
-        "sharded token_type_ids": (model, {}, "whole=\\('token_type_ids',\\)"),
-        "a sliding window shorter than the sequence": (gemma3_vlm(8), {"whole": ("token_type_ids",)}, "window 8"),
-    }
-    for name, (refused, options, message) in refusals.items():
-        with log.case(f"refused: {name}"):
-            session = register_with_transformers(
-                core_attn_implementation="sdpa", config=ds_config(**section), topology=topology_for(section, world,
-                                                                                                    topologies)
-            )  # fmt: skip
-            try:
-                with pytest.raises(ValueError, match=message):
-                    _sharded(refused, batch, session, **options)
-            finally:
-                session.close()
-    return log.failures
 
 
 @pytest.mark.timeout(300)

@@ -402,8 +402,8 @@ def dilated_attention(
             ``None``: uncapped.
         bidirectional_spans: spans of tokens that see each other fully inside the causal sequence (Gemma 3's image
             tokens): ``(start, stop)`` pairs, or per-token span ids ``[seq]`` (0: causal token; equal nonzero ids:
-            one span of consecutive tokens). Each span inside one document; dense attention, ``causal=True``, no
-            ``window``. ``None``: none.
+            one span of consecutive tokens). Each span inside one document; dense attention, ``causal=True``; with a
+            ``window``: ``(causal OR same span) AND window``, spans at most the window. ``None``: none.
         prefix_lengths: prefix-LM (PaliGemma): the first ``P`` tokens of every document see each other fully; one
             int, or one per document. ``None``: none.
 

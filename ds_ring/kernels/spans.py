@@ -6,10 +6,12 @@ image tokens; PaliGemma's image + prompt prefix, the span ``[0, P)``). The mask 
 key of ``[a, b)``, its keys are exactly ``j < b``: a causal mask whose query ``i`` *reaches* position
 ``hi(i) = b - 1`` instead of ``i``. ``hi`` never decreases along the sequence, so a (query run, key run) pair cuts
 into a few rectangles and causal diagonals — blocks every block kernel computes — and a key run entirely in a query
-run's future is needed only by the rows of the one span that reaches into it.
+run's future is needed only by the rows of the one span that reaches into it. With a causal sliding window (Gemma
+3's sliding layers) the mask is ``(causal OR same span) AND window``: bands for causal rows and for the keys before a
+span, the span's own keys in full.
 
 Spans are given over the *global* sequence as sorted, disjoint ``(start, stop)`` pairs, each inside one document.
-Nothing here reads a tensor on the device.
+Only :func:`spans_from_ids` reads a tensor (to the host).
 """
 
 from __future__ import annotations

@@ -141,6 +141,8 @@ class SequenceParallelAttention:
             self._check_shapes(module, query, key, bounds[-1])
             self._agree_on_documents(bounds)
             self._check_positions(kwargs["position_ids"], bounds)
+            if spec is not None and spec.blocks is not None and spec.blocks.columns != bounds[-1]:
+                self._agree_on_sharded_blocks(module, spec.blocks)
             if isinstance(attention_mask, torch.Tensor):
                 self._check_mask(module, attention_mask, bounds, sliding_window)
             self._checked[checked] = None
@@ -261,6 +263,15 @@ class SequenceParallelAttention:
             timeout_s=self.topology.timeout_s, fix=_SAME_SEQUENCE,
         )  # fmt: skip
 
+    def _agree_on_sharded_blocks(self, module: nn.Module, blocks: Blocks) -> None:
+        """Image spans built from each rank's shard of ``token_type_ids``: every rank of the group raises, or none
+        (when no shard holds an image token), so no rank waits on one that refused."""
+        agree(
+            {"image tokens in this rank's shard of token_type_ids": any(blocks.rows)},
+            group=self.topology.control_group(self.topology.sequence_parallel_group), op="hf_attention",
+            timeout_s=self.topology.timeout_s, fix=_sharded_ids(type(module).__name__, blocks, "each rank"),
+        )  # fmt: skip
+
     def _check_mask(self, module: nn.Module, mask: torch.Tensor, bounds: tuple[int, ...], window: int | None) -> None:
         """A mask tensor the model built itself must say no more than causal, the window and the documents."""
         tokens = shard_sequence(
@@ -307,11 +318,13 @@ def _show(positions: torch.Tensor) -> str:
 
 def _spans(
     module: nn.Module, blocks: Blocks, bounds: tuple[int, ...], window: int | None
-) -> tuple[tuple[int, int], ...] | None:
+) -> tuple[tuple[int, int], ...] | None:  # docs/models.md §Vision-language masks
     """The bidirectional spans of a mask's blocks (image tokens, a prefix) over the whole sequence (documents
     ``bounds``), the same for every batch row; ``ValueError`` naming the module and the fix where they cannot be
     computed."""
     name, seq = type(module).__name__, bounds[-1]
+    if not any(blocks.rows):  # no image token (Gemma 4's text-only batches: every id -1; agreed when sharded)
+        return None
     if blocks.remapped and len(bounds) > 2:
         raise ValueError(
             f"{name} is given image spans that transformers indexes by positions within each packed document "
@@ -319,12 +332,7 @@ def _spans(
             f"computes spans by token: train this model on unpacked batches"
         )
     if blocks.columns != seq:
-        raise ValueError(
-            f"{name} is given image spans (blockwise_overlay) over {blocks.columns} tokens of a {seq}-token sequence: "
-            f"the model built them from this rank's shard of its token_type_ids, where a span crossing a shard "
-            f"boundary cannot be told from two; give the model its token_type_ids whole: "
-            f"shard_batch(session, batch, whole=('token_type_ids',))"
-        )
+        raise ValueError(_sharded_ids(name, blocks, "this rank"))
     if len(set(blocks.rows)) > 1:
         raise ValueError(
             f"{name} is given image spans that differ between the batch's {len(blocks.rows)} rows; ds_ring computes "
@@ -332,10 +340,20 @@ def _spans(
             f"with the same image layout"
         )
     spans = blocks.rows[0]
-    if spans and window is not None:
+    longest = max((stop - start for start, stop in spans), default=0)
+    if window is not None and longest > window:
         raise ValueError(
-            f"{name} is a sliding-window layer (window {window}) given image spans (AND(window, OR(causal, image "
-            f"spans))), which ds_ring's attention does not compute; set the model's sliding_window to at least the "
-            f"sequence length, or train this model without sequence parallelism"
+            f"{name} is a sliding-window layer (window {window}) given an image span of {longest} tokens: ds_ring "
+            f"computes AND(window, OR(causal, image spans)) for spans no longer than the window; use a sliding_window "
+            f"of at least {longest}, or train this model without sequence parallelism"
         )
     return spans or None
+
+
+def _sharded_ids(name: str, blocks: Blocks, where: str) -> str:
+    return (
+        f"{name} is given image spans (blockwise_overlay) over {blocks.columns} tokens, not the whole sequence: the "
+        f"model built them from {where}'s shard of its token_type_ids, where a span crossing a shard boundary cannot "
+        f"be told from two; give the model its token_type_ids whole: shard_batch(session, batch, "
+        f"whole=('token_type_ids',))"
+    )

@@ -147,6 +147,9 @@ def mask_spec(mask_function: Callable | None) -> MaskSpec:
             if isinstance(blocks, str):
                 return MaskSpec(causal=True, window=None, unsupported=blocks)
             causal = True
+            windows += [
+                int(_closure_value(leaf, "sliding_window")) for leaf in _or_leaves(piece) if _name(leaf) == _WINDOW
+            ]
         elif name == _CAUSAL:
             causal = True
         elif name == _BIDIRECTIONAL:
@@ -168,19 +171,27 @@ def _name(function: Callable) -> str:
     return getattr(function, "__qualname__", repr(function))
 
 
+def _or_leaves(function: Callable) -> list[Callable]:
+    return [leaf for part in _closure_value(function, "mask_functions") for leaf in _pieces(part)]
+
+
 def _or_blocks(function: Callable) -> Blocks | str:
-    """The blocks of ``or_masks(causal, blockwise_overlay(ids))`` (either side possibly wrapped), or what else the
-    OR holds, described."""
-    leaves = [leaf for part in _closure_value(function, "mask_functions") for leaf in _pieces(part)]
-    names = [_name(leaf) for leaf in leaves]
-    if sorted(set(names)) != sorted({_CAUSAL, _BLOCKWISE}) or names.count(_BLOCKWISE) != 1:
-        shown = ", ".join(name.split(".<locals>")[0] for name in names)
+    """The blocks of ``or_masks(causal, blockwise_overlay(ids))`` (the causal side possibly wrapped, and carrying a
+    sliding window in Gemma 4's ``OR(AND(window, causal), blocks)``, which equals ``AND(window, OR(causal, blocks))``
+    for blocks no longer than the window — longer ones the attention refuses), or what else the OR holds, described."""
+    parts = [list(_pieces(part)) for part in _closure_value(function, "mask_functions")]
+    overlays = [leaves[0] for leaves in parts if len(leaves) == 1 and _name(leaves[0]) == _BLOCKWISE]
+    others = [leaves for leaves in parts if not (len(leaves) == 1 and _name(leaves[0]) == _BLOCKWISE)]
+    causal_side = len(others) == 1 and {_name(leaf) for leaf in others[0]} in (
+        {_CAUSAL}, {_CAUSAL, _WINDOW}, {_CAUSAL, _DOCUMENTS}, {_CAUSAL, _WINDOW, _DOCUMENTS}
+    )  # fmt: skip
+    if len(overlays) != 1 or not causal_side:
+        shown = ", ".join(_name(leaf).split(".<locals>")[0] for leaves in parts for leaf in leaves)
         return (
             f"an OR of masks ({shown}); ds_ring computes an OR of causal attention with image spans "
             f"(blockwise_overlay) only"
         )
-    (overlay,) = (leaf for leaf in leaves if _name(leaf) == _BLOCKWISE)
-    return _block_spans(_closure_value(overlay, "block_sequence_ids"))
+    return _block_spans(_closure_value(overlays[0], "block_sequence_ids"))
 
 
 def _block_spans(ids: torch.Tensor) -> Blocks | str:
