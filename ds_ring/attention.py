@@ -50,10 +50,12 @@ class RingDilatedAttention(nn.Module):
         window: causal sliding window (dense, ``causal=True``): query ``i`` sees keys ``[i - window + 1, i]``.
         softcap: attention logit soft-cap (Gemma 2): scores ``s`` become ``softcap·tanh(s / softcap)``.
 
-    Shapes: ``forward(q [B, L, H, D], k [B, L, Hkv, D], v [B, L, Hkv, Dv], *, cu_seqlens=None, sinks=None)
-    -> [B, L, H, Dv]`` (``Dv``: ``v``'s head dim, which may differ from ``D``: multi-head latent attention);
-    ``cu_seqlens``: document boundaries of a packed sequence over the global sequence (see
-    :func:`ds_ring.ring_dilated_attention`); ``sinks [H]``: attention-sink logits.
+    Shapes: ``forward(q [B, L, H, D], k [B, L, Hkv, D], v [B, L, Hkv, Dv], *, cu_seqlens=None, sinks=None,
+    bidirectional_spans=None, prefix_lengths=None) -> [B, L, H, Dv]`` (``Dv``: ``v``'s head dim, which may differ from
+    ``D``: multi-head latent attention); ``cu_seqlens``: document boundaries of a packed sequence over the global
+    sequence (see :func:`ds_ring.ring_dilated_attention`); ``sinks [H]``: attention-sink logits;
+    ``bidirectional_spans`` / ``prefix_lengths``: spans of this batch that see themselves fully inside the causal
+    sequence (image tokens, prefix-LM; see :func:`ds_ring.sequence_parallel_attention`).
     """
 
     def __init__(
@@ -117,10 +119,15 @@ class RingDilatedAttention(nn.Module):
         *,
         cu_seqlens: torch.Tensor | None = None,
         sinks: torch.Tensor | None = None,
+        bidirectional_spans: torch.Tensor | Sequence | None = None,
+        prefix_lengths: int | Sequence[int] | None = None,
     ) -> torch.Tensor:
         call = self.call
-        if cu_seqlens is not None or sinks is not None:
-            call = dataclasses.replace(call, cu_seqlens=cu_seqlens, sinks=sinks)
+        if cu_seqlens is not None or sinks is not None or bidirectional_spans is not None or prefix_lengths is not None:
+            call = dataclasses.replace(
+                call, cu_seqlens=cu_seqlens, sinks=sinks, bidirectional_spans=bidirectional_spans,
+                prefix_lengths=prefix_lengths,
+            )  # fmt: skip
         if self.topology is not None:
             return attend(q, k, v, call, topology_placement(self.topology), self.strategy)
         return attend(q, k, v, call, group_placement(self.group), "ring", op="ring_dilated_attention")
@@ -150,9 +157,10 @@ class MultiheadRingDilatedAttention(nn.Module):
         device, dtype: for the parameters.
         **attention: passed to :class:`RingDilatedAttention` (segments, rates, causal, group, ...).
 
-    ``forward(query, key=None, value=None, *, cu_seqlens=None)`` takes the local shard ``[B, L, E]``
-    (self-attention when ``key``/``value`` are omitted; ``cu_seqlens``: packed documents over the global
-    sequence) and returns ``(output [B, L, E], None)`` like ``nn.MultiheadAttention`` with ``need_weights=False``.
+    ``forward(query, key=None, value=None, *, cu_seqlens=None, bidirectional_spans=None, prefix_lengths=None)`` takes
+    the local shard ``[B, L, E]`` (self-attention when ``key``/``value`` are omitted; ``cu_seqlens``: packed documents
+    over the global sequence; the spans as :class:`RingDilatedAttention`) and returns ``(output [B, L, E], None)`` like
+    ``nn.MultiheadAttention`` with ``need_weights=False``.
     """
 
     def __init__(
@@ -196,6 +204,8 @@ class MultiheadRingDilatedAttention(nn.Module):
         key_padding_mask: torch.Tensor | None = None,
         is_causal: bool = False,
         cu_seqlens: torch.Tensor | None = None,
+        bidirectional_spans: torch.Tensor | Sequence | None = None,
+        prefix_lengths: int | Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, None]:
         if need_weights or attn_mask is not None or key_padding_mask is not None:
             raise ValueError(
@@ -213,6 +223,9 @@ class MultiheadRingDilatedAttention(nn.Module):
         q = self.q_proj(query).view(batch, seq, self.num_heads, self.head_dim)
         k = self.k_proj(key).view(batch, seq, self.num_kv_heads, self.head_dim)
         v = self.v_proj(value).view(batch, seq, self.num_kv_heads, self.head_dim)
-        out = self.attention(q, k, v, cu_seqlens=cu_seqlens, sinks=self.sinks).reshape(batch, seq, self.embed_dim)
+        out = self.attention(
+            q, k, v, cu_seqlens=cu_seqlens, sinks=self.sinks, bidirectional_spans=bidirectional_spans,
+            prefix_lengths=prefix_lengths,
+        ).reshape(batch, seq, self.embed_dim)  # fmt: skip
         out = self.out_proj(out)
         return (out if self.batch_first else out.transpose(0, 1)), None

@@ -37,6 +37,7 @@ from ds_ring.comm.job import job
 from ds_ring.cpu_heap import configure_cpu_heap
 from ds_ring.kernels.dilation import check_cu_seqlens, check_softcap, validate_qkv
 from ds_ring.kernels.sinks import check_sinks
+from ds_ring.kernels.spans import Spans, resolve_spans
 from ds_ring.parallel.topology import Topology
 from ds_ring.strategies import AttentionCall, Bound, Degrees, Placement, Shape, Target, get_strategy
 from ds_ring.strategies.base import NOT_AGREED
@@ -79,6 +80,8 @@ def ring_dilated_attention(
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
     strategy: str = "ring",
+    bidirectional_spans: torch.Tensor | Sequence | None = None,
+    prefix_lengths: int | Sequence[int] | None = None,
 ) -> Output:
     """Dilated (or dense) attention over a sequence sharded across ``group``.
 
@@ -108,6 +111,8 @@ def ring_dilated_attention(
             the softmax (sinks are not capped). ``None``: uncapped.
         strategy: ``"ring"``, ``"allgather"``, ``"ulysses"`` (all-to-all over ``group``), or ``"auto"``: the fastest
             of those the call admits by :mod:`ds_ring.auto` (chosen alike on every rank, logged).
+        bidirectional_spans, prefix_lengths: bidirectional spans inside the causal sequence, as
+            :func:`sequence_parallel_attention`.
 
     Returns:
         The local output shard ``[batch, seq/p, heads, v_head_dim]`` (and the LSE, the sinks included).
@@ -140,6 +145,8 @@ def sequence_parallel_attention(
     window: int | None = None,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
+    bidirectional_spans: torch.Tensor | Sequence | None = None,
+    prefix_lengths: int | Sequence[int] | None = None,
 ) -> Output:
     """Dilated (or dense) attention over a sequence sharded across ``topology.sequence_parallel_group``.
 
@@ -170,6 +177,14 @@ def sequence_parallel_attention(
         softcap: attention logit soft-capping (Gemma 2, ``attn_logit_softcapping``): scores ``s = q·k·scale``
             become ``softcap·tanh(s / softcap)`` before the softmax, on every strategy (the tiled pure-torch
             block kernel computes capped blocks; sinks are not capped). ``None``: uncapped.
+        bidirectional_spans: tokens that see each other fully inside the causal sequence (Gemma 3's image tokens):
+            ``(start, stop)`` pairs over the *global* sequence, or per-token span ids ``[seq]`` (0: causal token;
+            equal nonzero ids: one span of consecutive tokens; a tensor is read to the host), the same on every rank
+            and batch row; each span inside one document. Dense attention, ``causal=True``; with a ``window`` the mask
+            is ``(causal OR same span) AND window`` (Gemma 3's sliding layers; spans at most the window). Every
+            strategy and layout; a ring moves only the rows of a span that reach back into an earlier shard.
+        prefix_lengths: prefix-LM (PaliGemma): the first ``P`` tokens of each document see each other fully; one
+            int, or one per document (the span ``(c_j, c_j + P_j)``).
 
     Returns:
         The local output shard ``[batch, seq/p, heads, v_head_dim]`` in the input dtype (and the LSE, the sinks
@@ -197,6 +212,9 @@ def attend(
 ) -> Output:
     """Run ``call`` with ``strategy`` over ``placement`` (prepared on its key's first call); ``op`` names the
     entry point in agreement errors. Shapes and returns as :func:`sequence_parallel_attention`."""
+    if call.bidirectional_spans is not None or call.prefix_lengths is not None:
+        seq = q.shape[1] * placement.degrees.sequence if q.dim() == 4 else 0
+        call = dataclasses.replace(call, bidirectional_spans=_spans(call, seq), prefix_lengths=None)
     described = call.described()
     backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     key = (op, strategy, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, backward,
@@ -280,6 +298,13 @@ def _agree_on_call(
     timeout_s = timeout_s if timeout_s is not None else placement.timeout_s
     group, device = (placement.sequence, q.device) if control is None else (control, None)
     agree(fields, group=group, op=op, timeout_s=timeout_s, cache=False, device=device)
+
+
+def _spans(call: AttentionCall, seq: int) -> Spans | None:
+    """The call's bidirectional spans, resolved and checked over the global sequence of ``seq`` tokens (a tensor of
+    span ids read back: a host sync on a GPU)."""
+    bounds = check_cu_seqlens(call.described()["cu_seqlens"], seq) or (0, seq)
+    return resolve_spans(call.bidirectional_spans, call.prefix_lengths, bounds)
 
 
 def topology_placement(topology: Topology) -> Placement:

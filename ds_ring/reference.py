@@ -26,10 +26,12 @@ def dilated_mask(
     causal: bool = False,
     head_offset: int = 0,
     window: int | None = None,
+    bidirectional_spans: Sequence[tuple[int, int]] | None = None,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
     """Boolean ``[branches, heads, seq, seq]``: may query ``i`` of head ``h`` see key ``j`` in a branch
-    (with ``window``: only keys ``j`` with ``i - window < j <= i``)."""
+    (with ``window``: only keys ``j`` with ``i - window < j <= i``; with ``bidirectional_spans`` ``[(a, b), ...]``
+    and ``causal``: also every key of the query's own span, ``(causal OR same span) AND window``)."""
     pos = torch.arange(seq_len, device=device)
     masks = []
     for w, r in zip(segment_lengths, dilation_rates, strict=True):
@@ -43,7 +45,11 @@ def dilated_mask(
         masks.append(torch.stack(per_head))
     mask = torch.stack(masks)
     if causal:
-        mask &= pos[None, :] <= pos[:, None]
+        visible = pos[None, :] <= pos[:, None]
+        for a, b in bidirectional_spans or ():
+            inside = (pos >= a) & (pos < b)
+            visible |= inside[:, None] & inside[None, :]
+        mask &= visible
     if window is not None:
         mask &= pos[:, None] - pos[None, :] < window
     return mask
@@ -62,12 +68,14 @@ def dilated_attention_reference(
     window: int | None = None,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
+    bidirectional_spans: Sequence[tuple[int, int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference dilated attention; differentiable with plain autograd.
 
     Args: as :func:`ds_ring.dilated_attention` (``q [B, S, H, D]``, ``k [B, S, Hkv, D]``, ``v [B, S, Hkv, Dv]``);
     ``sinks [H]``: one more key per head with that score and value 0 (its own column of the softmax, uncapped);
-    ``softcap``: every score ``s`` becomes ``softcap·tanh(s / softcap)`` before the softmax.
+    ``softcap``: every score ``s`` becomes ``softcap·tanh(s / softcap)`` before the softmax;
+    ``bidirectional_spans``: ``(start, stop)`` pairs whose tokens see each other fully in a causal sequence.
 
     Returns:
         ``out [B, S, H, Dv]`` and ``lse [B, H, S]``, both float64; rows no branch covers have
@@ -84,7 +92,7 @@ def dilated_attention_reference(
 
     mask = dilated_mask(
         seq_len, num_heads, segment_lengths, dilation_rates, causal=causal, head_offset=head_offset, window=window,
-        device=q.device,
+        bidirectional_spans=bidirectional_spans, device=q.device,
     )  # fmt: skip
     branches = mask.shape[0]
     scores = torch.einsum("bqhd,bkhd->bhqk", q64, k64) * scale

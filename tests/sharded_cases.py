@@ -6,7 +6,9 @@ runs many cases in one spawn and returns the failures, so one failing case names
 
 A case with ``cu_seqlens`` (packed documents) is checked against the oracle run on each document
 alone (:func:`per_document_reference`), which shares nothing with the packed code path. A case may give
-``v`` a head dim of its own (``v_head_dim``, multi-head latent attention) and cap scores (``softcap``).
+``v`` a head dim of its own (``v_head_dim``, multi-head latent attention), cap scores (``softcap``) and make spans
+bidirectional inside the causal sequence (``spans``: ``(start, stop)`` pairs or per-token ids; ``prefix``: prefix-LM
+lengths), which the oracle gets resolved to pairs, each document's relative to its start.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import ds_ring
 import ds_ring.kernels.overwrite as overwrite
 from ds_ring.calls import sequence_parallel_attention
+from ds_ring.kernels.spans import resolve_spans
 from ds_ring.reference import dilated_attention_reference
 from tests.dist import CaseLog, assert_no_failures, run_distributed
 
@@ -45,12 +48,20 @@ def full_inputs(case: dict[str, Any]) -> tuple[torch.Tensor, ...]:
 def per_document_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segs, rates, cu_seqlens: list[int], **kwargs: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The oracle on each document ``[cu[i], cu[i+1])`` alone, outputs and LSEs concatenated (differentiable)."""
+    """The oracle on each document ``[cu[i], cu[i+1])`` alone, outputs and LSEs concatenated (differentiable);
+    ``bidirectional_spans`` (global pairs) given to each document relative to its start."""
+    spans = kwargs.pop("bidirectional_spans", None) or ()
     pieces = [
-        dilated_attention_reference(q[:, a:b], k[:, a:b], v[:, a:b], segs, rates, **kwargs)
+        dilated_attention_reference(
+            q[:, a:b], k[:, a:b], v[:, a:b], segs, rates, bidirectional_spans=_within(spans, a, b), **kwargs
+        )
         for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)
     ]
     return torch.cat([o for o, _ in pieces], dim=1), torch.cat([lse for _, lse in pieces], dim=2)
+
+
+def _within(spans, start: int, stop: int) -> list[tuple[int, int]]:
+    return [(a - start, b - start) for a, b in spans if start <= a < stop]
 
 
 def check_case(case: dict[str, Any], attention: Callable[..., Any], group=None) -> None:
@@ -67,6 +78,11 @@ def check_case(case: dict[str, Any], attention: Callable[..., Any], group=None) 
         extra["window"] = case["window"]
     if case.get("softcap") is not None:
         extra["softcap"] = case["softcap"]
+    if case.get("spans") is not None:
+        spans = case["spans"]
+        extra["bidirectional_spans"] = torch.tensor(spans) if spans and isinstance(spans[0], int) else spans
+    if case.get("prefix") is not None:
+        extra["prefix_lengths"] = case["prefix"]
     q, k, v, dout = full_inputs(case)
     sinks = None
     if case.get("sinks"):
@@ -82,6 +98,9 @@ def check_case(case: dict[str, Any], attention: Callable[..., Any], group=None) 
     options = dict(
         causal=case["causal"], head_offset=head_offset, window=case.get("window"), softcap=case.get("softcap")
     )
+    if case.get("spans") is not None or case.get("prefix") is not None:
+        bounds = cu or [0, case["seq"]]
+        options["bidirectional_spans"] = resolve_spans(case.get("spans"), case.get("prefix"), bounds)
     if sinks is not None:
         full.append(sinks.detach().clone().requires_grad_())
         options["sinks"] = full[-1]

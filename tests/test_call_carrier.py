@@ -46,7 +46,7 @@ def test_key_and_agreement_derive_from_every_field() -> None:
     changed = dict(
         segment_lengths=[8], dilation_rates=[2], causal=True, scale=0.5, communication="allgather", layout="zigzag",
         head_offset=2, return_lse=True, timeout_s=9.0, cu_seqlens=torch.tensor([0, 3, 8]), window=4,
-        sinks=torch.zeros(4), softcap=30.0,
+        sinks=torch.zeros(4), softcap=30.0, bidirectional_spans=torch.tensor([0, 1, 1, 0]), prefix_lengths=[3],
     )  # fmt: skip
     assert set(changed) == set(FIELDS), "a new field of AttentionCall: add it here"
     assert {"timeout_s"} == NOT_AGREED

@@ -44,7 +44,7 @@ def test_a_changed_library_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(Accelerator, "_prepare_deepspeed", _prepare_deepspeed)
     with pytest.raises(RuntimeError, match=r"accelerate 1\.\d+\.\d+ no longer imports UlyssesSPAttentionHF"):
         apply_to_accelerate()
-    assert accelerate_sp._HANDLE is None
+    assert accelerate_sp.applied_handle() is None
 
 
 def test_applied_idempotent_and_undone_exactly() -> None:

@@ -58,7 +58,6 @@ EXPECTED_REFUSALS: dict[str, str] = {
     # a vision or audio tower's convolution, which the text-only probe does not run: judged by its type
     **dict.fromkeys(["gemma3", "gemma4", "moss_transcribe_diarize", "phi4_multimodal"], "sequence mixer"),
     "blt": "bidirectional",  # its cross-attention between bytes and patches
-    "gemma4_unified": "mask of masks",
     "got_ocr2": "eager only",  # its vision tower has no sdpa, so the model stays eager
     **dict.fromkeys(
         [

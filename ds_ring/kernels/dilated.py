@@ -14,6 +14,7 @@ its own (multi-head latent attention): ``out``, ``dout`` and the output accumula
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ from ds_ring.kernels.dilation import (
 from ds_ring.kernels.merge import accum_dtype, merge_
 from ds_ring.kernels.piece import Grads, Piece
 from ds_ring.kernels.sinks import add_sinks_, check_sinks, sinks_grad
+from ds_ring.kernels.spans import BAND, DIAGONAL, Spans, check_span_options, resolve_spans, span_blocks
 from ds_ring.kernels.window import attend_band_backward, attend_band_into, check_window
 
 __all__ = [
@@ -54,6 +56,7 @@ __all__ = [
     "regions_backward",
     "new_accumulators",
     "check_window_branches",
+    "span_cuts",
 ]
 
 
@@ -61,13 +64,15 @@ __all__ = [
 class Options:
     """How a call computes: causal mask by (global) position, softmax scale (``None``: ``1/sqrt(D)``),
     global index of local head 0, causal sliding window (``None``: none; dense attention), logit soft-cap
-    (``None``: uncapped scores)."""
+    (``None``: uncapped scores), bidirectional spans over the global sequence (``None``: none;
+    :mod:`ds_ring.kernels.spans`)."""
 
     causal: bool
     scale: float | None
     head_offset: int
     window: int | None = None
     softcap: float | None = None
+    spans: Spans | None = None
 
     def piece(self, d: int = 0, causal: bool | None = None) -> Piece:
         """The options of one piece (:func:`attend_into` / :func:`attend_backward`): ``d``, how far its queries'
@@ -170,10 +175,10 @@ def _segments(x: torch.Tensor, start: int, length: int, count: int) -> torch.Ten
 
 def _pieces(
     regions: Sequence[Region], q: Tensor, k: Tensor, head_offset: int, tensors: Sequence[Tensor]
-) -> Iterator[tuple[HeadGroup, list[Tensor]]]:
+) -> Iterator[tuple[HeadGroup, list[Tensor], Region]]:
     """Each (region, segment run, head group) over the rows of ``q [B, S, H, D]`` (``k`` ``[B, S, Hkv, D]``) that
-    keeps a row: the group, and ``tensors`` (each ``[B, S, ...]``) viewed as ``[B, count, kept, ...]`` at its
-    kept rows (all heads)."""
+    keeps a row: the group, ``tensors`` (each ``[B, S, ...]``) viewed as ``[B, count, kept, ...]`` at its
+    kept rows (all heads), and the region (a region with spans is one dense segment: ``count`` 1)."""
     for region in regions:
         branch, rows = region.branch, region.rows
         groups = head_groups(q.shape[2], k.shape[2], branch.rate, head_offset, q.device)
@@ -183,7 +188,29 @@ def _pieces(
             for group in groups:
                 kept = kept_rows(0, run.length, group.offset, group.rate)
                 if kept.start < run.length:
-                    yield group, [x[:, :, kept] for x in segments]
+                    yield group, [x[:, :, kept] for x in segments], region
+
+
+def _blocks(region: Region, rows: int, opts: Options) -> list[tuple[slice, slice, Piece]]:
+    """``(query rows, key rows, piece)`` of one segment run of ``rows`` rows: the whole run, or with bidirectional
+    spans its blocks (:func:`span_cuts`)."""
+    if not region.spans:
+        return [(slice(None), slice(None), opts.piece())]
+    return span_cuts(0, rows, 0, rows, region.spans, opts)
+
+
+def span_cuts(qpos: int, m: int, kpos: int, n: int, spans: Spans, opts: Options) -> list[tuple[slice, slice, Piece]]:
+    """``(query rows, key rows, piece)`` offsets into a query run of ``m`` rows at ``qpos`` and a key run of ``n`` at
+    ``kpos`` (rate 1, one document) under bidirectional ``spans`` (:func:`~ds_ring.kernels.spans.span_blocks`): full
+    and causal blocks, and with the call's window its bands."""
+    cuts = []
+    for q0, q1, k0, k1, how in span_blocks(qpos, m, kpos, n, spans, opts.window):
+        if how == BAND:
+            piece = opts.piece((qpos + q0) - (kpos + k0))
+        else:
+            piece = dataclasses.replace(opts.piece(causal=how == DIAGONAL), window=None)
+        cuts.append((slice(q0, q1), slice(k0, k1), piece))
+    return cuts
 
 
 def regions_forward_(
@@ -194,10 +221,11 @@ def regions_forward_(
     ``q [B, S, H, D]``, ``k [B, S, Hkv, D]``, ``v [B, S, Hkv, Dv]``; every region starts at a segment boundary.
     ``out [B, S, H, Dv]`` and ``lse [B, S, H]`` are accumulators (see :func:`new_accumulators`).
     """
-    for group, (qs, ks, vs, outs, lses) in _pieces(regions, q, k, opts.head_offset, (q, k, v, out, lse)):
+    for group, (qs, ks, vs, outs, lses), region in _pieces(regions, q, k, opts.head_offset, (q, k, v, out, lse)):
         h, kv = group.q_heads, group.kv_heads
         kg, vg = select_heads(ks, kv), select_heads(vs, kv)
-        attend_into(qs[:, :, :, h], kg, vg, outs[:, :, :, h], lses[:, :, :, h], opts.piece())
+        for a, b, piece in _blocks(region, qs.shape[2], opts):
+            attend_into(qs[:, :, a, h], kg[:, :, b], vg[:, :, b], outs[:, :, a, h], lses[:, :, a, h], piece)
 
 
 def regions_backward_(
@@ -207,15 +235,16 @@ def regions_backward_(
     Dv])``. ``saved``: ``(dout, q, k, v, out, lse)``, ``out``/``lse`` the final merged output ``[B, S, H, Dv]``
     and LSE ``[B, S, H]``."""
     q, k = saved[1], saved[2]
-    for group, pieces in _pieces(regions, q, k, opts.head_offset, (*saved, *grads)):
+    for group, pieces, region in _pieces(regions, q, k, opts.head_offset, (*saved, *grads)):
         (douts, qs, ks, vs, outs, lses, dqs, dks, dvs), h, kv = pieces, group.q_heads, group.kv_heads
-        args = (douts[:, :, :, h], qs[:, :, :, h], select_heads(ks, kv), select_heads(vs, kv), outs[:, :, :, h],
-                lses[:, :, :, h])  # fmt: skip
-        dq_piece, dk_piece, dv_piece = attend_backward(*args, opts.piece())
-        dqs[:, :, :, h] += dq_piece
-        add_heads_(dks, kv, dk_piece)
-        add_heads_(dvs, kv, dv_piece)
-        del args, dq_piece, dk_piece, dv_piece  # this call's copies and outputs go before the next call's exist
+        for a, b, piece in _blocks(region, qs.shape[2], opts):
+            args = (douts[:, :, a, h], qs[:, :, a, h], select_heads(ks[:, :, b], kv), select_heads(vs[:, :, b], kv),
+                    outs[:, :, a, h], lses[:, :, a, h])  # fmt: skip
+            dq_piece, dk_piece, dv_piece = attend_backward(*args, piece)
+            dqs[:, :, a, h] += dq_piece
+            add_heads_(dks[:, :, b], kv, dk_piece)
+            add_heads_(dvs[:, :, b], kv, dv_piece)
+            del args, dq_piece, dk_piece, dv_piece  # this call's copies and outputs go before the next call's exist
 
 
 def _whole_call(
@@ -234,7 +263,8 @@ def _whole_call(
         return None
     for region in regions:
         runs = segment_runs(seq, region.branch.segment)
-        if region.branch.rate == 1 and region.rows.indices(seq) == (0, seq, 1) and len(runs) == 1:
+        whole = region.rows.indices(seq) == (0, seq, 1) and len(runs) == 1
+        if region.branch.rate == 1 and whole and not region.spans:
             return region, runs[0]
     return None
 
@@ -345,6 +375,8 @@ def dilated_attention(
     window: int | None = None,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
+    bidirectional_spans: torch.Tensor | Sequence[Sequence[int]] | Sequence[int] | None = None,
+    prefix_lengths: int | Sequence[int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """LongNet dilated attention on one device.
 
@@ -368,15 +400,23 @@ def dilated_attention(
         softcap: attention logit soft-capping (Gemma 2): scores ``s = q·k·scale`` become
             ``softcap·tanh(s / softcap)`` before the softmax (computed by the tiled pure-torch kernel).
             ``None``: uncapped.
+        bidirectional_spans: spans of tokens that see each other fully inside the causal sequence (Gemma 3's image
+            tokens): ``(start, stop)`` pairs, or per-token span ids ``[seq]`` (0: causal token; equal nonzero ids:
+            one span of consecutive tokens). Each span inside one document; dense attention, ``causal=True``; with a
+            ``window``: ``(causal OR same span) AND window``, spans at most the window. ``None``: none.
+        prefix_lengths: prefix-LM (PaliGemma): the first ``P`` tokens of every document see each other fully; one
+            int, or one per document. ``None``: none.
 
     Returns:
         ``out [batch, seq, heads, v_head_dim]`` in the input dtype, and with ``return_lse`` also
         ``lse [batch, heads, seq]`` (float32; float64 for float64 inputs; ``-inf`` for rows no
         branch covers, whose output is 0; the sinks included). ``lse`` carries no gradient.
     """
+    seq = q.shape[1] if q.dim() == 4 else 0
+    spans = resolve_spans(bidirectional_spans, prefix_lengths, check_cu_seqlens(cu_seqlens, seq) or (0, seq))
     regions, opts = plan_dilated(
         q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale, head_offset=head_offset,
-        cu_seqlens=cu_seqlens, window=window, sinks=sinks, softcap=softcap,
+        cu_seqlens=cu_seqlens, window=window, sinks=sinks, softcap=softcap, spans=spans,
     )  # fmt: skip
     out, lse = _DilatedAttention.apply(q, k, v, sinks, regions, opts)
     return (out, lse.transpose(1, 2)) if return_lse else out
@@ -396,13 +436,16 @@ def plan_dilated(
     window: int | None,
     sinks: torch.Tensor | None,
     softcap: float | None,
+    spans: Spans | None = None,
 ) -> tuple[tuple[Region, ...], Options]:
-    """Check a :func:`dilated_attention` call (arguments as there; ``ValueError`` for a bad one) and return its
-    regions and options: what :func:`dilated_forward` and :func:`dilated_backward` take."""
+    """Check a :func:`dilated_attention` call (arguments as there; ``spans``: checked bidirectional spans,
+    :func:`~ds_ring.kernels.spans.resolve_spans`; ``ValueError`` for a bad one) and return its regions and options:
+    what :func:`dilated_forward` and :func:`dilated_backward` take."""
     validate_qkv(q, k, v, head_offset)
     check_window_branches(window, causal, segment_lengths)
+    check_span_options(spans, causal, window, segment_lengths)
     check_sinks(sinks, q)
     softcap = check_softcap(softcap)
     documents = check_cu_seqlens(cu_seqlens, q.shape[1])
-    regions = document_regions(q.shape[1], segment_lengths, dilation_rates, documents)
-    return regions, Options(causal, scale, head_offset, window, softcap)
+    regions = document_regions(q.shape[1], segment_lengths, dilation_rates, documents, spans)
+    return regions, Options(causal, scale, head_offset, window, softcap, spans)

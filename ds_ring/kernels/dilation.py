@@ -21,6 +21,8 @@ from itertools import pairwise
 
 import torch
 
+from ds_ring.kernels.spans import spans_within
+
 __all__ = [
     "Branch",
     "Region",
@@ -54,10 +56,13 @@ class Region:
     """Rows ``rows`` (contiguous, starting at a segment boundary) made of whole segments of ``branch``.
 
     Every segment is ``branch.segment`` rows long except possibly the last, which ends its document.
+    ``spans``: bidirectional spans inside the rows (dense causal attention: one segment), relative to its first row
+    (:mod:`ds_ring.kernels.spans`); ``()``: none.
     """
 
     rows: slice
     branch: Branch
+    spans: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -186,11 +191,13 @@ def document_regions(
     segment_lengths: Sequence[int] | None,
     dilation_rates: Sequence[int] | None,
     documents: tuple[int, ...] | None,
+    spans: tuple[tuple[int, int], ...] | None = None,
 ) -> tuple[Region, ...]:
-    """Every branch over every document (``documents``: checked ``cu_seqlens``; ``None``: one document)."""
+    """Every branch over every document (``documents``: checked ``cu_seqlens``; ``None``: one document), with the
+    bidirectional ``spans`` (checked, dense attention) of each document."""
     bounds = documents or (0, seq_len)
     return tuple(
-        Region(slice(start, stop), branch)
+        Region(slice(start, stop), branch, spans_within(spans or (), start, stop))
         for start, stop in pairwise(bounds)
         for branch in make_branches(stop - start, segment_lengths, dilation_rates)
     )

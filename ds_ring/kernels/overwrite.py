@@ -37,7 +37,8 @@ def _dense(regions: Sequence[Region], seq: int, opts: Options) -> bool:
     if opts.window is not None or len(regions) != 1:
         return False
     (region,) = regions
-    return region.branch.rate == 1 and region.branch.segment >= seq and region.rows.indices(seq) == (0, seq, 1)
+    whole = region.rows.indices(seq) == (0, seq, 1) and not region.spans
+    return region.branch.rate == 1 and region.branch.segment >= seq and whole
 
 
 def _accumulate(total: Tensor | None, piece: Tensor, dtype: torch.dtype) -> Tensor:

@@ -27,6 +27,7 @@ from torch.distributed import ProcessGroup
 
 from ds_ring.kernels.dilated import check_window_branches
 from ds_ring.kernels.dilation import check_branches, check_cu_seqlens, check_softcap
+from ds_ring.kernels.spans import check_span_options
 from ds_ring.registry import Registry
 
 __all__ = [
@@ -115,6 +116,15 @@ def _documents(cu_seqlens: torch.Tensor | Sequence[int] | None) -> tuple[int, ..
     return tuple(cu_seqlens)
 
 
+def _nested(value: torch.Tensor | Sequence | int | None) -> tuple | int | None:
+    """Span ids / pairs / prefix lengths as nested tuples (a tensor's values read back: a host sync on a GPU)."""
+    if value is None or isinstance(value, int):
+        return value
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    return tuple(_nested(item) if isinstance(item, (list, tuple, torch.Tensor)) else item for item in value)
+
+
 def _tensor_facts(tensor: torch.Tensor | None) -> tuple | None:
     return None if tensor is None else (tuple(tensor.shape), tensor.dtype, tensor.device.type)
 
@@ -161,6 +171,13 @@ class AttentionCall:
     softcap: float | None = None
     """Attention logit soft-cap (Gemma 2): scores ``s`` become ``softcap·tanh(s / softcap)`` before the softmax;
     ``None``: uncapped."""
+    bidirectional_spans: torch.Tensor | Sequence | None = field(default=None, metadata={"describe": _nested})
+    """Spans of tokens that see each other fully inside the causal sequence (Gemma 3's image tokens): ``(start,
+    stop)`` pairs over the global sequence, or per-token span ids ``[seq]``; ``None``: none. Strategies see them
+    resolved (:func:`ds_ring.kernels.spans.resolve_spans`: sorted pairs, prefixes included, ``None`` when empty)."""
+    prefix_lengths: int | Sequence[int] | None = field(default=None, metadata={"describe": _nested})
+    """Prefix-LM (PaliGemma): the first ``P`` tokens of each document see each other fully (one int, or one per
+    document); ``None``: none. Resolved into ``bidirectional_spans`` before a strategy sees the call."""
 
     def __post_init__(self) -> None:
         segments, rates = check_branches(self.segment_lengths, self.dilation_rates)
@@ -179,11 +196,14 @@ class AttentionCall:
         return {name: describe(value) if describe else value for name, describe, value in values}
 
     def check_options(self, rows: int | None = None) -> None:
-        """``ValueError`` for a window or a softcap that no strategy can run: a window with branches or without
-        ``causal``, a softcap that is not a finite number > 0 (the branch lists were checked when the call was made;
-        ``rows`` is kept for callers that passed this rank's shard length)."""
+        """``ValueError`` for a window, a softcap or spans that no strategy can run: a window with branches or
+        without ``causal``, a softcap that is not a finite number > 0, bidirectional spans without ``causal``,
+        with a window or with branches (the branch lists were checked when the call was made; ``rows`` is kept
+        for callers that passed this rank's shard length)."""
         check_window_branches(self.window, self.causal, self.segment_lengths)
         check_softcap(self.softcap)
+        spans = self.bidirectional_spans if self.prefix_lengths is None else self.prefix_lengths
+        check_span_options(spans, self.causal, self.window, self.segment_lengths)
 
 
 FIELDS: tuple[str, ...] = tuple(f.name for f in fields(AttentionCall))

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ds_ring.kernels import overwrite
-from ds_ring.kernels.dilated import Options, attend_backward, attend_into
+from ds_ring.kernels.dilated import Options, attend_backward, attend_into, span_cuts
 from ds_ring.kernels.dilation import add_heads_, head_groups, select_heads
 from ds_ring.kernels.merge import accum_dtype
 from ds_ring.kernels.piece import Piece
@@ -225,7 +225,7 @@ def _whole_piece(span: SpanPlan, member: int, causal: bool) -> Run | None:
 
     Then that call's dK/dV, ``[B, count, heads, D]`` contiguous, are the block's gradient as it is packed.
     """
-    if len(span.groups) != 1 or span.travel[0].expand is not None:
+    if len(span.groups) != 1 or span.travel[0].expand is not None or span.spans is not None:
         return None
     work = pieces(span.queries[0], span.held[member][0], causal)
     if len(work) != 1:
@@ -274,8 +274,18 @@ def _expand(x: torch.Tensor, span: SpanPlan, g: int) -> torch.Tensor:
 
 def block_has_work(span: SpanPlan, member: int, opts: Options) -> bool:
     """Whether this rank's queries attend to any key of member's block (its own runs for itself)."""
-    keys = span.queries if member == span.index else span.held[member]
-    return any(pieces(mine, theirs, opts.causal, opts.window) for mine, theirs in zip(span.queries, keys, strict=True))
+    return any(_pairs(span, g, member, opts) for g in range(len(span.groups)))
+
+
+def _pairs(span: SpanPlan, g: int, member: int, opts: Options) -> list[tuple[Run, Run, bool]]:
+    """The pieces of head group ``g`` between this rank's queries and member's keys: its own runs meet as the mask
+    says; another member's block as causal attention does, or with an ``ahead`` plan only where a span reaches
+    into it (docs/design.md §Bidirectional spans)."""
+    if member == span.index:
+        return [] if span.ahead else pieces(span.queries[g], span.queries[g], opts.causal, opts.window, span.spans)
+    if span.ahead:
+        return pieces(span.queries[g], span.held[member][g], opts.causal, opts.window, span.spans, ahead=True)
+    return pieces(span.queries[g], span.held[member][g], opts.causal, opts.window)
 
 
 def _visits(
@@ -284,7 +294,7 @@ def _visits(
     """``(group, its query heads, K, V expanded to them, query run, key run)`` for every piece between the
     shard's queries and another member's block."""
     for g, group in enumerate(span.groups):
-        work = pieces(span.queries[g], span.held[member][g], opts.causal, opts.window)
+        work = _pairs(span, g, member, opts)
         if work:
             kg, vg = (_expand(x, span, g) for x in kv[g])
             for a, b, _ in work:
@@ -297,12 +307,24 @@ def _piece(query: Run, key: Run, diagonal: bool, opts: Options) -> Piece:
     return opts.piece(query.position - key.position, diagonal)
 
 
+def _cuts(query: Run, key: Run, keys: slice, diagonal: bool, opts: Options) -> Iterator[tuple[slice, slice, Piece]]:
+    """``(query rows, key rows, piece)`` of one piece: the runs' rows whole (``keys``: the key run's rows in the
+    tensor it is read from), or with bidirectional spans the blocks they cut it into (rate-1 runs;
+    :func:`~ds_ring.kernels.spans.span_blocks`)."""
+    if opts.spans is None:
+        yield query.rows, keys, _piece(query, key, diagonal, opts)
+        return
+    q0, k0 = query.rows.start, keys.start
+    for rows, cols, piece in span_cuts(query.position, query.count, key.position, key.count, opts.spans, opts):
+        yield slice(q0 + rows.start, q0 + rows.stop), slice(k0 + cols.start, k0 + cols.stop), piece
+
+
 def forward_block_(span: SpanPlan, member: int, kv: list[KV], shard: Shard, opts: Options) -> None:
     """Merge attention of the shard's queries over another member's block into its ``out``/``lse`` (in place)."""
     q, out, lse = shard.q, shard.out, shard.lse
     for _, h, kg, vg, a, b in _visits(span, member, kv, opts):
-        qs, ks = a.rows, b.packed
-        attend_into(q[:, qs, h], kg[:, ks], vg[:, ks], out[:, qs, h], lse[:, qs, h], _piece(a, b, False, opts))
+        for qs, ks, piece in _cuts(a, b, b.packed, False, opts):
+            attend_into(q[:, qs, h], kg[:, ks], vg[:, ks], out[:, qs, h], lse[:, qs, h], piece)
 
 
 def backward_block_(
@@ -318,20 +340,20 @@ def backward_block_(
     """Accumulate the gradient of another member's block into ``dq`` (of ``q [B, L, H, D]``) and its ``dkv`` views."""
     q, out, lse = shard.q, shard.out, shard.lse
     for g, h, kg, vg, a, b in _visits(span, member, kv, opts):
-        qs, ks = a.rows, b.packed
-        dq_piece, dk_piece, dv_piece = attend_backward(
-            dout[:, qs, h], q[:, qs, h], kg[:, ks], vg[:, ks], out[:, qs, h], lse[:, qs, h], _piece(a, b, False, opts)
-        )
-        add_dq_(dq, qs, h, dq_piece)
-        dkg, dvg = dkv[g]
-        expand = span.travel[g].expand
-        if expand is None:
-            dkg[:, ks] += dk_piece
-            dvg[:, ks] += dv_piece
-        else:
-            dkg[:, ks].index_add_(2, expand, dk_piece.to(dkg.dtype))
-            dvg[:, ks].index_add_(2, expand, dv_piece.to(dvg.dtype))
-        del dq_piece, dk_piece, dv_piece  # this call's pieces go before the next call's exist
+        for qs, ks, piece in _cuts(a, b, b.packed, False, opts):
+            dq_piece, dk_piece, dv_piece = attend_backward(
+                dout[:, qs, h], q[:, qs, h], kg[:, ks], vg[:, ks], out[:, qs, h], lse[:, qs, h], piece
+            )
+            add_dq_(dq, qs, h, dq_piece)
+            dkg, dvg = dkv[g]
+            expand = span.travel[g].expand
+            if expand is None:
+                dkg[:, ks] += dk_piece
+                dvg[:, ks] += dv_piece
+            else:
+                dkg[:, ks].index_add_(2, expand, dk_piece.to(dkg.dtype))
+                dvg[:, ks].index_add_(2, expand, dv_piece.to(dvg.dtype))
+            del dq_piece, dk_piece, dv_piece  # this call's pieces go before the next call's exist
 
 
 def forward_own_(span: SpanPlan, shard: Shard, opts: Options) -> None:
@@ -339,11 +361,12 @@ def forward_own_(span: SpanPlan, shard: Shard, opts: Options) -> None:
     q, k, v, out, lse = shard.q, shard.k, shard.v, shard.out, shard.lse
     for g, group in enumerate(span.groups):
         h, kv_heads = group.q_heads, group.kv_heads
-        for a, b, diagonal in pieces(span.queries[g], span.queries[g], opts.causal, opts.window):
-            attend_into(
-                q[:, a.rows, h], select_heads(k[:, b.rows], kv_heads), select_heads(v[:, b.rows], kv_heads),
-                out[:, a.rows, h], lse[:, a.rows, h], _piece(a, b, diagonal, opts),
-            )  # fmt: skip
+        for a, b, diagonal in _pairs(span, g, span.index, opts):
+            for qs, ks, piece in _cuts(a, b, b.rows, diagonal, opts):
+                attend_into(
+                    q[:, qs, h], select_heads(k[:, ks], kv_heads), select_heads(v[:, ks], kv_heads), out[:, qs, h],
+                    lse[:, qs, h], piece,
+                )  # fmt: skip
 
 
 def backward_own_(
@@ -358,18 +381,20 @@ def backward_own_(
     """Accumulate the gradients among this rank's own runs straight into ``dq`` (of ``q``), ``dk``, ``dv``, in calls
     of at most :data:`~ds_ring.kernels.overwrite.BLOCK_ROWS` rows a side (:func:`_tiled`)."""
     q, k, v, out, lse = shard.q, shard.k, shard.v, shard.out, shard.lse
+    if span.ahead:  # an ahead plan's own runs are its forward twin's
+        return
     for g, group in enumerate(span.groups):
         h, kv_heads, own = group.q_heads, group.kv_heads, _tiled(span.queries[g], overwrite.BLOCK_ROWS)
-        for a, b, diagonal in pieces(own, own, opts.causal, opts.window):
-            qs, ks = a.rows, b.rows
-            dq_piece, dk_piece, dv_piece = attend_backward(
-                dout[:, qs, h], q[:, qs, h], select_heads(k[:, ks], kv_heads), select_heads(v[:, ks], kv_heads),
-                out[:, qs, h], lse[:, qs, h], _piece(a, b, diagonal, opts),
-            )  # fmt: skip
-            add_dq_(dq, qs, h, dq_piece)
-            add_heads_(dk[:, ks], kv_heads, dk_piece)
-            add_heads_(dv[:, ks], kv_heads, dv_piece)
-            del dq_piece, dk_piece, dv_piece  # this call's pieces go before the next call's exist
+        for a, b, diagonal in pieces(own, own, opts.causal, opts.window, span.spans):
+            for qs, ks, piece in _cuts(a, b, b.rows, diagonal, opts):
+                dq_piece, dk_piece, dv_piece = attend_backward(
+                    dout[:, qs, h], q[:, qs, h], select_heads(k[:, ks], kv_heads), select_heads(v[:, ks], kv_heads),
+                    out[:, qs, h], lse[:, qs, h], piece,
+                )  # fmt: skip
+                add_dq_(dq, qs, h, dq_piece)
+                add_heads_(dk[:, ks], kv_heads, dk_piece)
+                add_heads_(dv[:, ks], kv_heads, dv_piece)
+                del dq_piece, dk_piece, dv_piece  # this call's pieces go before the next call's exist
 
 
 def _tiled(held: Held, most: int) -> Held:

@@ -102,10 +102,12 @@ class Hybrid(Strategy):
                 causal=call.causal,
                 documents=documents,
                 window=call.window,
+                spans=call.bidirectional_spans,
             )
             for i in range(chunks)
         ]
         exchange, comm = get_exchange(call.communication), CommSpec(placement.ring, timeout_s)
+        spans = call.bidirectional_spans
         jobs = [
             group_job(
                 functools.partial(sharded_forward, plan=plan, exchange=exchange, comm=comm, opts=opts),
@@ -116,7 +118,7 @@ class Hybrid(Strategy):
                 call,
             )
             for i, plan in enumerate(plans)
-            for opts in [Options(call.causal, call.scale, offset + i * width, call.window, call.softcap)]
+            for opts in [Options(call.causal, call.scale, offset + i * width, call.window, call.softcap, spans)]
         ]
 
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None):

@@ -34,6 +34,7 @@ from itertools import pairwise
 import torch
 
 from ds_ring.kernels.dilation import Branch, HeadGroup, Region, check_branches, head_groups
+from ds_ring.kernels.spans import Spans, reach, spans_within
 from ds_ring.parallel.order import check_order
 
 __all__ = ["Run", "Held", "Travel", "SpanPlan", "ShardPlan", "plan_shards", "pieces"]
@@ -90,6 +91,11 @@ class SpanPlan:
     ``hops``: how far a block must travel forward around the ring so every member that needs it has
     seen it (``len(members) - 1`` for a full turn; fewer when causality or documents make the far
     members need nothing).
+
+    With bidirectional ``spans`` (dense causal attention, docs/design.md §Bidirectional spans) a rank's own runs
+    meet as the spans say, and the other members' blocks as causal attention does; a second plan of the same
+    ranks, ``ahead``, has its members in *descending* order, so its blocks travel backwards: each holds only the
+    rows of a span that an earlier member's queries reach into, and meets those queries only (no own runs).
     """
 
     branch: Branch
@@ -100,6 +106,8 @@ class SpanPlan:
     held: tuple[tuple[Held, ...], ...]
     queries: tuple[Held, ...]
     hops: int
+    spans: Spans | None = None
+    ahead: bool = False
 
     def block_numel(self, member: int, batch: int, head_dim: int, v_head_dim: int | None = None) -> int:
         """Elements of member's packed K/V block (K then V, every head group); K rows have ``head_dim``
@@ -158,8 +166,11 @@ def _sequence_pieces(local_len: int, world_size: int, zigzag: bool) -> list[_Pie
     return pieces_
 
 
-def _local_regions(mine: list[_Piece], start: int, stop: int, segment: int, rate: int) -> list[Region]:
-    """Whole segments of document ``[start, stop)`` inside this rank's pieces, as regions of local rows."""
+def _local_regions(
+    mine: list[_Piece], start: int, stop: int, segment: int, rate: int, spans: Spans | None = None
+) -> list[Region]:
+    """Whole segments of document ``[start, stop)`` inside this rank's pieces, as regions of local rows (with the
+    bidirectional ``spans`` inside them)."""
     regions = []
     for piece in mine:
         a, b = max(piece.start, start), min(piece.stop, stop)
@@ -169,9 +180,8 @@ def _local_regions(mine: list[_Piece], start: int, stop: int, segment: int, rate
         if b != stop:
             b = start + (b - start) // segment * segment  # last segment end at or before b
         if a < b:
-            regions.append(
-                Region(slice(piece.local + a - piece.start, piece.local + b - piece.start), Branch(segment, rate))
-            )
+            rows = slice(piece.local + a - piece.start, piece.local + b - piece.start)
+            regions.append(Region(rows, Branch(segment, rate), spans_within(spans or (), a, b)))
     return regions
 
 
@@ -209,12 +219,25 @@ def _packed(runs: list[Run]) -> Held:
     return Held(tuple(placed), count)
 
 
-def _meets(query: Run, key: Run, causal: bool, window: int | None = None) -> bool:
-    """Whether any query of ``query`` attends to a key of ``key``: same segment, not in its future, and with a
-    ``window`` (rate-1 runs: consecutive positions) the last key within the window of the first query."""
-    if query.segment != key.segment or (causal and key.position > query.position):
+def _meets(query: Run, key: Run, causal: bool, window: int | None = None, spans: Spans | None = None) -> bool:
+    """Whether any query of ``query`` attends to a key of ``key``: same segment, not in its future (with ``spans``:
+    not past the reach of its last query; rate-1 runs), and with a ``window`` (rate-1 runs: consecutive positions)
+    the last key within the window of the first query."""
+    if query.segment != key.segment:
+        return False
+    if causal and key.position > (query.position if spans is None else _reach(query, spans)):
         return False
     return window is None or key.position + key.count - 1 > query.position - window
+
+
+def _reach(query: Run, spans: Spans) -> int:
+    """The last key position any query of a rate-1 run sees under ``spans``."""
+    return reach(spans, query.position + query.count - 1)
+
+
+def _ahead(query: Run, key: Run, spans: Spans) -> bool:
+    """Whether ``key`` lies in ``query``'s future and a span of ``query`` reaches into it (rate-1 runs)."""
+    return query.segment == key.segment and query.position < key.position <= _reach(query, spans)
 
 
 def _within_reach(key: Run, queries: list[Run], window: int | None) -> Run:
@@ -237,9 +260,11 @@ def _span(
     travel: list[Travel],
     causal: bool,
     window: int | None,
+    spans: Spans | None = None,
 ) -> SpanPlan:
     """Each member's block holds only the runs (and with a window only the rows) another member attends to;
-    hops reach the farthest such member."""
+    hops reach the farthest such member (with ``spans``: as causal attention; the look-ahead is
+    :func:`_ahead_span`'s)."""
     runs = [[_runs(portions.get(m, []), g) for g in groups] for m in members]
     n, hops = len(members), 0
     held = []
@@ -257,7 +282,45 @@ def _span(
         held.append(tuple(sent))
     index = members.index(rank)
     queries = tuple(_packed(r) for r in runs[index])
-    return SpanPlan(branch, tuple(members), index, tuple(groups), tuple(travel), tuple(held), queries, hops)
+    return SpanPlan(branch, tuple(members), index, tuple(groups), tuple(travel), tuple(held), queries, hops, spans)
+
+
+def _ahead_span(
+    branch: Branch,
+    members: list[int],
+    rank: int,
+    portions: dict[int, list[tuple[int, int, int, _Piece]]],
+    groups: list[HeadGroup],
+    travel: list[Travel],
+    spans: Spans,
+) -> SpanPlan | None:
+    """The backward-travelling plan of a span's look-ahead rows (``None`` when no span reaches an earlier member):
+    members in descending order; each block holds, of each key run, the rows from its start to the farthest reach
+    of an earlier member's query run into it."""
+    order = sorted(members, reverse=True)
+    runs = [[_runs(portions.get(m, []), g) for g in groups] for m in order]
+    n, hops, held = len(order), 0, []
+    for i in range(n):
+        sent = []
+        for g in range(len(groups)):
+            needed = []
+            for key in runs[i][g]:
+                readers = [(j, q) for j in range(n) if j != i for q in runs[j][g] if _ahead(q, key, spans)]
+                if readers:
+                    last = min(key.position + key.count, max(_reach(q, spans) for _, q in readers) + 1)
+                    rows = last - key.position
+                    start = key.rows.start
+                    needed.append(Run(slice(start, start + rows), slice(0, rows), key.segment, key.position))
+                    hops = max([hops] + [(j - i) % n for j, _ in readers])
+            sent.append(_packed(needed))
+        held.append(tuple(sent))
+    if not hops:
+        return None
+    index = order.index(rank)
+    queries = tuple(_packed(r) for r in runs[index])
+    return SpanPlan(
+        branch, tuple(order), index, tuple(groups), tuple(travel), tuple(held), queries, hops, spans, ahead=True
+    )
 
 
 def _branch_specs(seq_len: int, segment_lengths: Sequence[int] | None, dilation_rates: Sequence[int] | None):
@@ -282,13 +345,16 @@ def plan_shards(
     causal: bool = False,
     documents: tuple[int, ...] | None = None,
     window: int | None = None,
+    spans: Spans | None = None,
 ) -> ShardPlan:
     """Plan one rank's share of a dilated attention over ``world_size`` equal shards of ``local_len``.
 
     ``documents``: checked ``cu_seqlens`` over the global sequence (:func:`ds_ring.kernels.dilation.
     check_cu_seqlens`), ``None`` for one document. ``causal`` only trims how far blocks travel; a sliding
     ``window`` (dense attention) trims them further, to the previous ranks within reach and the rows a
-    window reaches into them.
+    window reaches into them. ``spans``: checked bidirectional spans (dense causal attention,
+    :func:`ds_ring.kernels.spans.resolve_spans`): a span crossing into a later rank adds a plan of its look-ahead
+    rows, travelling backwards (:class:`SpanPlan`).
 
     Raises:
         ValueError: a layout or branch combination that cannot be supported, naming the constraint
@@ -297,7 +363,7 @@ def plan_shards(
     segment_lengths, dilation_rates = check_branches(segment_lengths, dilation_rates)
     return _plan(
         local_len, num_heads, num_kv_heads, rank, world_size, segment_lengths, dilation_rates, layout, head_offset,
-        torch.device(device), causal, documents, window,
+        torch.device(device), causal, documents, window, spans,
     )  # fmt: skip
 
 
@@ -316,6 +382,7 @@ def _plan(
     causal: bool,
     documents: tuple[int, ...] | None,
     window: int | None,
+    spans: Spans | None = None,
 ) -> ShardPlan:
     check_order(layout)
     seq_len = local_len * world_size
@@ -339,12 +406,12 @@ def _plan(
     mine = [p for p in sequence if p.rank == rank]
     bounds = documents or (0, seq_len)
     local: list[Region] = []
-    spans: list[SpanPlan] = []
+    plans: list[SpanPlan] = []
     for w, r in specs:
         spanning: list[tuple[int, int]] = []
         for start, stop in pairwise(bounds):
             segment = min(w, stop - start)
-            local += _local_regions(mine, start, stop, segment, r)
+            local += _local_regions(mine, start, stop, segment, r, spans)
             spanning += _spanning_segments(cuts, start, stop, segment)
         span = _span_of(rank, spanning, sequence, starts)
         if span is None:
@@ -352,8 +419,13 @@ def _plan(
         members, portions = span
         groups = head_groups(num_heads, num_kv_heads, r, head_offset, device)
         travel = [_travel(g, num_heads) for g in groups]
-        spans.append(_span(Branch(min(w, seq_len), r), members, rank, portions, groups, travel, causal, window))
-    return ShardPlan(tuple(local), tuple(spans), seq_len)
+        branch = Branch(min(w, seq_len), r)
+        plans.append(_span(branch, members, rank, portions, groups, travel, causal, window, spans))
+        if spans:
+            ahead = _ahead_span(branch, members, rank, portions, groups, travel, spans)
+            if ahead is not None:
+                plans.append(ahead)
+    return ShardPlan(tuple(local), tuple(plans), seq_len)
 
 
 def _span_of(
@@ -387,15 +459,25 @@ def _span_of(
     return members, portions
 
 
-def pieces(queries: Held, keys: Held, causal: bool, window: int | None = None) -> list[tuple[Run, Run, bool]]:
+def pieces(
+    queries: Held,
+    keys: Held,
+    causal: bool,
+    window: int | None = None,
+    spans: Spans | None = None,
+    ahead: bool = False,
+) -> list[tuple[Run, Run, bool]]:
     """The (query run, key run, causal_diagonal) pairs to compute for one head group.
 
-    Runs of one segment only, future blocks left out (and with a ``window``, blocks out of its reach); the
-    diagonal is a run meeting itself.
+    Runs of one segment only, future blocks left out (and with a ``window``, blocks out of its reach; with
+    ``spans``, blocks past every span's reach); the diagonal is a run meeting itself. ``ahead``: only the key runs
+    in the queries' future that a span reaches into (an ``ahead`` plan's blocks).
     """
+    if ahead:
+        return [(a, b, False) for a in queries.runs for b in keys.runs if _ahead(a, b, spans)]
     return [
         (a, b, causal and a.position == b.position)
         for a in queries.runs
         for b in keys.runs
-        if _meets(a, b, causal, window)
+        if _meets(a, b, causal, window, spans)
     ]

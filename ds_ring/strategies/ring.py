@@ -53,8 +53,9 @@ class SequenceShards(Strategy):
         plan = plan_shards(
             shape.rows, shape.heads, shape.kv_heads, degrees.rank, degrees.sequence, call.segment_lengths,
             call.dilation_rates, layout=call.layout, head_offset=call.head_offset, device=device,
-            causal=call.causal, documents=documents, window=call.window,
+            causal=call.causal, documents=documents, window=call.window, spans=call.bidirectional_spans,
         )  # fmt: skip
         exchange, comm = get_exchange(call.communication), CommSpec(placement.sequence, call.timeout_s)
-        options = Options(call.causal, call.scale, call.head_offset, call.window, call.softcap)
+        spans = call.bidirectional_spans
+        options = Options(call.causal, call.scale, call.head_offset, call.window, call.softcap, spans)
         return lambda q, k, v, sinks: sharded_attention(q, k, v, plan, exchange, comm, options, sinks)

@@ -446,6 +446,7 @@ def dilated_jobs(
         regions, opts = plan_dilated(
             q, k, v, call.segment_lengths, call.dilation_rates, causal=call.causal, scale=call.scale,
             head_offset=head_offset + start, cu_seqlens=documents, window=call.window, sinks=sink, softcap=call.softcap,
+            spans=call.bidirectional_spans,
         )  # fmt: skip
         jobs.append(group_job(
             functools.partial(dilated_forward, regions=regions, opts=opts),

@@ -33,6 +33,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,8 +43,9 @@ import torch.distributed as dist
 
 from ds_ring.config import SECTION
 from ds_ring.integrations.hf.session import SequenceParallelSession
+from ds_ring.patches import Patch, set_attribute, undo_all
 
-__all__ = ["AccelerateHandle", "apply_to_accelerate", "check_hooked_libraries", "TESTED"]
+__all__ = ["AccelerateHandle", "apply_to_accelerate", "applied_handle", "check_hooked_libraries", "TESTED"]
 
 ULYSSES_MODULE = "deepspeed.runtime.sequence_parallel.ulysses_sp"
 LOSS_MODULE = "transformers.trainer"
@@ -58,7 +60,7 @@ launch/newest-constraints.txt; CI's launch/oldest.sh runs the tests on the lowes
 class AccelerateHandle:
     """What :func:`apply_to_accelerate` replaced; :meth:`undo` puts it back (idempotent)."""
 
-    replaced: list[tuple[Any, str, Any]] = field(default_factory=list)
+    replaced: list[Patch] = field(default_factory=list)
     session: SequenceParallelSession | None = None
     """The ds_ring registration made through accelerate's ``prepare`` (``None``: none, or ALST's)."""
 
@@ -68,15 +70,10 @@ class AccelerateHandle:
 
     def undo(self) -> None:
         """Put back DeepSpeed's classes, transformers' loss and accelerate's backend choice; close the registration."""
-        global _HANDLE
-        while self.replaced:
-            owner, name, original = self.replaced.pop()
-            setattr(owner, name, original)
+        undo_all(self.replaced)
         if self.session is not None:
             self.session.close()
             self.session = None
-        if _HANDLE is self:
-            _HANDLE = None
 
     def __enter__(self) -> AccelerateHandle:
         return self
@@ -85,7 +82,13 @@ class AccelerateHandle:
         self.undo()
 
 
-_HANDLE: AccelerateHandle | None = None
+_MARK = "_ds_ring_accelerate_handle"  # the applied handle, kept on DeepSpeed's ulysses module while applied
+
+
+def applied_handle() -> AccelerateHandle | None:
+    """The handle of the applied hook (``None``: not applied)."""
+    module = sys.modules.get(ULYSSES_MODULE)
+    return None if module is None else getattr(module, _MARK, None)
 
 
 def apply_to_accelerate() -> AccelerateHandle:
@@ -101,9 +104,8 @@ def apply_to_accelerate() -> AccelerateHandle:
         RuntimeError: accelerate or transformers no longer look the hooked names up where this hook replaces them
             (:func:`check_hooked_libraries`), naming the library, its version and the tested range.
     """
-    global _HANDLE
-    if _HANDLE is not None:
-        return _HANDLE
+    if (applied := applied_handle()) is not None:
+        return applied
     check_hooked_libraries()
     handle = AccelerateHandle()
     from accelerate.state import PartialState
@@ -118,10 +120,10 @@ def apply_to_accelerate() -> AccelerateHandle:
         (trainer, LOSS_NAME, _compute_loss(handle, originals[2])),
         (PartialState, "_prepare_backend", _prepare_backend(originals[3])),
     )
-    for (owner, name, replacement), original in zip(replacements, originals, strict=True):
-        handle.replaced.append((owner, name, original))
-        setattr(owner, name, replacement)
-    _HANDLE = handle
+    libraries = ("deepspeed", "deepspeed", "transformers", "accelerate")
+    for (owner, name, replacement), library in zip(replacements, libraries, strict=True):
+        handle.replaced.append(set_attribute(owner, name, replacement, library=library))
+    handle.replaced.append(set_attribute(ulysses, _MARK, handle, library="deepspeed"))
     return handle
 
 

@@ -24,7 +24,7 @@ from ds_ring.comm.agree import agree
 from ds_ring.config import SECTION, RingAttentionConfig
 from ds_ring.integrations.hf.audit import CallAudit, ModelWatch
 from ds_ring.integrations.hf.documents import DOCUMENTS_KEY, Documents, document_positions
-from ds_ring.integrations.hf.masks import MaskSpec, check_mask_tensor
+from ds_ring.integrations.hf.masks import Blocks, MaskSpec, check_mask_tensor
 from ds_ring.parallel.order import shard_sequence
 from ds_ring.parallel.topology import Topology
 from ds_ring.zero import parameter_gradient_scale
@@ -142,16 +142,20 @@ class SequenceParallelAttention:
             self._check_shapes(module, query, key, bounds[-1])
             self._agree_on_documents(bounds)
             self._check_positions(kwargs["position_ids"], bounds)
+            if spec is not None and spec.blocks is not None and spec.blocks.columns != bounds[-1]:
+                self._agree_on_sharded_blocks(module, spec.blocks)
             if isinstance(attention_mask, torch.Tensor):
                 self._check_mask(module, attention_mask, bounds, sliding_window)
             self._checked[checked] = None
             if len(self._checked) > _CHECKED_KEPT:
                 self._checked.popitem(last=False)
         window = None if sliding_window is None or sliding_window >= bounds[-1] else sliding_window
+        spans = None if spec is None or spec.blocks is None else _spans(module, spec.blocks, bounds, window)
         dense = {"segment_lengths": None, "dilation_rates": None} if window is not None else {}
         documents = bounds if len(bounds) > 2 else None
         call = dataclasses.replace(self.section.call(), **dense, scale=scaling, window=window, softcap=softcap,
-                                   cu_seqlens=documents, sinks=kwargs.get("s_aux"))  # fmt: skip
+                                   cu_seqlens=documents, sinks=kwargs.get("s_aux"),
+                                   bidirectional_spans=spans)  # fmt: skip
         q, k, v = (x.transpose(1, 2) for x in (query, key, value))
         return attend(q, k, v, call, topology_placement(self.topology), self.section.strategy), None
 
@@ -258,6 +262,15 @@ class SequenceParallelAttention:
             timeout_s=self.topology.timeout_s, fix=_SAME_SEQUENCE,
         )  # fmt: skip
 
+    def _agree_on_sharded_blocks(self, module: nn.Module, blocks: Blocks) -> None:
+        """Image spans built from each rank's shard of ``token_type_ids``: every rank of the group raises, or none
+        (when no shard holds an image token), so no rank waits on one that refused."""
+        agree(
+            {"image tokens in this rank's shard of token_type_ids": any(blocks.rows)},
+            group=self.topology.control_group(self.topology.sequence_parallel_group), op="hf_attention",
+            timeout_s=self.topology.timeout_s, fix=_sharded_ids(type(module).__name__, blocks, "each rank"),
+        )  # fmt: skip
+
     def _check_mask(self, module: nn.Module, mask: torch.Tensor, bounds: tuple[int, ...], window: int | None) -> None:
         """A mask tensor the model built itself must say no more than causal, the window and the documents."""
         tokens = shard_sequence(
@@ -300,3 +313,46 @@ _SAME_SEQUENCE = (
 def _show(positions: torch.Tensor) -> str:
     values = positions.tolist()
     return str(values) if len(values) <= 8 else f"[{', '.join(map(str, values[:4]))}, ..., {values[-1]}]"
+
+
+def _spans(
+    module: nn.Module, blocks: Blocks, bounds: tuple[int, ...], window: int | None
+) -> tuple[tuple[int, int], ...] | None:  # docs/models.md §Vision-language masks
+    """The bidirectional spans of a mask's blocks (image tokens, a prefix) over the whole sequence (documents
+    ``bounds``), the same for every batch row; ``ValueError`` naming the module and the fix where they cannot be
+    computed."""
+    name, seq = type(module).__name__, bounds[-1]
+    if not any(blocks.rows):  # no image token (Gemma 4's text-only batches: every id -1; agreed when sharded)
+        return None
+    if blocks.remapped and len(bounds) > 2:
+        raise ValueError(
+            f"{name} is given image spans that transformers indexes by positions within each packed document "
+            f"(remap_positions_for_packed_sequence over an OR of masks), not by the spans' own tokens; ds_ring "
+            f"computes spans by token: train this model on unpacked batches"
+        )
+    if blocks.columns != seq:
+        raise ValueError(_sharded_ids(name, blocks, "this rank"))
+    if len(set(blocks.rows)) > 1:
+        raise ValueError(
+            f"{name} is given image spans that differ between the batch's {len(blocks.rows)} rows; ds_ring computes "
+            f"one set of spans per call (as one set of documents): train with micro-batches of one row, or of rows "
+            f"with the same image layout"
+        )
+    spans = blocks.rows[0]
+    longest = max((stop - start for start, stop in spans), default=0)
+    if window is not None and longest > window:
+        raise ValueError(
+            f"{name} is a sliding-window layer (window {window}) given an image span of {longest} tokens: ds_ring "
+            f"computes AND(window, OR(causal, image spans)) for spans no longer than the window; use a sliding_window "
+            f"of at least {longest}, or train this model without sequence parallelism"
+        )
+    return spans or None
+
+
+def _sharded_ids(name: str, blocks: Blocks, where: str) -> str:
+    return (
+        f"{name} is given image spans (blockwise_overlay) over {blocks.columns} tokens, not the whole sequence: the "
+        f"model built them from {where}'s shard of its token_type_ids, where a span crossing a shard boundary cannot "
+        f"be told from two; give the model its token_type_ids whole: shard_batch(session, batch, "
+        f"whole=('token_type_ids',))"
+    )

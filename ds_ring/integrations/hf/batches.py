@@ -53,6 +53,7 @@ def shard_batch(
     *,
     pad_to_multiple: bool = False,
     check_same: bool = True,
+    whole: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """This rank's part of a full-sequence batch, for a model registered with :func:`register_with_transformers`.
 
@@ -71,6 +72,10 @@ def shard_batch(
             -100 and never reach a counted token), rather than raise.
         check_same: agree that the group's ranks hold the same batch (``False`` only where they do by
             construction, e.g. batches the ranks gathered from one another).
+        whole: keys of ``[b, S]`` tensors given to the model whole rather than sharded: inputs it reads only to build
+            its attention mask over the whole sequence, e.g. ``("token_type_ids",)`` for Gemma 3's image spans and
+            PaliGemma's prefix, which ds_ring's attention then reads from the mask function (docs/models.md
+            §Vision-language masks).
 
     Returns:
         ``input_ids``, ``position_ids`` (global positions, in the session's section's layout,
@@ -102,11 +107,13 @@ def shard_batch(
     bounds = document_bounds(positions)
     labels = _sequence_tensor(batch, "labels", batch.get("labels", input_ids), rows, seq_len)
     sequences = {"input_ids": input_ids, "shift_labels": shift_labels(labels, bounds)}
-    copied = {}
+    copied, kept_whole = {}, {}
     for key, value in batch.items():
         if key in _CONSUMED or key in sequences or key == "position_ids":
             continue
-        if isinstance(value, torch.Tensor):
+        if key in whole:
+            kept_whole[key] = _sequence_tensor(batch, key, value, rows, seq_len)
+        elif isinstance(value, torch.Tensor):
             sequences[key] = _sequence_tensor(batch, key, value, rows, seq_len)
         else:
             copied[key] = value
@@ -125,6 +132,7 @@ def shard_batch(
             key: _pad(value, pad, IGNORE_INDEX if key == "shift_labels" else 0) for key, value in sequences.items()
         }
         positions, bounds = _pad_positions(positions, bounds, pad, causal=section.causal)
+        kept_whole = {key: _pad(value, pad, 0) for key, value in kept_whole.items()}
 
     group = topology.sequence_parallel_group
     sharded = {key: shard_sequence(value, group, layout=section.layout, dim=1) for key, value in sequences.items()}
@@ -132,6 +140,7 @@ def shard_batch(
     documents = torch.tensor(bounds, dtype=torch.int32, device=input_ids.device)
     return {
         **copied,
+        **kept_whole,
         **sharded,
         "cu_seq_lens_q": documents,
         "cu_seq_lens_k": documents,

@@ -6,8 +6,13 @@ padding, ``and_masks`` / ``or_masks``) and hands it to the mask interface of the
 implementation. ds_ring replaces that interface (:func:`mask_spec`): instead of a ``[b, 1, s, s]`` tensor the
 attention receives a :class:`MaskSpec` — causal or not, and the window — read off the composition by walking the
 function's closures (Python only: no tensor is made or read). A piece ds_ring cannot reproduce (a chunked or
-bidirectional window, an ``or`` of masks such as image tokens attending bidirectionally, a function transformers
-does not define) makes the spec *unsupported*, and the attention refuses it by name on its first call.
+bidirectional window, an ``or`` of masks other than causal OR image spans, a function transformers does not define)
+makes the spec *unsupported*, and the attention refuses it by name on its first call.
+
+Vision-language models OR causal attention with ``blockwise_overlay(block_sequence_ids)``: tokens of one block (Gemma
+3's image, PaliGemma's image + prompt prefix) see each other fully. The spec then carries those blocks as spans
+(:class:`Blocks`, read from the overlay's ids: one host read per mask function, i.e. per forward), which the
+attention computes as ds_ring's bidirectional spans (docs/models.md §Vision-language masks).
 
 A model that builds a mask tensor itself and hands it to its attention (rather than through the interface) is
 checked by :func:`check_mask_tensor` on the first call of each shape: the tensor must be what causal attention,
@@ -16,13 +21,14 @@ the window and the documents give on this rank's shard, else it is refused.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["MaskSpec", "mask_spec", "check_mask_tensor"]
+__all__ = ["Blocks", "MaskSpec", "mask_spec", "check_mask_tensor"]
 
 # Pieces of transformers.masking_utils, by qualified name: what each one means for ds_ring.
 _CAUSAL = "causal_mask_function"
@@ -31,23 +37,45 @@ _WINDOW = "sliding_window_overlay.<locals>.inner_mask"
 _DOCUMENTS = "packed_sequence_mask_function.<locals>.inner_mask"  # ds_ring's documents give the same mask
 _COMBINATORS = {"and_masks.<locals>.and_mask", "remap_positions_for_packed_sequence.<locals>.inner_mask"}
 _ADDED = "add_offsets_to_mask_function.<locals>.inner_mask"
+_OR = "or_masks.<locals>.or_mask"
+_BLOCKWISE = "blockwise_overlay.<locals>.inner_mask"  # OR'd with causal: bidirectional spans (image tokens)
+_REMAP = "remap_positions_for_packed_sequence.<locals>.inner_mask"
 _UNSUPPORTED = {
-    "or_masks.<locals>.or_mask": "an OR of masks (e.g. image tokens attending bidirectionally)",
     "chunked_overlay.<locals>.inner_mask": "chunked attention (attention only inside fixed chunks)",
     "sliding_window_bidirectional_overlay.<locals>.inner_mask": "a bidirectional sliding window",
-    "blockwise_overlay.<locals>.inner_mask": "blockwise bidirectional attention",
+    _BLOCKWISE: "blockwise bidirectional attention outside an OR with causal attention",
     "padding_mask_function.<locals>.inner_mask": "padding",
 }
 
 
 @dataclass(frozen=True)
+class Blocks:
+    """The bidirectional blocks a mask ORs into causal attention (``blockwise_overlay``), as spans.
+
+    ``rows``: per batch row, the ``(start, stop)`` runs of tokens sharing one block id (>= 0), over the ids' own
+    columns; ``columns``: how many tokens the ids cover — the whole sequence when the model was given its
+    ``token_type_ids`` whole, one shard when they were sharded with the tokens. ``remapped``: the OR sits under
+    transformers' packed-sequence remap, which indexes the ids by ``position_ids`` — the global positions
+    :func:`~ds_ring.integrations.hf.shard_batch` gives when the batch is one document, positions within a document
+    (not the ids' columns) when it is packed.
+    """
+
+    rows: tuple[tuple[tuple[int, int], ...], ...]
+    columns: int
+    remapped: bool = False
+
+
+@dataclass(frozen=True)
 class MaskSpec:
     """A model's mask, as ds_ring computes it: ``causal`` and ``window`` (keys ``q - window < k ≤ q``; ``None``:
-    no window). ``unsupported`` names a piece ds_ring cannot compute (then the attention refuses it)."""
+    no window), OR'd with ``blocks``. ``unsupported`` names a piece ds_ring cannot compute (then the attention
+    refuses it)."""
 
     causal: bool
     window: int | None
     unsupported: str | None = None
+    blocks: Blocks | None = None
+    """Spans of tokens that see each other fully inside the causal mask (image tokens, a prefix); ``None``: none."""
 
     def __bool__(self) -> bool:  # a model testing ``if attention_mask:`` sees a mask
         return True
@@ -108,13 +136,21 @@ def mask_spec(mask_function: Callable | None) -> MaskSpec:
     """Read a transformers mask function; ``None`` (no function given) is causal attention without a window."""
     if mask_function is None:
         return MaskSpec(causal=True, window=None)
-    causal, bidirectional, windows = False, False, []
+    causal, bidirectional, windows, blocks = False, False, [], None
     for piece in _pieces(mask_function):
         name = getattr(piece, "__qualname__", repr(piece))
         module = getattr(piece, "__module__", "")
         if name in _UNSUPPORTED:
             return MaskSpec(causal=True, window=None, unsupported=_UNSUPPORTED[name])
-        if name == _CAUSAL:
+        if name == _OR:
+            blocks = _or_blocks(piece)
+            if isinstance(blocks, str):
+                return MaskSpec(causal=True, window=None, unsupported=blocks)
+            causal = True
+            windows += [
+                int(_closure_value(leaf, "sliding_window")) for leaf in _or_leaves(piece) if _name(leaf) == _WINDOW
+            ]
+        elif name == _CAUSAL:
             causal = True
         elif name == _BIDIRECTIONAL:
             bidirectional = True
@@ -126,7 +162,73 @@ def mask_spec(mask_function: Callable | None) -> MaskSpec:
         return MaskSpec(causal=True, window=None, unsupported="a mask that is neither causal nor bidirectional")
     if windows and not causal:
         return MaskSpec(causal=False, window=None, unsupported="a window on bidirectional attention")
-    return MaskSpec(causal=causal, window=min(windows) if windows else None)
+    if blocks is not None and _remaps_or(mask_function):
+        blocks = dataclasses.replace(blocks, remapped=True)
+    return MaskSpec(causal=causal, window=min(windows) if windows else None, blocks=blocks)
+
+
+def _name(function: Callable) -> str:
+    return getattr(function, "__qualname__", repr(function))
+
+
+def _or_leaves(function: Callable) -> list[Callable]:
+    return [leaf for part in _closure_value(function, "mask_functions") for leaf in _pieces(part)]
+
+
+def _or_blocks(function: Callable) -> Blocks | str:
+    """The blocks of ``or_masks(causal, blockwise_overlay(ids))`` (the causal side possibly wrapped, and carrying a
+    sliding window in Gemma 4's ``OR(AND(window, causal), blocks)``, which equals ``AND(window, OR(causal, blocks))``
+    for blocks no longer than the window — longer ones the attention refuses), or what else the OR holds, described."""
+    parts = [list(_pieces(part)) for part in _closure_value(function, "mask_functions")]
+    overlays = [leaves[0] for leaves in parts if len(leaves) == 1 and _name(leaves[0]) == _BLOCKWISE]
+    others = [leaves for leaves in parts if not (len(leaves) == 1 and _name(leaves[0]) == _BLOCKWISE)]
+    causal_side = len(others) == 1 and {_name(leaf) for leaf in others[0]} in (
+        {_CAUSAL}, {_CAUSAL, _WINDOW}, {_CAUSAL, _DOCUMENTS}, {_CAUSAL, _WINDOW, _DOCUMENTS}
+    )  # fmt: skip
+    if len(overlays) != 1 or not causal_side:
+        shown = ", ".join(_name(leaf).split(".<locals>")[0] for leaves in parts for leaf in leaves)
+        return (
+            f"an OR of masks ({shown}); ds_ring computes an OR of causal attention with image spans "
+            f"(blockwise_overlay) only"
+        )
+    return _block_spans(_closure_value(overlays[0], "block_sequence_ids"))
+
+
+def _block_spans(ids: torch.Tensor) -> Blocks | str:
+    """Runs of equal block ids >= 0 per row of ``ids [b, n]`` (read to the host), or why they are not spans."""
+    ids = ids.detach().to("cpu").reshape(-1, ids.shape[-1])
+    rows = []
+    for row in ids:
+        edges = [0, *(torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist(), row.numel()]
+        spans, seen = [], set()
+        for start, stop in zip(edges[:-1], edges[1:], strict=True):
+            block = int(row[start])
+            if block < 0:
+                continue
+            if block in seen:
+                return f"a block (id {block}) of tokens that are not consecutive, which a causal sequence cannot split"
+            seen.add(block)
+            if stop - start > 1:
+                spans.append((start, stop))
+        rows.append(tuple(spans))
+    return Blocks(tuple(rows), ids.shape[-1])
+
+
+def _remaps_or(function: Callable) -> bool:
+    """Whether an OR of masks sits under ``remap_positions_for_packed_sequence`` (its block ids then indexed by
+    positions within documents)."""
+    name = _name(function)
+    if name == _REMAP:
+        inner = _closure_value(function, "mask_function")
+        return any(_name(leaf) == _OR for leaf in _pieces(inner))
+    if name in _COMBINATORS or name == _ADDED:
+        return any(
+            _remaps_or(item)
+            for cell in function.__closure__ or ()
+            for item in (cell.cell_contents if isinstance(cell.cell_contents, tuple | list) else [cell.cell_contents])
+            if callable(item)
+        )
+    return False
 
 
 def check_mask_tensor(
