@@ -34,6 +34,7 @@ from ds_ring.integrations.hf.positions import POSITION_TOKENS, refuse_position_b
 from ds_ring.integrations.hf.probe import Probe
 from ds_ring.integrations.hf.recurrent import install_recurrent, sequence_parallel_mixers
 from ds_ring.integrations.hf.session import SequenceParallelSession, installed_sessions
+from ds_ring.integrations.hf.vision import find_language_model, vision_language, whole_image_mask
 from ds_ring.parallel.topology import Topology
 
 __all__ = [
@@ -141,6 +142,7 @@ def register_with_transformers(
     if not own:
         _check_implementation(core_attn_implementation, ALL_ATTENTION_FUNCTIONS)
     model_config, unrouted = _model_config(model_name_or_path, core_attn_implementation)
+    _refuse_vision_by_config(model_name_or_path, model_config, section.enabled)
     if model_config is not None and section.enabled:
         _audit_modules(model_name_or_path, model_config, core_attn_implementation, position_wise, unrouted)
     elif unrouted is not None:
@@ -171,8 +173,10 @@ def register_with_transformers(
     attention = SequenceParallelAttention(
         section, topology, original, disable_in_eval=disable_in_eval, zero_optimization=loaded.zero_optimization
     )
-    session = SequenceParallelSession(section, topology, loaded.zero_optimization, attention)
+    vision = vision_language(model_name_or_path, topology, section.layout)
+    session = SequenceParallelSession(section, topology, loaded.zero_optimization, attention, vision=vision)
     attention.session = session
+    attention.vision = vision
     replaced = [_replace(ALL_ATTENTION_FUNCTIONS, core_attn_implementation, attention)]
     attention.audit = CallAudit()
     if isinstance(model_name_or_path, torch.nn.Module):
@@ -185,12 +189,15 @@ def register_with_transformers(
         replaced.append((LOSS_MAPPING, "ForCausalLM", True, LOSS_MAPPING["ForCausalLM"]))
         LOSS_MAPPING["ForCausalLM"] = shard_loss(LOSS_MAPPING["ForCausalLM"], session)
     if not disable_in_eval and (own or core_attn_implementation in ALL_MASK_ATTENTION_FUNCTIONS):
-        replaced.append(_replace(ALL_MASK_ATTENTION_FUNCTIONS, core_attn_implementation, _no_mask))
+        masks = whole_image_mask(vision, ALL_MASK_ATTENTION_FUNCTIONS.get(core_attn_implementation), _no_mask)
+        replaced.append(_replace(ALL_MASK_ATTENTION_FUNCTIONS, core_attn_implementation, masks))
     if own:  # transformers builds masks only for implementations of its class-wide table: the window lives there
         table = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
         replaced.append((table, OWN_NAME, OWN_NAME in table, table.get(OWN_NAME)))
         table[OWN_NAME] = _no_mask
     session.on_close(functools.partial(_put_back, tuple(replaced), attention))
+    if vision is not None:
+        session.on_close(vision.remove)
     # state-space / short-convolution layers of the model instance: their state carried across shards
     session.on_close(install_recurrent(model_name_or_path, topology, section.layout, disable_in_eval=disable_in_eval))
     return session
@@ -330,10 +337,24 @@ def _no_mask(*, attention_mask: torch.Tensor | None = None, mask_function: Any =
     return mask_spec(mask_function)
 
 
+def _refuse_vision_by_config(model_name_or_path: Any, config: Any, enabled: bool) -> None:
+    """``ValueError`` for a vision-language model given by config or name: ds_ring cuts its sequence at the call of the
+    instance's language model (:mod:`~ds_ring.integrations.hf.vision`), which needs the instance."""
+    if not enabled or config is None or isinstance(model_name_or_path, torch.nn.Module):
+        return
+    if getattr(config, "vision_config", None) is not None:
+        raise ValueError(
+            f"{type(config).__name__} is a vision-language model's config: ds_ring cuts its sequence after the image "
+            f"features are merged, at its language model's call, which needs the model instance; pass the model to "
+            f"register_with_transformers(model, ...)"
+        )
+
+
 def _module_tree(model_name_or_path: Any, config: Any) -> torch.nn.Module:
     """The model's modules: the instance itself, or the model its config builds on the meta device (no memory)."""
     if isinstance(model_name_or_path, torch.nn.Module):
-        return model_name_or_path
+        found = find_language_model(model_name_or_path)  # a vision-language model: its vision side sees whole images
+        return model_name_or_path if found is None else found[1]
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
