@@ -120,7 +120,7 @@ RECIPES: dict[str, Recipe] = {
 
 EXPECTED_REFUSALS: dict[str, str] = {
     "gemma3": r"is given a mask with an OR of masks",  # its images' bidirectional spans: branch vlmmask
-    "paligemma": r"is given a mask with|attends bidirectionally",  # its bidirectional prefix: branch vlmmask
+    "paligemma": r"uses its attention mask as a tensor",  # builds its prefix-LM mask on the mask: branch vlmmask
 }
 """Family → the refusal it gets until the masks it needs are computed (the kernels' bidirectional spans)."""
 
@@ -229,14 +229,18 @@ def reference(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> tuple[to
 
 
 def sequence_parallel(
-    model: torch.nn.Module, full: dict[str, torch.Tensor], section: dict[str, Any], topology: Any
+    model: torch.nn.Module,
+    full: dict[str, torch.Tensor],
+    section: dict[str, Any],
+    topology: Any,
+    divide_vision: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The registered model on :func:`shard_batch`'s batch: the loss and every gradient summed over the group."""
     from ds_ring.integrations.hf import causal_lm_loss, register_with_transformers, shard_batch
 
     model.set_attn_implementation("sdpa")
     config = {"train_micro_batch_size_per_gpu": BATCH, "ring_attention": {"timeout_s": 60, **section}}
-    session = register_with_transformers(model, config=config, topology=topology)
+    session = register_with_transformers(model, config=config, topology=topology, divide_vision=divide_vision)
     try:
         sharded = shard_batch(session, full)
         model.zero_grad()

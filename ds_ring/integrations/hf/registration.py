@@ -64,6 +64,7 @@ def register_with_transformers(
     topology: Topology | None = None,
     disable_in_eval: bool = False,
     position_wise: Sequence[str] = (),
+    divide_vision: bool = True,
 ) -> SequenceParallelSession:
     """Make transformers' ``core_attn_implementation`` attention run ds_ring sequence-parallel attention.
 
@@ -105,6 +106,12 @@ def register_with_transformers(
         position_wise: class names of modules that ds_ring would refuse as sequence mixers
             (:func:`~ds_ring.integrations.hf.audit.refuse_sequence_mixers`) but that the user knows mix nothing
             along the sequence.
+        divide_vision: a vision-language model's Qwen-style vision encoder (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) encodes
+            only this rank's share of the frames, the rows exchanged (:mod:`~ds_ring.integrations.hf.vision_split`);
+            ``False``: every rank encodes every frame. Either is exact.
+
+    A vision-language model instance (:mod:`~ds_ring.integrations.hf.vision`) runs its merge of image features on
+    the whole sequence on every rank; the sequence is cut before its language model.
 
     Nothing runs silently wrong: the model's modules that mix along the sequence other than through attention
     are refused now, found by what they do on a model instance (a dependency probe, whatever they are called:
@@ -173,12 +180,12 @@ def register_with_transformers(
     attention = SequenceParallelAttention(
         section, topology, original, disable_in_eval=disable_in_eval, zero_optimization=loaded.zero_optimization
     )
-    vision = vision_language(model_name_or_path, topology, section.layout)
+    vision = vision_language(model_name_or_path, topology, section.layout, divide=divide_vision)
     session = SequenceParallelSession(section, topology, loaded.zero_optimization, attention, vision=vision)
     attention.session = session
     attention.vision = vision
     replaced = [_replace(ALL_ATTENTION_FUNCTIONS, core_attn_implementation, attention)]
-    attention.audit = CallAudit()
+    attention.audit = CallAudit(vision.whole_modules if vision is not None else ())
     if isinstance(model_name_or_path, torch.nn.Module):
         attention.watch = ModelWatch(model_name_or_path)
     if topology.get_sequence_parallel_world_size() > 1:  # ALST's tutorial loss, right at every ZeRO stage

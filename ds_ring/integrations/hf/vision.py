@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ds_ring.integrations.hf.vision_split import FrameSplit, frame_encoders
 from ds_ring.parallel.order import shard_sequence
 
 __all__ = ["VisionLanguage", "find_language_model", "vision_language", "whole_image_mask"]
@@ -66,9 +67,13 @@ class VisionLanguage:
         language_model: that module.
         topology: the process groups (this rank's shard: the section's ``layout`` over the sequence-parallel group).
         layout: the section's layout (``"contiguous"`` or ``"zigzag"``).
+        divide: divide a Qwen-style vision encoder's frames over the ranks
+            (:class:`~ds_ring.integrations.hf.vision_split.FrameSplit`) rather than encode every frame on every rank.
     """
 
-    def __init__(self, model: nn.Module, path: str, language_model: nn.Module, topology: Any, layout: str) -> None:
+    def __init__(
+        self, model: nn.Module, path: str, language_model: nn.Module, topology: Any, layout: str, *, divide: bool
+    ) -> None:
         self.model_class = type(model).__name__
         self.path = path
         self.language_model = language_model
@@ -84,10 +89,15 @@ class VisionLanguage:
         """Configs of the vision side: masks built for them are built by the mask function ds_ring replaced."""
         self.mrope = _mrope(text) or any(hasattr(m, "mrope_section") for m in language_model.modules())
         self._handle = language_model.register_forward_pre_hook(self._cut, with_kwargs=True)
+        outside = [m for m in model.modules() if id(m) not in inside]
+        self.splits = [FrameSplit(encoder, topology) for encoder in frame_encoders(outside)] if divide else []
+        """The vision encoders whose frames are divided over the ranks."""
 
     def remove(self) -> None:
-        """Take the hook off the language model."""
+        """Take the hooks off the language model and the vision encoders."""
         self._handle.remove()
+        for split in self.splits:
+            split.remove()
 
     def whole_image(self, module: nn.Module) -> bool:
         """Whether ``module`` (an attention module calling the registry) runs over images, not the sharded sequence."""
@@ -172,7 +182,7 @@ def _mrope(config: Any) -> bool:
     return False
 
 
-def vision_language(model: Any, topology: Any, layout: str) -> VisionLanguage | None:
+def vision_language(model: Any, topology: Any, layout: str, *, divide: bool = True) -> VisionLanguage | None:
     """A :class:`VisionLanguage` for ``model`` when it is a vision-language model instance, else ``None``.
 
     Raises:
@@ -187,7 +197,7 @@ def vision_language(model: Any, topology: Any, layout: str) -> VisionLanguage | 
             f"sub-model with the text config and decoder layers) before which to cut the sequence; train this model "
             f"without sequence parallelism"
         )
-    return VisionLanguage(model, *found, topology, layout)
+    return VisionLanguage(model, *found, topology, layout, divide=divide)
 
 
 def whole_image_mask(
