@@ -4,8 +4,8 @@
 across the shard boundary and one across a zigzag chunk boundary) and compares ds_ring on 2 ranks (ring, zigzag ring,
 Ulysses) with the whole model on one process: the loss and each parameter's gradient, the vision tower's included.
 No family may be *wrong*, *crash* or lack a reference; a refusal must be the one
-:data:`~tests.vlm_zoo.EXPECTED_REFUSALS` names. The default run checks :data:`REPRESENTATIVE`; ``pytest -m zoo`` runs every family and compares the table it
-writes with the committed ``docs/vlm_zoo.md``.
+:data:`~tests.vlm_zoo.EXPECTED_REFUSALS` names. The default run checks :data:`REPRESENTATIVE`; ``pytest -m zoo``
+runs every family and compares the table it writes with the committed ``docs/vlm_zoo.md``.
 """
 
 from __future__ import annotations
