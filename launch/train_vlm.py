@@ -80,6 +80,7 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
         text_config=dict(
             vocab_size=args.vocab, hidden_size=args.dim, intermediate_size=2 * args.dim, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * args.seq, use_cache=False,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2,
             rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0,
                              "mrope_section": [args.dim // 32, 3 * args.dim // 64, 3 * args.dim // 64]},
         ),
