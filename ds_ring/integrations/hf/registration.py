@@ -180,7 +180,9 @@ def register_with_transformers(
     attention = SequenceParallelAttention(
         section, topology, original, disable_in_eval=disable_in_eval, zero_optimization=loaded.zero_optimization
     )
-    vision = vision_language(model_name_or_path, topology, section.layout, divide=divide_vision)
+    vision = vision_language(
+        model_name_or_path, topology, section.layout, divide=divide_vision, disable_in_eval=disable_in_eval
+    )
     session = SequenceParallelSession(section, topology, loaded.zero_optimization, attention, vision=vision)
     attention.session = session
     attention.vision = vision

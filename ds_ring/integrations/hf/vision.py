@@ -69,16 +69,27 @@ class VisionLanguage:
         layout: the section's layout (``"contiguous"`` or ``"zigzag"``).
         divide: divide a Qwen-style vision encoder's frames over the ranks
             (:class:`~ds_ring.integrations.hf.vision_split.FrameSplit`) rather than encode every frame on every rank.
+        disable_in_eval: in eval mode the language model runs the whole sequence (no cut), as the registration's
+            ``disable_in_eval`` runs the original attention on it.
     """
 
     def __init__(
-        self, model: nn.Module, path: str, language_model: nn.Module, topology: Any, layout: str, *, divide: bool
+        self,
+        model: nn.Module,
+        path: str,
+        language_model: nn.Module,
+        topology: Any,
+        layout: str,
+        *,
+        divide: bool,
+        disable_in_eval: bool = False,
     ) -> None:
         self.model_class = type(model).__name__
         self.path = path
         self.language_model = language_model
         self.topology = topology
         self.layout = layout
+        self.disable_in_eval = disable_in_eval
         inside = {id(m) for m in language_model.modules()}
         self.whole_modules = frozenset(id(m) for m in model.modules() if id(m) not in inside)
         """Modules outside the language model: they run on whole images (or the whole sequence before the cut)."""
@@ -107,8 +118,10 @@ class VisionLanguage:
         """Whether a mask built for ``config`` is the vision side's (an image's), not the sharded sequence's."""
         return config is not None and id(config) in self.whole_configs
 
-    def _cut(self, _module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    def _cut(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         """The language model's call with this rank's rows of every input that has the sequence dimension."""
+        if self.disable_in_eval and not module.training:
+            return args, kwargs
         if args:
             raise ValueError(
                 f"{self.model_class} calls its language model ({self.path}) with positional arguments, so ds_ring "
@@ -182,7 +195,9 @@ def _mrope(config: Any) -> bool:
     return False
 
 
-def vision_language(model: Any, topology: Any, layout: str, *, divide: bool = True) -> VisionLanguage | None:
+def vision_language(
+    model: Any, topology: Any, layout: str, *, divide: bool = True, disable_in_eval: bool = False
+) -> VisionLanguage | None:
     """A :class:`VisionLanguage` for ``model`` when it is a vision-language model instance, else ``None``.
 
     Raises:
@@ -197,7 +212,7 @@ def vision_language(model: Any, topology: Any, layout: str, *, divide: bool = Tr
             f"sub-model with the text config and decoder layers) before which to cut the sequence; train this model "
             f"without sequence parallelism"
         )
-    return VisionLanguage(model, *found, topology, layout, divide=divide)
+    return VisionLanguage(model, *found, topology, layout, divide=divide, disable_in_eval=disable_in_eval)
 
 
 def whole_image_mask(
