@@ -106,6 +106,16 @@ RECIPES: dict[str, Recipe] = {
                          {"rope_parameters": MROPE}, mm_token_type_ids=True),
     "qwen3_vl": Recipe(_patches(8, 24), {**_QWEN, "num_position_embeddings": 16, "deepstack_visual_indexes": [0]},
                        {"rope_parameters": {**MROPE, "mrope_interleaved": True}}, mm_token_type_ids=True),
+    "qwen3_vl_moe": Recipe(_patches(8, 24), {**_QWEN, "num_position_embeddings": 16, "deepstack_visual_indexes": [0]},
+                           {"rope_parameters": {**MROPE, "mrope_interleaved": True}, "num_experts": 4,
+                            "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1},
+                           mm_token_type_ids=True),
+    "aya_vision": Recipe(_square(32), {"image_size": 32, "patch_size": 4}, top={"downsample_factor": 2}),
+    "cohere2_vision": Recipe(_square(32), {"image_size": 32, "patch_size": 4}, top={"downsample_factor": 2}),
+    "got_ocr2": Recipe(_square(32), {"image_size": 32, "patch_size": 4}),
+    "internvl": Recipe(_square(32), {"image_size": [32, 32], "patch_size": [4, 4]}, top={"downsample_ratio": 0.5}),
+    "lighton_ocr": Recipe(_square(32), {"image_size": 32, "patch_size": 4}, top={"spatial_merge_size": 2},
+                          image_sizes=32),
     "llava": Recipe(_square(16), {"image_size": 16, "patch_size": 4, "projection_dim": 32}),
     "mistral3": Recipe(_square(32), {"image_size": 32, "patch_size": 4}, top={"spatial_merge_size": 2},
                        image_sizes=32),
@@ -121,6 +131,7 @@ RECIPES: dict[str, Recipe] = {
 EXPECTED_REFUSALS: dict[str, str] = {
     "gemma3": r"is given a mask with an OR of masks",  # its images' bidirectional spans: branch vlmmask
     "paligemma": r"uses its attention mask as a tensor",  # builds its prefix-LM mask on the mask: branch vlmmask
+    "got_ocr2": r"does not match the model's config._attn_implementation 'eager'",  # its SAM encoder has no sdpa
 }
 """Family → the refusal it gets until the masks it needs are computed (the kernels' bidirectional spans)."""
 
@@ -165,7 +176,9 @@ def build(family: str, attention: str = "eager") -> torch.nn.Module:
     config = tiny_config(family)
     cls = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
     torch.manual_seed(0)
-    model = cls._from_config(config, dtype=torch.float64, attn_implementation=attention).double()
+    model = cls._from_config(
+        config, dtype=torch.float64, attn_implementation=attention, experts_implementation="eager"
+    ).double()
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
