@@ -145,6 +145,11 @@ class FrameSplit:
         plan = self._plans.pop() if self._plans else None
         if plan is None or output is None:
             return output
+        if not hasattr(output, "items"):
+            raise ValueError(
+                f"{type(self.encoder).__name__} returned a {type(output).__name__}, not a model output with named "
+                f"fields, so ds_ring cannot gather its rows; register with divide_vision=False"
+            )
         mine = plan.end - plan.start
         fields: list[tuple[str, int | None]] = []  # (field, index in a list field or None)
         tensors, rows = [], []
