@@ -129,8 +129,8 @@ RECIPES: dict[str, Recipe] = {
 """Families run here, and how."""
 
 EXPECTED_REFUSALS: dict[str, str] = {
-    "gemma3": r"is given a mask with an OR of masks",  # its images' bidirectional spans: branch vlmmask
-    "paligemma": r"uses its attention mask as a tensor",  # builds its prefix-LM mask on the mask: branch vlmmask
+    "gemma3": r"is given a mask with an OR of masks",  # its images' bidirectional spans (issue 45, masks)
+    "paligemma": r"uses its attention mask as a tensor",  # its prefix-LM mask, built on the mask (issue 45, masks)
     "got_ocr2": r"does not match the model's config._attn_implementation 'eager'",  # its SAM encoder has no sdpa
 }
 """Family → the refusal it gets until the masks it needs are computed (the kernels' bidirectional spans)."""
