@@ -55,8 +55,8 @@ EXPECTED_REFUSALS: dict[str, str] = {
         ],
         "sequence mixer",
     ),  # fmt: skip
-    # a vision or audio tower's convolution, which the text-only probe does not run: judged by its type
-    **dict.fromkeys(["gemma3", "gemma4", "moss_transcribe_diarize", "phi4_multimodal"], "sequence mixer"),
+    # an image embedding inside its language model (the vision side of other families runs whole: hf/vision.py)
+    "phi4_multimodal": "sequence mixer",
     "blt": "bidirectional",  # its cross-attention between bytes and patches
     "got_ocr2": "eager only",  # its vision tower has no sdpa, so the model stays eager
     **dict.fromkeys(

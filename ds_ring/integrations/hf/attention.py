@@ -83,6 +83,9 @@ class SequenceParallelAttention:
         """The registered model's hook (``None``: registered without a model instance)."""
         self.audit: CallAudit | None = None
         """Told of every call (attention modules that never call this are refused)."""
+        self.vision: Any = None
+        """A vision-language model's :class:`~ds_ring.integrations.hf.vision.VisionLanguage` (``None``: none): its
+        vision tower's attention runs over images, answered by :attr:`original`."""
         self._checked: OrderedDict[tuple, None] = OrderedDict()  # (heads, kv_heads, positions' shape, documents,
         # mask, window) checked, the _CHECKED_KEPT most recent: packed batches bring new documents every step
         self._expected: dict[int, tuple[weakref.ref, Documents]] = {}  # id(position_ids) -> (it, its documents)
@@ -114,6 +117,8 @@ class SequenceParallelAttention:
     ) -> tuple[torch.Tensor, None]:
         if self.audit is not None:
             self.audit.attended(module)
+        if self.vision is not None and self.vision.whole_image(module):
+            return self._whole_image(module, query, key, value, attention_mask, dropout, scaling, kwargs)
         if self.disable_in_eval and not module.training:
             return self.original(
                 module, query, key, value, attention_mask,
@@ -158,6 +163,26 @@ class SequenceParallelAttention:
                                    bidirectional_spans=spans)  # fmt: skip
         q, k, v = (x.transpose(1, 2) for x in (query, key, value))
         return attend(q, k, v, call, topology_placement(self.topology), self.section.strategy), None
+
+    def _whole_image(
+        self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any,
+        dropout: float, scaling: float | None, kwargs: dict,
+    ) -> tuple[torch.Tensor, Any]:  # fmt: skip
+        """A vision tower's attention over one image (or its images' own blocks): the replaced attention, whole."""
+        if self.original is None:
+            raise ValueError(
+                f"{type(module).__name__} attends over images, not over the sharded sequence, and the 'ds_ring' entry "
+                f"replaces no attention of transformers' to run it with; register over the implementation the model "
+                f"uses (e.g. 'sdpa')"
+            )
+        if isinstance(mask, MaskSpec):
+            raise ValueError(
+                f"{type(module).__name__} attends over images but is given a mask ds_ring made for the sharded "
+                f"sequence (its config is not one of the vision tower's); train this model without sequence "
+                f"parallelism"
+            )
+        own = {k: v for k, v in kwargs.items() if k != DOCUMENTS_KEY}
+        return self.original(module, query, key, value, mask, dropout=dropout, scaling=scaling, **own)
 
     def _refuse_features(
         self, module: nn.Module, dropout: float, softcap: float | None, spec: MaskSpec | None, kwargs: dict

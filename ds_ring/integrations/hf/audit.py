@@ -171,11 +171,12 @@ class CallAudit:
     """While installed: the first forward of every attention module (class name ending in ``Attention`` or
     ``Attn``) must call ds_ring's attention, itself or through a child, else ``ValueError`` right after that
     forward (before any backward). Process-wide module hooks (any model a registered implementation could serve);
-    after a module's first forward its hooks cost one set lookup."""
+    after a module's first forward its hooks cost one set lookup. ``exempt``: ids of modules that run whole, not on
+    the sharded sequence (a vision-language model's vision tower: :mod:`~ds_ring.integrations.hf.vision`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, exempt: Iterable[int] = ()) -> None:
         self.calls = 0
-        self._audited: set[int] = set()
+        self._audited: set[int] = set(exempt)
         self._open: list[tuple[int, int]] = []  # (id(module), self.calls when it started)
         self._handles = [
             torch.nn.modules.module.register_module_forward_pre_hook(self._enter),

@@ -95,10 +95,12 @@ def shard_batch(
     session = require_session(session, "shard_batch")
     section, topology = session.section, session.topology
     if check_same:
-        agree_on_batch(batch, topology)
+        agree_on_batch(batch, topology, every_tensor=session.vision is not None)
     input_ids = batch.get("input_ids")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError(f"batch['input_ids'] must be a [batch, seq] tensor, got {_describe(input_ids)}")
+    if session.vision is not None:
+        return _whole_sequence(session, batch, pad_to_multiple=pad_to_multiple)
     rows, seq_len = input_ids.shape
     refuse_padding(batch.get("attention_mask"))
     positions = batch.get("position_ids")
@@ -148,6 +150,49 @@ def shard_batch(
     }
 
 
+def _whole_sequence(
+    session: SequenceParallelSession, batch: Mapping[str, Any], *, pad_to_multiple: bool
+) -> dict[str, Any]:
+    """:func:`shard_batch` of a vision-language model (:mod:`~ds_ring.integrations.hf.vision`): the model gets the whole
+    sequence and its images (its merge and position ids need them) and cuts before its language model; only the
+    labels are this rank's (``shift_labels``), with the documents the attention reads (one per row)."""
+    input_ids = batch["input_ids"]
+    rows, seq_len = input_ids.shape
+    name = session.vision.model_class
+    refuse_padding(batch.get("attention_mask"))
+    sp = session.topology.get_sequence_parallel_world_size()
+    multiple = sp * len(layout_chunks(0, sp, session.section.layout))
+    if seq_len % multiple:
+        padding = " (shard_batch does not pad a vision-language batch: pad it in the collator, label -100)"
+        raise ValueError(
+            f"sequence length {seq_len} does not split into {multiple} equal chunks (sequence_parallel_size {sp}"
+            f"{', ×2 for zigzag' if session.section.layout == 'zigzag' else ''}); make lengths a multiple of "
+            f"{multiple}{padding if pad_to_multiple else ''}"
+        )
+    positions = batch.get("position_ids")
+    text = positions if positions is None or positions.dim() == 2 else positions[0] if positions.shape[0] == 4 else None
+    if text is not None and not torch.equal(text, torch.arange(seq_len, device=text.device).expand_as(text)):
+        raise ValueError(
+            f"{name}: position_ids (their text row) do not count 0..{seq_len - 1} in every row: packed documents of "
+            f"a vision-language model are not supported; give one sequence per row (or drop position_ids: the "
+            f"model computes its own from the whole sequence)"
+        )
+    bounds = [0, seq_len]
+    labels = _sequence_tensor(batch, "labels", batch.get("labels", input_ids), rows, seq_len)
+    shifted = shard_sequence(
+        shift_labels(labels, bounds), session.topology.sequence_parallel_group, layout=session.section.layout, dim=1
+    )
+    whole = {k: v for k, v in batch.items() if k not in _CONSUMED}
+    documents = torch.tensor(bounds, dtype=torch.int32, device=input_ids.device)
+    return {
+        **whole,
+        "shift_labels": shifted,
+        "cu_seq_lens_q": documents,
+        "cu_seq_lens_k": documents,
+        DOCUMENTS_KEY: Documents(tuple(bounds)),
+    }
+
+
 _SAME_BATCH = (
     "every rank of a sequence-parallel group must load the same full batch and shard it: sample over the "
     "data-parallel replicas only (e.g. DistributedSampler(dataset, "
@@ -157,14 +202,18 @@ _SAME_BATCH = (
 )
 
 
-def agree_on_batch(batch: Mapping[str, Any], topology: Topology) -> None:
+def agree_on_batch(batch: Mapping[str, Any], topology: Topology, *, every_tensor: bool = False) -> None:
     """Collective over the sequence-parallel group: ``ValueError`` on every rank unless all hold ``batch`` alike.
 
-    Compared: the shapes of ``input_ids``, ``labels``, ``position_ids`` and ``attention_mask`` and one 64-bit
+    Compared: the shapes of ``input_ids``, ``labels``, ``position_ids`` and ``attention_mask`` (with
+    ``every_tensor``: of every tensor of the batch, a vision-language batch's images and grids too) and one 64-bit
     blake2b digest of their bytes (a device tensor is copied to the host for it), in one small all-gather.
     """
     shapes, digest = [], hashlib.blake2b(digest_size=8)
-    for key in _FINGERPRINTED:
+    keys = _FINGERPRINTED
+    if every_tensor:
+        keys += tuple(sorted(k for k, v in batch.items() if isinstance(v, torch.Tensor) and k not in _FINGERPRINTED))
+    for key in keys:
         value = batch.get(key)
         if isinstance(value, torch.Tensor):
             shapes.append(f"{key} {list(value.shape)}")

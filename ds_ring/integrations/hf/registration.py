@@ -34,6 +34,7 @@ from ds_ring.integrations.hf.positions import POSITION_TOKENS, refuse_position_b
 from ds_ring.integrations.hf.probe import Probe
 from ds_ring.integrations.hf.recurrent import install_recurrent, sequence_parallel_mixers
 from ds_ring.integrations.hf.session import SequenceParallelSession, installed_sessions
+from ds_ring.integrations.hf.vision import find_language_model, vision_language, whole_image_mask
 from ds_ring.parallel.topology import Topology
 from ds_ring.patches import Patch, set_item
 
@@ -64,6 +65,7 @@ def register_with_transformers(
     topology: Topology | None = None,
     disable_in_eval: bool = False,
     position_wise: Sequence[str] = (),
+    divide_vision: bool = True,
 ) -> SequenceParallelSession:
     """Make transformers' ``core_attn_implementation`` attention run ds_ring sequence-parallel attention.
 
@@ -105,6 +107,12 @@ def register_with_transformers(
         position_wise: class names of modules that ds_ring would refuse as sequence mixers
             (:func:`~ds_ring.integrations.hf.audit.refuse_sequence_mixers`) but that the user knows mix nothing
             along the sequence.
+        divide_vision: a vision-language model's Qwen-style vision encoder (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) encodes
+            only this rank's share of the frames, the rows exchanged (:mod:`~ds_ring.integrations.hf.vision_split`);
+            ``False``: every rank encodes every frame. Either is exact.
+
+    A vision-language model instance (:mod:`~ds_ring.integrations.hf.vision`) runs its merge of image features on
+    the whole sequence on every rank; the sequence is cut before its language model.
 
     Nothing runs silently wrong: the model's modules that mix along the sequence other than through attention
     are refused now, found by what they do on a model instance (a dependency probe, whatever they are called:
@@ -142,6 +150,7 @@ def register_with_transformers(
     if not own:
         _check_implementation(core_attn_implementation, ALL_ATTENTION_FUNCTIONS)
     model_config, unrouted = _model_config(model_name_or_path, core_attn_implementation)
+    _refuse_vision_by_config(model_name_or_path, model_config, section.enabled)
     if model_config is not None and section.enabled:
         _audit_modules(model_name_or_path, model_config, core_attn_implementation, position_wise, unrouted)
     elif unrouted is not None:
@@ -172,11 +181,15 @@ def register_with_transformers(
     attention = SequenceParallelAttention(
         section, topology, original, disable_in_eval=disable_in_eval, zero_optimization=loaded.zero_optimization
     )
-    session = SequenceParallelSession(section, topology, loaded.zero_optimization, attention)
+    vision = vision_language(
+        model_name_or_path, topology, section.layout, divide=divide_vision, disable_in_eval=disable_in_eval
+    )
+    session = SequenceParallelSession(section, topology, loaded.zero_optimization, attention, vision=vision)
     attention.session = session
+    attention.vision = vision
     # the instance's own entries, as ALST does (GeneralInterface: they override the class-wide ones)
     replaced = [set_item(ALL_ATTENTION_FUNCTIONS._local_mapping, core_attn_implementation, attention, library=LIB)]
-    attention.audit = CallAudit()
+    attention.audit = CallAudit(vision.whole_modules if vision is not None else ())
     if isinstance(model_name_or_path, torch.nn.Module):
         attention.watch = ModelWatch(model_name_or_path)
     if topology.get_sequence_parallel_world_size() > 1:  # ALST's tutorial loss, right at every ZeRO stage
@@ -187,12 +200,14 @@ def register_with_transformers(
         replaced.append(set_item(LOSS_MAPPING, "ForCausalLM", shard_loss(LOSS_MAPPING["ForCausalLM"], session),
                                  library=LIB))  # fmt: skip
     if not disable_in_eval and (own or core_attn_implementation in ALL_MASK_ATTENTION_FUNCTIONS):
-        masks = ALL_MASK_ATTENTION_FUNCTIONS._local_mapping
-        replaced.append(set_item(masks, core_attn_implementation, _no_mask, library=LIB))
+        masks = whole_image_mask(vision, ALL_MASK_ATTENTION_FUNCTIONS.get(core_attn_implementation), _no_mask)
+        replaced.append(set_item(ALL_MASK_ATTENTION_FUNCTIONS._local_mapping, core_attn_implementation, masks, library=LIB))
     if own:  # transformers builds masks only for implementations of its class-wide table: the window lives there
         table = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
         replaced.append(set_item(table, OWN_NAME, _no_mask, library=LIB))
     session.on_close(functools.partial(_put_back, tuple(replaced), attention))
+    if vision is not None:
+        session.on_close(vision.remove)
     # state-space / short-convolution layers of the model instance: their state carried across shards
     session.on_close(install_recurrent(model_name_or_path, topology, section.layout, disable_in_eval=disable_in_eval))
     return session
@@ -324,10 +339,24 @@ def _no_mask(*, attention_mask: torch.Tensor | None = None, mask_function: Any =
     return mask_spec(mask_function)
 
 
+def _refuse_vision_by_config(model_name_or_path: Any, config: Any, enabled: bool) -> None:
+    """``ValueError`` for a vision-language model given by config or name: ds_ring cuts its sequence at the call of the
+    instance's language model (:mod:`~ds_ring.integrations.hf.vision`), which needs the instance."""
+    if not enabled or config is None or isinstance(model_name_or_path, torch.nn.Module):
+        return
+    if getattr(config, "vision_config", None) is not None:
+        raise ValueError(
+            f"{type(config).__name__} is a vision-language model's config: ds_ring cuts its sequence after the image "
+            f"features are merged, at its language model's call, which needs the model instance; pass the model to "
+            f"register_with_transformers(model, ...)"
+        )
+
+
 def _module_tree(model_name_or_path: Any, config: Any) -> torch.nn.Module:
     """The model's modules: the instance itself, or the model its config builds on the meta device (no memory)."""
     if isinstance(model_name_or_path, torch.nn.Module):
-        return model_name_or_path
+        found = find_language_model(model_name_or_path)  # a vision-language model: its vision side sees whole images
+        return model_name_or_path if found is None else found[1]
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):

@@ -45,6 +45,11 @@ class SequenceParallelSession:
     attention: SequenceParallelAttention | None
     """The function in transformers' attention registry (``None`` when the section is disabled)."""
 
+    vision: Any = None
+    """A vision-language model's :class:`~ds_ring.integrations.hf.vision.VisionLanguage` (``None``: a text model):
+    :func:`~ds_ring.integrations.hf.batches.shard_batch` then leaves the sequence whole for the model's merge and
+    the cut before its language model takes this rank's rows."""
+
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)  # what close() runs, last first
 
     @property

@@ -1,0 +1,99 @@
+"""A Qwen-style vision encoder divided over 2 ranks by frames equals the whole model, and each rank encodes its frames.
+
+Tiny float64 Qwen2-VL, Qwen2.5-VL (window attention) and Qwen3-VL (deepstack) on a row holding a video of 4 frames
+across the shard boundary and an image: each rank encodes two of the video's frames (the encoder's video call divided),
+and both encode the image (a call of fewer frames than ranks is not divided).
+With ``divide_vision`` on and off, the loss and every parameter's gradient (the vision tower's included) summed over
+the ranks equal the whole model's; with it on, each rank's patch embedding sees its frames' patches only, and the
+activations the encoder saves for backward on a rank are about half the whole encoder's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds_ring.testing import rank_results, spawn_ranks
+from launch.train_vlm import SavedActivations
+from tests import vlm_zoo
+from tests.zoo import TOLERANCE, Float64Throughout, worst_error
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+GRID = 4  # patches per side: 4 tokens per frame after the 2 × 2 merge
+VIDEO_FRAMES = 4
+
+
+def video_batch(family: str) -> dict[str, torch.Tensor]:
+    """One row of 64 tokens: a video of 4 frames (16 tokens) across the middle, then an image (4 tokens). Qwen3-VL's
+    processor puts each frame in its own run (a timestamp between frames): there the frames are 6 tokens apart."""
+    generator = torch.Generator().manual_seed(3)
+    seq, per_frame = vlm_zoo.SEQ, GRID * GRID // 4
+    input_ids = torch.randint(8, vlm_zoo.VOCAB, (1, seq), generator=generator)
+    kinds = torch.zeros(1, seq, dtype=torch.long)
+    step = per_frame + 2 if family == "qwen3_vl" else per_frame
+    first = seq // 2 - VIDEO_FRAMES * step // 2
+    for frame in range(VIDEO_FRAMES):
+        video = slice(first + frame * step, first + frame * step + per_frame)
+        input_ids[0, video], kinds[0, video] = vlm_zoo.VIDEO, 2
+    image = slice(50, 50 + per_frame)
+    input_ids[0, image], kinds[0, image] = vlm_zoo.IMAGE, 1
+    labels = input_ids.masked_fill(kinds > 0, -100)
+    patch = 3 * 2 * 2 * 2
+    return {
+        "input_ids": input_ids,
+        "labels": labels,
+        "mm_token_type_ids": kinds,
+        "pixel_values_videos": torch.randn(VIDEO_FRAMES * GRID * GRID, patch, generator=generator).double(),
+        "video_grid_thw": torch.tensor([[VIDEO_FRAMES, GRID, GRID]]),
+        "pixel_values": torch.randn(GRID * GRID, patch, generator=generator).double(),
+        "image_grid_thw": torch.tensor([[1, GRID, GRID]]),
+    }
+
+
+def _split_ranks(rank: int, world: int) -> dict:
+    import transformers
+
+    import ds_ring
+
+    transformers.logging.set_verbosity_error()
+    topology = ds_ring.Topology(*ds_ring.load_config({"ring_attention": {"strategy": "ring"}}).degrees(world))
+    results = {}
+    for family in FAMILIES:
+        model = vlm_zoo.build(family)
+        full = video_batch(family)
+        with Float64Throughout():
+            loss, grads = vlm_zoo.reference(model, full)
+        encoder = model.model.visual
+        patches: list[int] = []
+
+        def count(_module: torch.nn.Module, args: tuple, _out: object, seen: list[int] = patches) -> None:
+            seen.append(args[0].shape[0])
+
+        handle = encoder.patch_embed.register_forward_hook(count)
+        for divide in (True, False):
+            patches.clear()
+            saved = SavedActivations(encoder)
+            with Float64Throughout():
+                got_loss, got = vlm_zoo.sequence_parallel(model, full, {"strategy": "ring"}, topology, divide)
+            saved.remove()
+            error = worst_error(got_loss, got, loss, grads)
+            results[family, divide] = (error.value, str(error), list(patches), sum(saved.calls))
+        handle.remove()
+    return results
+
+
+@pytest.mark.timeout(1800)
+def test_frames_divided_over_ranks_equal_the_whole_model():
+    per_rank = rank_results(spawn_ranks(_split_ranks, 2, timeout_s=1800))
+    whole_patches = [GRID * GRID, VIDEO_FRAMES * GRID * GRID]  # the image's call, then the video's
+    for family in FAMILIES:
+        for rank, results in enumerate(per_rank):
+            for divide in (True, False):
+                value, detail, patches, _ = results[family, divide]
+                assert value <= TOLERANCE, f"{family} rank {rank} divide_vision={divide}: {detail}"
+                if not divide:
+                    assert patches == whole_patches, (family, rank, patches)
+            divided = results[family, True][2]
+            assert divided == [GRID * GRID, VIDEO_FRAMES // 2 * GRID * GRID], (family, rank, divided)
+            # saved for backward: 2 of 4 video frames and the image, of 4 frames and the image (0.6 of the patches)
+            assert results[family, True][3] < 0.7 * results[family, False][3], (family, rank, results[family, True])
