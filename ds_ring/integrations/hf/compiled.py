@@ -9,6 +9,8 @@ Its backward, ``ds_ring::hf_attention_backward``, runs the same call again with 
 
 The call site's settings (module and config names, the mask the model asked for, ``scaling``, ``softcap``) are
 constants of the traced call: they reach the op as one ``int`` handle (:mod:`ds_ring.opaque`), made while tracing.
+The documents of a packed batch reach it as the batch's ``cu_seq_lens_q`` tensor when it has one (a batch of other
+documents runs the same graph), else as Python ints (constants: each set of documents compiles its own graph).
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ def compiled_attention(
         None if spec is None else spec.window, None if spec is None else spec.unsupported, site.window, scaling,
         softcap,
     )  # fmt: skip
-    documents = kwargs.get(DOCUMENTS_KEY)
+    # Python-int documents are constants of a graph (a new set: a new graph); the tensor, when the batch has it, is
+    # an input (read on the host inside the op, as eager reads it)
+    documents = None if kwargs.get("cu_seq_lens_q") is not None else kwargs.get(DOCUMENTS_KEY)
     mask = attention_mask if isinstance(attention_mask, torch.Tensor) else None
     return torch.ops.ds_ring.hf_attention(
         query, key, value, kwargs.get("s_aux"), kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"),
