@@ -114,7 +114,13 @@ def _run(
     return attention.attend(site, query, key, value, site.spec if mask is None else mask, scaling, softcap, kwargs)
 
 
-@torch.library.custom_op("ds_ring::hf_attention", mutates_args=())
+_ARGS = (
+    "Tensor query, Tensor key, Tensor value, Tensor? sinks, Tensor? position_ids, Tensor? cu_seq_lens_q, "
+    "Tensor? cu_seq_lens_k, Tensor? mask, int[]? documents, int handle"
+)  # spelled out: torch 2.6 cannot infer a schema from ``X | None`` annotations
+
+
+@torch.library.custom_op("ds_ring::hf_attention", mutates_args=(), schema=f"({_ARGS}) -> Tensor")
 def _hf_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -138,7 +144,10 @@ def _hf_attention_fake(query, key, value, sinks, position_ids, cu_seq_lens_q, cu
     return query.new_empty((batch, rows, heads, value.shape[-1]))
 
 
-@torch.library.custom_op("ds_ring::hf_attention_backward", mutates_args=())
+_BACKWARD_SCHEMA = f"(Tensor grad, {_ARGS}) -> Tensor[]"
+
+
+@torch.library.custom_op("ds_ring::hf_attention_backward", mutates_args=(), schema=_BACKWARD_SCHEMA)
 def _hf_attention_backward(
     grad: torch.Tensor,
     query: torch.Tensor,
