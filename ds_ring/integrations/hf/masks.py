@@ -84,18 +84,9 @@ def _builds_on_mask(use: str) -> MaskUsedAsTensor:
     )
 
 
-def _qualname(function: Callable) -> str:
-    """``function``'s qualified name, from its code object where it has one: what ``torch.compile`` reads right
-    (it traces ``mask_spec``; a nested function's ``__qualname__`` it does not)."""
-    code = getattr(function, "__code__", None)
-    if code is not None and hasattr(code, "co_qualname"):  # Python 3.11+
-        return code.co_qualname
-    return getattr(function, "__qualname__", None) or repr(function)
-
-
 def _pieces(function: Callable) -> Iterator[Callable]:
     """The leaf functions of a composed mask function (closure cells that are functions or tuples of them)."""
-    name = _qualname(function)
+    name = getattr(function, "__qualname__", "")
     if name in _COMBINATORS or name == _ADDED:
         for cell in function.__closure__ or ():
             value = cell.cell_contents
@@ -119,7 +110,7 @@ def mask_spec(mask_function: Callable | None) -> MaskSpec:
         return MaskSpec(causal=True, window=None)
     causal, bidirectional, windows = False, False, []
     for piece in _pieces(mask_function):
-        name = _qualname(piece)
+        name = getattr(piece, "__qualname__", repr(piece))
         module = getattr(piece, "__module__", "")
         if name in _UNSUPPORTED:
             return MaskSpec(causal=True, window=None, unsupported=_UNSUPPORTED[name])
