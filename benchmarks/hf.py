@@ -48,8 +48,11 @@ def _model_and_batch(case: Case, spec: SimpleNamespace) -> tuple[Any, dict[str, 
     return model, {"input_ids": batch["input_ids"], "labels": batch["input_ids"]} if long else batch
 
 
-def _ds_ring_step(case: Case, model: Any, batch: dict[str, Any], section: dict[str, Any], lr: float) -> Any:
-    """One training step of ``ds_ring.initialize`` (AdamW, ``section`` as ``ring_attention``) on this rank's shard."""
+def _ds_ring_step(
+    case: Case, model: Any, batch: dict[str, Any], section: dict[str, Any], lr: float, compiled: bool = False
+) -> Any:
+    """One training step of ``ds_ring.initialize`` (AdamW, ``section`` as ``ring_attention``) on this rank's shard;
+    ``compiled``: ``engine.compile()`` (inductor, ``fullgraph=True``)."""
     import torch
 
     import ds_ring
@@ -60,6 +63,8 @@ def _ds_ring_step(case: Case, model: Any, batch: dict[str, Any], section: dict[s
     engine, *_ = ds_ring.initialize(model=model, optimizer=optimizer, config=config, seq_len=case.seq)
     session = register_with_transformers(model, config=config, topology=engine.mpu)
     session.apply_long_context(model)
+    if compiled:
+        engine.compile(backend="inductor", compile_kwargs={"fullgraph": True})
     inputs = shard_batch(session, batch)
 
     def step() -> None:
@@ -134,6 +139,26 @@ def build(case: Case, rank: int, timeout_s: float) -> Callable[[], None]:
     return _ds_ring_step(case, *_model_and_batch(case, MODEL), section, MODEL.lr)
 
 
+def build_compiled(case: Case, rank: int, timeout_s: float) -> Callable[[], None]:
+    """One training step of a :data:`COMPILE` case: ds_ring's strategy on 2 ranks, or the whole sequence in one
+    process (no sequence parallelism, AdamW); ``compiled`` cases under ``torch.compile`` (inductor, fullgraph)."""
+    import torch
+
+    model, batch = _model_and_batch(case, MODEL)
+    compiled = case.impl.endswith("compiled")
+    if case.world > 1:
+        return _ds_ring_step(case, model, batch, {"strategy": case.impl.split()[0]}, MODEL.lr, compiled)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=MODEL.lr, weight_decay=0.0)
+    forward = torch.compile(model, backend="inductor", fullgraph=True) if compiled else model
+
+    def step() -> None:
+        forward(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step
+
+
 def build_long(case: Case, rank: int, timeout_s: float) -> Callable[[], None]:
     """One training step of a :data:`LONGCTX` case on this rank."""
     from transformers.models.llama import modeling_llama
@@ -202,6 +227,24 @@ def report(session: Session) -> str:
     ])  # fmt: skip
 
 
+def plan_compiled(session: Session) -> None:
+    for seq in session.args.seqs:
+        for impl in session.args.impls:
+            strategy = impl.split()[0]
+            session.run(Case(impl, seq, world=1 if strategy == "one" else 2, heads=MODEL.heads,
+                             head_dim=MODEL.dim // MODEL.heads, layout="zigzag" if strategy == "ring" else "contiguous",
+                             ulysses=2 if strategy == "ulysses" else 1))  # fmt: skip
+
+
+def report_compiled(session: Session) -> str:
+    eager = lambda r: find(session.rows, impl=r.case.impl.removesuffix(" compiled"), seq=r.case.seq)
+    return markdown_table(session.rows, [
+        "impl", "seq", "procs × threads", Column("step s", lambda r: r.fwdbwd_s, "{:.3f}"), "tokens/s",
+        Column("eager step ÷ this", lambda r: ratio(eager(r), r), "{:.2f}"),
+        Column("step MiB/rank", lambda r: r.peak_mib, "{:.1f}"), "other load %", "notes",
+    ])  # fmt: skip
+
+
 def plan_long(session: Session) -> None:
     for vocab in session.args.vocabs:
         for seq in session.args.seqs if vocab <= VOCABS[0] else [seq // 2 for seq in session.args.seqs]:
@@ -251,6 +294,17 @@ BENCHMARK = Benchmark(
                               STEP_FIGURES, logy=False),
     flop=lambda case: MODEL.layers * useful_gflop(case), packages=("deepspeed", "transformers"),
 )  # fmt: skip
+COMPILE_LABELS = {"one process": "no sequence parallelism (1 process)", "ring": "ds_ring ring (zigzag)",
+                  "ulysses": "ds_ring Ulysses"}  # fmt: skip
+COMPILE = Benchmark(
+    name="compiled", module="benchmarks.hf --compiled",
+    title="HF Llama training step, eager vs torch.compile (inductor): ds_ring p = 2 vs one process",
+    plan=plan_compiled, build=build_compiled, report=report_compiled,
+    label=lambda case: COMPILE_LABELS[case.impl.removesuffix(" compiled")] + (" compiled" * case.impl.endswith("d")),
+    seqs=([2048, 4096], [2048]), impls=[f"{i}{c}" for i in COMPILE_LABELS for c in ("", " compiled")], calls=3,
+    rank=train_rank, plots=lambda s: None, flop=lambda case: MODEL.layers * useful_gflop(case),
+    packages=("deepspeed", "transformers"),
+)  # fmt: skip
 LONGCTX = Benchmark(
     name="longctx", module="benchmarks.longctx",
     title="Whole-model long context: Llama 4 layers, hidden 256, 2 ranks — ds_ring vs DeepSpeed ALST",
@@ -263,4 +317,7 @@ LONGCTX = Benchmark(
     flop=lambda case: LONG_MODEL.layers * useful_gflop(case), packages=("deepspeed", "transformers"),
 )  # fmt: skip
 if __name__ == "__main__":
-    raise SystemExit(main(BENCHMARK))
+    import sys
+
+    compiled = "--compiled" in sys.argv  # issue 44: eager vs compiled steps (docs/performance.md)
+    raise SystemExit(main(COMPILE if compiled else BENCHMARK, [a for a in sys.argv[1:] if a != "--compiled"]))

@@ -14,7 +14,7 @@ import dataclasses
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -23,16 +23,27 @@ from ds_ring.calls import attend, topology_placement
 from ds_ring.comm.agree import agree
 from ds_ring.config import SECTION, RingAttentionConfig
 from ds_ring.integrations.hf.audit import CallAudit, ModelWatch
+from ds_ring.integrations.hf.compiled import attention_handle, compiled_attention
 from ds_ring.integrations.hf.documents import DOCUMENTS_KEY, Documents, document_positions
 from ds_ring.integrations.hf.masks import Blocks, MaskSpec, check_mask_tensor
 from ds_ring.parallel.order import shard_sequence
 from ds_ring.parallel.topology import Topology
 from ds_ring.zero import parameter_gradient_scale
 
-__all__ = ["SequenceParallelAttention"]
+__all__ = ["SequenceParallelAttention", "Site"]
 
 AttentionFunction = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 _CHECKED_KEPT = 1024  # checked call signatures remembered per attention function (least recently used dropped)
+
+
+class Site(NamedTuple):
+    """What the attention of one call needs of its module and mask: the module's and its config's class names (for
+    errors), the :class:`~ds_ring.integrations.hf.masks.MaskSpec` (``None``: a mask tensor or none) and the window."""
+
+    module: str
+    config: str
+    spec: MaskSpec | None
+    window: int | None
 
 
 class SequenceParallelAttention:
@@ -89,6 +100,8 @@ class SequenceParallelAttention:
         self._checked: OrderedDict[tuple, None] = OrderedDict()  # (heads, kv_heads, positions' shape, documents,
         # mask, window) checked, the _CHECKED_KEPT most recent: packed batches bring new documents every step
         self._expected: dict[int, tuple[weakref.ref, Documents]] = {}  # id(position_ids) -> (it, its documents)
+        self.handle = attention_handle(self)
+        """How a compiled model's ``ds_ring::hf_attention`` finds this (:mod:`ds_ring.integrations.hf.compiled`)."""
 
     def expect_documents(self, position_ids: torch.Tensor, documents: Documents) -> None:
         """The documents of the whole sequence whose shard has ``position_ids [b or 1, s/p]``, for a model called
@@ -138,24 +151,43 @@ class SequenceParallelAttention:
         self._refuse_features(module, dropout, softcap, spec, kwargs)
         if self.gradient_scale is None:
             self._read_gradient_scale(module)
+        site = Site(type(module).__name__, type(getattr(module, "config", module)).__name__, spec, sliding_window)
+        if torch.compiler.is_compiling():  # one custom op the compiler holds whole (integrations/hf/compiled.py)
+            return compiled_attention(self, site, query, key, value, attention_mask, scaling, softcap, kwargs), None
+        return self.attend(site, query, key, value, attention_mask, scaling, softcap, kwargs), None
+
+    def attend(
+        self,
+        site: Site,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Any,
+        scaling: float | None,
+        softcap: float | None,
+        kwargs: Mapping[str, Any],
+    ) -> torch.Tensor:
+        """The sequence-parallel attention of one call from ``site`` once its module's features were checked: the
+        documents, positions and mask checked on the first call of each, then ``out [b, s/p, heads, d]``."""
+        spec, sliding_window = site.spec, site.window
         bounds = self._document_bounds(kwargs)
         mask_key = spec if spec is not None else (None if attention_mask is None else tuple(attention_mask.shape))
         checked = (query.shape[1], key.shape[1], kwargs["position_ids"].shape, bounds, mask_key, sliding_window)
         if checked in self._checked:  # once per shape, documents and mask: no host read in steady state
             self._checked.move_to_end(checked)
         else:
-            self._check_shapes(module, query, key, bounds[-1])
+            self._check_shapes(site, query, key, bounds[-1])
             self._agree_on_documents(bounds)
             self._check_positions(kwargs["position_ids"], bounds)
             if spec is not None and spec.blocks is not None and spec.blocks.columns != bounds[-1]:
-                self._agree_on_sharded_blocks(module, spec.blocks)
+                self._agree_on_sharded_blocks(site.module, spec.blocks)
             if isinstance(attention_mask, torch.Tensor):
-                self._check_mask(module, attention_mask, bounds, sliding_window)
+                self._check_mask(site, attention_mask, bounds, sliding_window)
             self._checked[checked] = None
             if len(self._checked) > _CHECKED_KEPT:
                 self._checked.popitem(last=False)
         window = None if sliding_window is None or sliding_window >= bounds[-1] else sliding_window
-        spans = None if spec is None or spec.blocks is None else _spans(module, spec.blocks, bounds, window)
+        spans = None if spec is None or spec.blocks is None else _spans(site.module, spec.blocks, bounds, window)
         dense = {"segment_lengths": None, "dilation_rates": None} if window is not None else {}
         documents = bounds if len(bounds) > 2 else None
         call = dataclasses.replace(self.section.call(), **dense, scale=scaling, window=window, softcap=softcap,
@@ -261,7 +293,7 @@ class SequenceParallelAttention:
             "batch (model(**batch)), or with every entry of shard_batch(batch, topology) (shift_labels aside)"
         )
 
-    def _check_shapes(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, seq_len: int) -> None:
+    def _check_shapes(self, site: Site, query: torch.Tensor, key: torch.Tensor, seq_len: int) -> None:
         heads, kv_heads = query.shape[1], key.shape[1]
         sp = self.topology.get_sequence_parallel_world_size()
         if query.shape[2] * sp != seq_len:
@@ -269,7 +301,7 @@ class SequenceParallelAttention:
                 f"this rank holds {query.shape[2]} tokens, which is not 1/{sp} of the {seq_len} tokens that "
                 f"cu_seq_lens_q ends at; pass the batch shard_batch made for this topology"
             )
-        name = type(getattr(module, "config", module)).__name__
+        name = site.config
         try:
             self.section.check(
                 world_size=self.topology.world_size, num_heads=heads, num_kv_heads=kv_heads, seq_len=seq_len
@@ -287,16 +319,16 @@ class SequenceParallelAttention:
             timeout_s=self.topology.timeout_s, fix=_SAME_SEQUENCE,
         )  # fmt: skip
 
-    def _agree_on_sharded_blocks(self, module: nn.Module, blocks: Blocks) -> None:
+    def _agree_on_sharded_blocks(self, name: str, blocks: Blocks) -> None:
         """Image spans built from each rank's shard of ``token_type_ids``: every rank of the group raises, or none
         (when no shard holds an image token), so no rank waits on one that refused."""
         agree(
             {"image tokens in this rank's shard of token_type_ids": any(blocks.rows)},
             group=self.topology.control_group(self.topology.sequence_parallel_group), op="hf_attention",
-            timeout_s=self.topology.timeout_s, fix=_sharded_ids(type(module).__name__, blocks, "each rank"),
+            timeout_s=self.topology.timeout_s, fix=_sharded_ids(name, blocks, "each rank"),
         )  # fmt: skip
 
-    def _check_mask(self, module: nn.Module, mask: torch.Tensor, bounds: tuple[int, ...], window: int | None) -> None:
+    def _check_mask(self, site: Site, mask: torch.Tensor, bounds: tuple[int, ...], window: int | None) -> None:
         """A mask tensor the model built itself must say no more than causal, the window and the documents."""
         tokens = shard_sequence(
             torch.arange(bounds[-1]), self.topology.sequence_parallel_group, layout=self.section.layout, dim=0
@@ -305,7 +337,7 @@ class SequenceParallelAttention:
         difference = check_mask_tensor(mask, tokens, bounds, self.section.causal, window)
         if difference is not None:
             raise ValueError(
-                f"{type(module).__name__} is given {difference}, which ds_ring's attention (causal "
+                f"{site.module} is given {difference}, which ds_ring's attention (causal "
                 f"{self.section.causal}, window {window}, the batch's documents) does not compute; ds_ring cannot "
                 f"run this attention sequence-parallel: train this model without sequence parallelism"
             )
@@ -341,12 +373,12 @@ def _show(positions: torch.Tensor) -> str:
 
 
 def _spans(
-    module: nn.Module, blocks: Blocks, bounds: tuple[int, ...], window: int | None
+    name: str, blocks: Blocks, bounds: tuple[int, ...], window: int | None
 ) -> tuple[tuple[int, int], ...] | None:  # docs/models.md §Vision-language masks
     """The bidirectional spans of a mask's blocks (image tokens, a prefix) over the whole sequence (documents
     ``bounds``), the same for every batch row; ``ValueError`` naming the module and the fix where they cannot be
     computed."""
-    name, seq = type(module).__name__, bounds[-1]
+    seq = bounds[-1]
     if not any(blocks.rows):  # no image token (Gemma 4's text-only batches: every id -1; agreed when sharded)
         return None
     if blocks.remapped and len(bounds) > 2:

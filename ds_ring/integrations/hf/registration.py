@@ -201,7 +201,8 @@ def register_with_transformers(
                                  library=LIB))  # fmt: skip
     if not disable_in_eval and (own or core_attn_implementation in ALL_MASK_ATTENTION_FUNCTIONS):
         masks = whole_image_mask(vision, ALL_MASK_ATTENTION_FUNCTIONS.get(core_attn_implementation), _no_mask)
-        replaced.append(set_item(ALL_MASK_ATTENTION_FUNCTIONS._local_mapping, core_attn_implementation, masks, library=LIB))
+        own_masks = ALL_MASK_ATTENTION_FUNCTIONS._local_mapping
+        replaced.append(set_item(own_masks, core_attn_implementation, masks, library=LIB))
     if own:  # transformers builds masks only for implementations of its class-wide table: the window lives there
         table = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
         replaced.append(set_item(table, OWN_NAME, _no_mask, library=LIB))
@@ -332,9 +333,21 @@ def _audit_modules(
                      type(model_name_or_path).__name__, probe)  # fmt: skip
 
 
-def _no_mask(*, attention_mask: torch.Tensor | None = None, mask_function: Any = None, **_: Any) -> MaskSpec:
+def _no_mask(
+    *, attention_mask: torch.Tensor | None = None, mask_function: Any = None, **kwargs: Any
+) -> MaskSpec | torch.Tensor:
     """The mask function of the replaced implementation: no ``[s, s]`` tensor is built; the attention gets what the
-    mask says (:func:`~ds_ring.integrations.hf.masks.mask_spec`: causal, the window, or what it cannot compute)."""
+    mask says (:func:`~ds_ring.integrations.hf.masks.mask_spec`: causal, the window, or what it cannot compute).
+
+    Under ``torch.compile`` the mask function cannot be read (the compiler cannot read the closures of functions
+    made while it traces): the shard's boolean mask ``[b, 1, s/p, s/p]`` is built as ``sdpa`` builds it, and the
+    attention checks it as any mask tensor a model built itself, on the first call of each shape (refused if it says
+    more than causal, the window and the documents)."""
+    if torch.compiler.is_compiling():  # padding included: the attention's check refuses it
+        from transformers.masking_utils import sdpa_mask
+
+        kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+        return sdpa_mask(attention_mask=attention_mask, mask_function=mask_function, **kwargs)
     refuse_padding(attention_mask)
     return mask_spec(mask_function)
 

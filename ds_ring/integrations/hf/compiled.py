@@ -1,0 +1,194 @@
+"""ds_ring's Hugging Face attention as one custom op, so ``torch.compile(model, fullgraph=True)`` holds it whole.
+
+Under ``torch.compile`` :class:`~ds_ring.integrations.hf.attention.SequenceParallelAttention` checks its module's
+features while tracing (plain Python on constants) and hands the rest of the call to ``ds_ring::hf_attention``: the
+documents, positions and mask checks, the ranks' agreement, the prepared-call cache and the strategy's
+communication all run inside the op, as in eager mode, and the compiler sees one node with a known output shape.
+Its backward, ``ds_ring::hf_attention_backward``, runs the same call again with autograd and differentiates it
+(one more attention forward per layer, its communication included; nothing but the inputs is kept between them).
+
+The call site's settings (module and config names, the mask the model asked for, ``scaling``, ``softcap``) are
+constants of the traced call: they reach the op as one ``int`` handle (:mod:`ds_ring.opaque`), made while tracing.
+The documents of a packed batch reach it as the batch's ``cu_seq_lens_q`` tensor when it has one (a batch of other
+documents runs the same graph), else as Python ints (constants: each set of documents compiles its own graph).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ds_ring.integrations.hf.documents import DOCUMENTS_KEY, Documents
+from ds_ring.integrations.hf.masks import MaskSpec
+from ds_ring.opaque import autograd_inside, lookup, register
+
+if TYPE_CHECKING:
+    from ds_ring.integrations.hf.attention import SequenceParallelAttention, Site
+
+__all__ = ["compiled_attention"]
+
+
+def compiled_attention(
+    attention: SequenceParallelAttention,
+    site: Site,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    scaling: float | None,
+    softcap: float | None,
+    kwargs: Mapping[str, Any],
+) -> torch.Tensor:
+    """``attention.attend(...)`` through ``ds_ring::hf_attention``: ``query [b, heads, s/p, d]``, ``key``/``value``
+    ``[b, kv_heads, s/p, d|dv]`` → ``out [b, s/p, heads, dv]`` (contiguous)."""
+    spec = site.spec
+    handle = _call_handle(
+        attention.handle, site.module, site.config, spec is not None, spec is not None and spec.causal,
+        None if spec is None else spec.window, None if spec is None else spec.unsupported, site.window, scaling,
+        softcap,
+    )  # fmt: skip
+    # Python-int documents are constants of a graph (a new set: a new graph); the tensor, when the batch has it, is
+    # an input (read on the host inside the op, as eager reads it)
+    documents = None if kwargs.get("cu_seq_lens_q") is not None else kwargs.get(DOCUMENTS_KEY)
+    mask = attention_mask if isinstance(attention_mask, torch.Tensor) else None
+    return torch.ops.ds_ring.hf_attention(
+        query, key, value, kwargs.get("s_aux"), kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"),
+        kwargs.get("cu_seq_lens_k"), mask, None if documents is None else list(documents.bounds), handle,
+    )  # fmt: skip
+
+
+@torch.compiler.assume_constant_result
+def _call_handle(
+    attention: int,
+    module: str,
+    config: str,
+    has_spec: bool,
+    causal: bool,
+    spec_window: int | None,
+    unsupported: str | None,
+    window: int | None,
+    scaling: float | None,
+    softcap: float | None,
+) -> int:
+    """The handle of one call site's settings (called while tracing, its result a constant of the graph)."""
+    from ds_ring.integrations.hf.attention import Site
+
+    spec = MaskSpec(causal, spec_window, unsupported) if has_spec else None
+    key = ("hf_attention", attention, module, config, spec, window, scaling, softcap)
+    return register((attention, Site(module, config, spec, window), scaling, softcap), key)
+
+
+def attention_handle(attention: SequenceParallelAttention) -> int:
+    """A handle for ``attention`` that does not keep it alive (taken once, when it is built)."""
+    return register(weakref.ref(attention))
+
+
+def _run(
+    handle: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    sinks: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    cu_seq_lens_q: torch.Tensor | None,
+    cu_seq_lens_k: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    documents: list[int] | None,
+) -> torch.Tensor:
+    attention_handle_, site, scaling, softcap = lookup(handle)
+    attention = lookup(attention_handle_)()
+    if attention is None:
+        raise ValueError(
+            "a compiled model called ds_ring's attention after its session was closed and dropped; compile the "
+            "model again after register_with_transformers (torch._dynamo.reset() drops the old graphs)"
+        )
+    kwargs: dict[str, Any] = {
+        "position_ids": position_ids, "cu_seq_lens_q": cu_seq_lens_q, "cu_seq_lens_k": cu_seq_lens_k, "s_aux": sinks,
+    }  # fmt: skip
+    kwargs = {name: x for name, x in kwargs.items() if x is not None}
+    if documents is not None:
+        kwargs[DOCUMENTS_KEY] = Documents(tuple(documents))
+    return attention.attend(site, query, key, value, site.spec if mask is None else mask, scaling, softcap, kwargs)
+
+
+_ARGS = (
+    "Tensor query, Tensor key, Tensor value, Tensor? sinks, Tensor? position_ids, Tensor? cu_seq_lens_q, "
+    "Tensor? cu_seq_lens_k, Tensor? mask, int[]? documents, int handle"
+)  # spelled out: torch 2.6 cannot infer a schema from ``X | None`` annotations
+
+
+@torch.library.custom_op("ds_ring::hf_attention", mutates_args=(), schema=f"({_ARGS}) -> Tensor")
+def _hf_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    sinks: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    cu_seq_lens_q: torch.Tensor | None,
+    cu_seq_lens_k: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    documents: list[int] | None,
+    handle: int,
+) -> torch.Tensor:
+    with torch.no_grad():
+        out = _run(handle, query, key, value, sinks, position_ids, cu_seq_lens_q, cu_seq_lens_k, mask, documents)
+    return out.contiguous()
+
+
+@_hf_attention.register_fake
+def _hf_attention_fake(query, key, value, sinks, position_ids, cu_seq_lens_q, cu_seq_lens_k, mask, documents, handle):
+    batch, heads, rows, _ = query.shape
+    return query.new_empty((batch, rows, heads, value.shape[-1]))
+
+
+_BACKWARD_SCHEMA = f"(Tensor grad, {_ARGS}) -> Tensor[]"
+
+
+@torch.library.custom_op("ds_ring::hf_attention_backward", mutates_args=(), schema=_BACKWARD_SCHEMA)
+def _hf_attention_backward(
+    grad: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    sinks: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    cu_seq_lens_q: torch.Tensor | None,
+    cu_seq_lens_k: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    documents: list[int] | None,
+    handle: int,
+) -> list[torch.Tensor]:
+    inputs = [x for x in (query, key, value, sinks) if x is not None]
+    with autograd_inside():
+        leaves = [x.detach().requires_grad_(True) for x in inputs]
+        out = _run(handle, *leaves[:3], leaves[3] if sinks is not None else None, position_ids, cu_seq_lens_q,
+                   cu_seq_lens_k, mask, documents)  # fmt: skip
+        grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
+    # the layout the fake promises: each gradient strided like its input
+    pairs = zip(inputs, grads, strict=True)
+    return [torch.zeros_like(x) if g is None else torch.empty_like(x).copy_(g) for x, g in pairs]
+
+
+@_hf_attention_backward.register_fake
+def _hf_attention_backward_fake(grad, query, key, value, sinks, *_):
+    return [torch.empty_like(x) for x in (query, key, value, sinks) if x is not None]
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    query, key, value, sinks, position_ids, cu_q, cu_k, mask, documents, handle = inputs
+    ctx.save_for_backward(query, key, value, sinks, position_ids, cu_q, cu_k, mask)
+    ctx.documents, ctx.handle = documents, handle
+
+
+def _backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    query, key, value, sinks, position_ids, cu_q, cu_k, mask = ctx.saved_tensors
+    grads = torch.ops.ds_ring.hf_attention_backward(
+        grad, query, key, value, sinks, position_ids, cu_q, cu_k, mask, ctx.documents, ctx.handle
+    )
+    return grads[0], grads[1], grads[2], grads[3] if sinks is not None else None, *([None] * 6)
+
+
+_hf_attention.register_autograd(_backward, setup_context=_setup_context)

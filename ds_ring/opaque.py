@@ -1,0 +1,65 @@
+"""What ds_ring's ``torch.compile`` custom ops share: handles for the Python objects they need, and autograd inside.
+
+A custom op (``torch.library.custom_op``) takes tensors and plain values only, and the compiler neither traces nor
+splits it: ds_ring's attention runs inside one, its communication, agreement and caches as in eager mode. The
+objects a call needs (the attention function with its topology, the settings of one call site) reach the op as
+an ``int`` handle into a process-wide table (:func:`register` once, :func:`lookup` in the op).
+
+The backward op recomputes the forward with autograd and differentiates it (:func:`autograd_inside`): a custom op
+runs below the autograd dispatch keys, so the autograd graph of ds_ring's ``autograd.Function``\\ s is built only
+once those keys are let through again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["register", "lookup", "autograd_inside"]
+
+_table: dict[int, Any] = {}
+_keys: dict[Any, int] = {}
+_counter = itertools.count(1)
+_lock = threading.Lock()
+
+
+def register(value: Any, key: Any = None) -> int:
+    """The handle of ``value`` (kept for the life of the process); ``key``: a hashable that names it, so the
+    same ``key`` gives the same handle (``None``: a new handle every call)."""
+    with _lock:
+        if key is not None and key in _keys:
+            return _keys[key]
+        handle = next(_counter)
+        _table[handle] = value
+        if key is not None:
+            _keys[key] = handle
+        return handle
+
+
+def lookup(handle: int) -> Any:
+    """What :func:`register` gave ``handle`` for."""
+    return _table[handle]
+
+
+_AUTOGRAD = (
+    torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
+    | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradOther)
+    | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradNestedTensor)
+)
+
+
+@contextlib.contextmanager
+def autograd_inside() -> Iterator[None]:
+    """Grad mode on and the autograd dispatch keys no longer excluded (a custom op's kernel runs with them
+    excluded): operations record their graph again. Everything else excluded (autocast, ...) stays excluded."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    with (
+        torch.enable_grad(),
+        torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude - _AUTOGRAD),
+    ):
+        yield
