@@ -33,13 +33,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+import ds_ring.auto  # noqa: F401  (registers strategy "auto")
 from ds_ring.comm.agree import agree
 from ds_ring.comm.groups import group_rank, group_size, takes_cpu
 from ds_ring.cpu_heap import configure_cpu_heap
 from ds_ring.kernels.dilation import check_cu_seqlens, check_softcap, validate_qkv
 from ds_ring.kernels.sinks import check_sinks
 from ds_ring.parallel.topology import Topology
-from ds_ring.strategies import AttentionCall, Bound, Degrees, Placement, Shape, Target, get_strategy
+from ds_ring.strategies import DEFAULT_STRATEGY, AttentionCall, Bound, Degrees, Placement, Shape, Target, get_strategy
 
 __all__ = [
     "AttentionCall",
@@ -82,7 +83,7 @@ def ring_dilated_attention(
     window: int | None = None,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
-    strategy: str = "ring",
+    strategy: str = DEFAULT_STRATEGY,
 ) -> Output:
     """Dilated (or dense) attention over a sequence sharded across ``group``.
 
@@ -138,7 +139,7 @@ def sequence_parallel_attention(
     causal: bool = False,
     scale: float | None = None,
     topology: Topology,
-    strategy: str = "ring",
+    strategy: str = DEFAULT_STRATEGY,
     communication: str | None = None,
     layout: str = "contiguous",
     head_offset: int = 0,
