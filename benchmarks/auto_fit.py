@@ -16,8 +16,10 @@ memory_q_shards`.
 
 The fit (``--fit``: no measurement) reads the ``fit`` grid only: the time calibration (:class:`ds_ring.auto.model.
 Calibration`: compute and communication scales, least squares of log(measured / predicted) over every strategy of
-every point) and the memory coefficients (:data:`ds_ring.auto.model.BUFFERS`, least squares per coefficient), and
-prints them; the model carries them as constants and ``tests/test_auto_fit.py`` checks they are this fit's.
+every point) and the memory coefficients (:data:`ds_ring.auto.model.BUFFERS`, least squares per coefficient). Then
+the gate (:func:`coefficients`): each fit is used only if it predicts the ``heldout`` grid better than what the model
+had before (median |log(measured / predicted)|). The model carries the used ones as constants, and
+``tests/test_auto_fit.py`` checks they are this gate's.
 ``--report`` prints predicted against measured with the model's constants, per grid.
 
     python -m benchmarks.auto_fit --grid fit --timing --memory
@@ -41,10 +43,11 @@ GRIDS: dict[str, dict[str, Any]] = {
         "timing": [(w, s, h, kv) for w in (2, 4) for s in (2048, 4096) for h, kv in ((8, 8), (8, 2))],
         "memory": [(w, h, kv, (4096, 8192)) for w in (2, 4) for h, kv in ((8, 8),)],
     },
-    # held out: other lengths, head counts (12/4 GQA, 6/6 MHA), and 3 ranks
+    # held out: other lengths, head counts (12/4 GQA, 6/6 MHA), and 3 ranks; memory: 8/2 GQA (K/V a quarter of the
+    # fit's) and 3 ranks, at the fit's lengths (at 3K→6K rows, 12/4 heads, the slope read 0.9 q-shards: fixed costs)
     "heldout": {
         "timing": [(w, s, h, kv) for w in (2, 3, 4) for s in (3072, 6144) for h, kv in ((12, 4), (6, 6))],
-        "memory": [(w, 12, 4, (3072, 6144)) for w in (2, 3, 4)],
+        "memory": [(w, 8, 2, (4096, 8192)) for w in (2, 3, 4)],
     },
 }
 STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
@@ -207,6 +210,53 @@ def fit_memory(rows: list[dict]) -> dict[str, float]:
     return fitted
 
 
+BASELINE_CALIBRATION = {"compute": 1.0, "comm": 1.0}
+"""What ``auto`` computed with before any fit: the probe's rates as measured."""
+BASELINE_BUFFERS = {"ring": 0.75, "ring_dilated": 0.9, "allgather": 0.45, "ulysses": 0.0, "hybrid_ring": 1.0}
+"""The memory coefficients before this fit (calibrated by hand on 4 ranks, 8/8 heads, 4K→8K rows)."""
+
+
+def _median_abs_log(ratios: list[float]) -> float:
+    return statistics.median(abs(math.log(r)) for r in ratios)
+
+
+def time_error(points: list[dict], calibration: dict[str, float]) -> float:
+    """Median |log(measured / predicted)| over every strategy of every point under ``calibration``."""
+    from ds_ring.auto.model import Calibration
+
+    ratios = []
+    for point in points:
+        predicted = predict_times(point, Calibration(**calibration))
+        ratios += [point["measured_s"][s] / predicted[s] for s in point["measured_s"]]
+    return _median_abs_log(ratios)
+
+
+def memory_error(rows: list[dict], buffers: dict[str, float]) -> float:
+    """Median |log(measured / predicted)| over the memory rows with ``buffers``."""
+    return _median_abs_log([row["measured_q_shards"] / predict_memory(row, buffers) for row in rows])
+
+
+def coefficients(results: dict) -> dict[str, Any]:
+    """Fitted on the ``fit`` grid, then gated on the ``heldout`` grid: a fit is *used* (what the model carries) only
+    where its median |log(measured / predicted)| on the held-out grid is below the baseline's (what ``auto`` used
+    before), else the baseline stays."""
+    fit, held = results["fit"], results["heldout"]
+    compute, comm = fit_time(fit["timing"])
+    fitted = {"calibration_cpu": {"compute": compute, "comm": comm}, "buffers": fit_memory(fit["memory"])}
+    error = {
+        "time_fitted": time_error(held["timing"], fitted["calibration_cpu"]),
+        "time_baseline": time_error(held["timing"], BASELINE_CALIBRATION),
+        "memory_fitted": memory_error(held["memory"], fitted["buffers"]),
+        "memory_baseline": memory_error(held["memory"], BASELINE_BUFFERS),
+    }
+    used = {
+        "calibration_cpu": fitted["calibration_cpu"] if error["time_fitted"] < error["time_baseline"]
+        else BASELINE_CALIBRATION,
+        "buffers": fitted["buffers"] if error["memory_fitted"] < error["memory_baseline"] else BASELINE_BUFFERS,
+    }  # fmt: skip
+    return {"fitted": fitted, "heldout_median_abs_log": error, "used": used}
+
+
 def spread(ratios: list[float]) -> dict[str, float]:
     """Median, min and max of measured ÷ predicted."""
     return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "n": len(ratios)}
@@ -301,11 +351,8 @@ def main() -> None:
             grid["memory"] += measure_memory(world, heads, kv, lengths, args.timeout_s)
             write_json(path, results)
     if args.fit:
-        fit = results["fit"]
-        compute, comm = fit_time(fit["timing"])
-        buffers = fit_memory(fit["memory"])
-        results["coefficients"] = {"calibration_cpu": {"compute": compute, "comm": comm}, "buffers": buffers}
-        print(f"fitted: Calibration(compute={compute}, comm={comm}); BUFFERS = {buffers}")
+        results["coefficients"] = coefficients(results)
+        print(json.dumps(results["coefficients"], indent=1))
         write_json(path, results)
     if args.report:
         results["summary"] = report(results)
