@@ -1,6 +1,7 @@
 """What every benchmark shares: RSS and its peak, timed calls, the :class:`Case`, its useful work, the rank functions
 (what runs in rank processes), machine info, others' CPU time, JSON and PNGs. MiB = 2**20 B, GFLOP = 1e9 flop."""
 
+import argparse
 import contextlib
 import ctypes
 import gc
@@ -276,6 +277,27 @@ def machine_info(packages: Iterable[str]) -> dict[str, Any]:
         "loadavg_1m": os.getloadavg()[0], "python": platform.python_version(), "platform": platform.platform(),
         "versions": versions, "git_commit": commit.stdout.strip() or None, "ds_ring_source_sha256": h.hexdigest()[:16],
     }  # fmt: skip
+
+
+def ulysses_degree(strategy: str, world: int) -> int:
+    """The Ulysses degree the one-topology benchmarks give ``strategy`` on ``world`` ranks (hybrid: 2)."""
+    return 2 if strategy == "hybrid" and world > 1 else (world if strategy == "ulysses" else 1)
+
+
+def script_args(doc: str, *options: tuple[str, dict[str, Any]], argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line of a benchmark with its own main: ``options`` (flag, ``add_argument`` keywords), then
+    ``--timeout-s`` (every wait, s) and ``--out`` (the results' folder)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for flag, kwargs in (*options, ("--timeout-s", {"type": float, "default": 600}), ("--out", {"type": Path})):
+        p.add_argument(flag, **kwargs)
+    args = p.parse_args(argv)
+    args.out = args.out or RESULTS
+    return args
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """``path``'s JSON, or ``{}`` where there is none yet (the label-keyed results of ``--label``)."""
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def rel(path: str | Path) -> str:

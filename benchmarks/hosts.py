@@ -1,12 +1,5 @@
-"""``benchmarks.auto`` on two hosts: 4 ranks, 2 per host, in the multi-host tests' setup (two network namespaces
-of this machine joined by a veth pair, one ``torchrun`` agent each: ``tests/multihost/hosts.py``).
-
-:func:`time_two_hosts` (driver) opens the hosts and runs this module on both; each rank (``python -m
-benchmarks.hosts OUT ROUNDS TIMEOUT_S SEQ...``, under torchrun) times every strategy and ``auto`` on the topology
-Ulysses 2 (inside a host) × ring 2 (across them) with :func:`benchmarks.auto.interleaved_rank` (each warmed up, then
-``ROUNDS`` interleaved calls each), all in one launch; rank 0 writes each case's slowest-rank times to
-``OUT/hosts.json``.
-"""
+"""``benchmarks.auto --two-hosts``: the multi-host tests' network namespaces (``benchmarks/SUITE.md``); under
+torchrun each rank runs ``python -m benchmarks.hosts OUT ROUNDS TIMEOUT_S SEQ...``, rank 0 writes ``hosts.json``."""
 
 from __future__ import annotations
 

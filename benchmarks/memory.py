@@ -1,16 +1,8 @@
-"""Activation memory per rank of one forward+backward as a slope in q-shards plus a fixed cost.
-
-Every (call, ranks) runs at two local lengths in fresh rank processes (1 thread, fp32, 8 heads × 64, causal): extra
-= peak RSS of one fwd+bwd (``VmHWM`` after ``clear_refs``; CUDA: the allocator's peak) above the RSS once q, k, v,
-dout exist, max over ranks; slope (q-shards) = Δextra ÷ Δ(bytes of a q shard), fixed (MiB) = extra₁ − slope · b₁
-(``benchmarks/SUITE.md``). With ``--live`` (CPU) the same call also runs under ``torch.profiler`` with memory
-profiling, and ``live_mib`` is the peak of the bytes of tensors made during it and still live: allocator-independent
-(the RSS follows live tensors too as far as glibc's heap allows: ds_ring fixes its mmap threshold on CPU ranks).
-The rows go under ``--label`` into ``DIR/memory.json``; the plot is ``DIR/memory.png``.
+"""Activation memory per rank of one forward+backward as a slope in q-shards plus a fixed cost; the method:
+``benchmarks/SUITE.md``. The rows go under ``--label`` into ``DIR/memory.json``; the plot is ``DIR/memory.png``.
 
     python -m benchmarks.memory --ranks 1 2 4 --calls dense_ring dilated_ring --label before"""
 
-import argparse
 import contextlib
 import json
 import tempfile
@@ -19,6 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks import common
 from benchmarks.common import MIB, Series, peak_rss_mib, plot_panels, release_free_memory, reset_peak_rss, write_json
 from ds_ring.cpu_heap import configure_cpu_heap
 from ds_ring.testing import rank_results, spawn_ranks
@@ -86,7 +79,7 @@ def _measure(rank: int, world: int, call: Call, local_len: int, device: str, liv
     seq = local_len * world
     segments = None if call.segments is None else [max(1, int(seq * f)) for f in call.segments]
     rates = None if call.rates is None else list(call.rates)
-    ulysses = 2 if call.strategy == "hybrid" and world > 1 else (world if call.strategy == "ulysses" else 1)
+    ulysses = common.ulysses_degree(call.strategy, world)
     topology = ds_ring.Topology(ulysses=ulysses, ring=world // ulysses)
     g = torch.Generator().manual_seed(rank)
     kv = call.kv_heads or call.heads
@@ -149,18 +142,14 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--calls", nargs="+", choices=sorted(CALLS), default=list(CALLS))
-    parser.add_argument("--ranks", nargs="+", type=int, default=[1, 2, 4, 8])
-    parser.add_argument("--label", default="after", help="key of this run in the JSON (e.g. before / after)")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: p = 1 only (gloo ranks)")
-    parser.add_argument("--timeout-s", type=float, default=600)
-    parser.add_argument("--live", action="store_true", help="also the peak of live tensors (torch.profiler, CPU)")
-    parser.add_argument("--tokens-per-rank", nargs=2, type=int, help="the two local lengths (default: each call's)")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    args = parser.parse_args()
+    args = common.script_args(__doc__, ("--calls", {"nargs": "+", "choices": sorted(CALLS), "default": list(CALLS)}),
+                       ("--ranks", {"nargs": "+", "type": int, "default": [1, 2, 4, 8]}),
+                       ("--label", {"default": "after", "help": "key of this run in the JSON (before / after)"}),
+                       ("--device", {"choices": ["cpu", "cuda"], "default": "cpu", "help": "cuda: p = 1 (gloo)"}),
+                       ("--live", {"action": "store_true", "help": "also the peak of live tensors (torch.profiler)"}),
+                       ("--tokens-per-rank", {"nargs": 2, "type": int, "help": "the two local lengths"}))  # fmt: skip
     path = args.out / "memory.json"  # write_json makes its folder
-    results = json.loads(path.read_text()) if path.exists() else {}
+    results = common.read_json(path)
     rows = [r for r in results.get(args.label, []) if not (r["call"] in args.calls and r["ranks"] in args.ranks)]
     for world in args.ranks:
         for name in args.calls:

@@ -1,24 +1,13 @@
-"""The noise of ``auto``'s probe and what it does to the choice: the probe repeated ``--repeats`` times in one launch,
-the spread of what it measured, and ``auto``'s choice under every repeat on a grid of calls.
+"""The noise of ``auto``'s probe and what it does to the choice (``benchmarks/SUITE.md``, docs/auto.md).
 
-Per world size, one launch of 1-thread CPU ranks (gloo): ``--repeats`` agreed probes (:func:`ds_ring.auto.probe.
-measure_link` then :func:`~ds_ring.auto.probe.agree_link`, exactly what ``auto``'s first call runs), the machine's load
-average beside each. Then, with no timing, :func:`ds_ring.auto.model.plan_options` under every repeat's link on
-``--seqs`` × heads (8/8, 8/2) × 64 fp32 causal calls (degrees as the run has them: ``1 × p``, and ``2 × p/2`` at
-``p = 4``): per point the choices, how often the most frequent one came out, and the gap between the best and the
-second-best strategy under the median link, set against the spread of those two options' predicted times over
-the repeats. Writes ``DIR/probe.json`` under ``--label``.
+python -m benchmarks.probe --worlds 2 4 --repeats 20"""
 
-    python -m benchmarks.probe --worlds 2 4 --repeats 20"""
-
-import argparse
 import collections
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import write_json
+from benchmarks.common import read_json, script_args, write_json
 from ds_ring.testing import rank_results, spawn_ranks
 
 
@@ -71,16 +60,15 @@ def stability(world: int, probes: list[dict[str, Any]], seqs: list[int]) -> list
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--worlds", nargs="+", type=int, default=[2, 4])
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--seqs", nargs="+", type=int, default=[2048, 4096, 8192, 16384, 32768])
-    parser.add_argument("--timeout-s", type=float, default=600)
-    parser.add_argument("--label", default="after", help="key of this run in the JSON (e.g. before / after)")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    args = parser.parse_args()
+    args = script_args(
+        __doc__,
+        ("--worlds", {"nargs": "+", "type": int, "default": [2, 4]}),
+        ("--repeats", {"type": int, "default": 20}),
+        ("--seqs", {"nargs": "+", "type": int, "default": [2048, 4096, 8192, 16384, 32768]}),
+        ("--label", {"default": "after", "help": "key of this run in the JSON (before / after)"}),
+    )
     path = args.out / "probe.json"
-    everything = json.loads(path.read_text()) if path.exists() else {}
+    everything = read_json(path)
     everything[args.label] = results = []
     for world in args.worlds:
         ranks = rank_results(spawn_ranks(_probe_rank, world, timeout_s=args.timeout_s, args=(args.repeats,)))

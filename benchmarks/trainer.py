@@ -1,6 +1,5 @@
-"""``python -m benchmarks.trainer``: tokens/s of ``SequenceParallelTrainer`` vs the hand-written loop, same job.
-The job, and how the two are alternated round by round: ``benchmarks/SUITE.md``. Writes ``DIR/trainer.json`` and
-``DIR/trainer_tokens.png``; prints the median of the per-round ratios Trainer ÷ loop."""
+"""``python -m benchmarks.trainer``: tokens/s of ``SequenceParallelTrainer`` vs the hand-written loop, same job, the
+two alternated round by round (``benchmarks/SUITE.md``); prints the median of the per-round ratios Trainer ÷ loop."""
 
 import argparse
 import json

@@ -74,20 +74,7 @@ class RingDilatedAttention(nn.Module):
         softcap: float | None = None,
     ) -> None:
         super().__init__()
-        self.call = _validated(
-            AttentionCall(
-                segment_lengths,
-                dilation_rates,
-                causal,
-                scale,
-                communication,
-                layout,
-                head_offset,
-                timeout_s=timeout_s,
-                window=window,
-                softcap=softcap,
-            )  # fmt: skip
-        )
+        self.call = _validated(AttentionCall.of(locals()))
         self.group = group
         self.topology = topology
         self.strategy = strategy
@@ -146,15 +133,10 @@ class RingDilatedAttention(nn.Module):
 
 
 def _validated(call: AttentionCall) -> AttentionCall:
-    """``call`` with its branch lists as lists, once they are valid (checked at build time, so a typo fails
-    before the first forward; ``seq_len`` at its maximum clamps nothing)."""
+    """``call`` once its options are valid (its branch lists were validated when it was made; the rest is checked at
+    build time too, so a typo fails before the first forward)."""
     call.check_options()
-    segs, rates = call.segment_lengths, call.dilation_rates
-    return dataclasses.replace(
-        call,
-        segment_lengths=None if segs is None else list(segs),
-        dilation_rates=None if rates is None else list(rates),
-    )
+    return call
 
 
 class MultiheadRingDilatedAttention(nn.Module):

@@ -14,17 +14,15 @@ documents, communication, timeout) — is
 Every later call with that key runs the bound function directly: no validation, no agreement lookup and
 no read of a tensor's values on the host, as long as document boundaries come as Python ints
 (``cu_seqlens=(0, 3000, 16384)``; a tensor is read back to key the call, a device sync on a GPU).
-Prepared calls are kept per placement (a :class:`~ds_ring.Topology` or a process group), the least
-recently used dropped after :data:`CACHE_SIZE`. Limit, as for every such cache: a rank whose call
-changes while the others repeat one they prepared is the only one that exchanges; it fails after its
-timeout with an error saying so.
+Prepared calls are kept per placement (a :class:`~ds_ring.Topology` or a process group) by the job's
+:class:`~ds_ring.comm.job.Job`, the least recently used dropped after :data:`CACHE_SIZE`. Limit, as for every
+such cache: a rank whose call changes while the others repeat one they prepared is the only one that exchanges;
+it fails after its timeout with an error saying so.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import threading
-import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -36,11 +34,13 @@ from torch.distributed import ProcessGroup
 import ds_ring.auto  # noqa: F401  (registers strategy "auto")
 from ds_ring.comm.agree import agree
 from ds_ring.comm.groups import group_rank, group_size, takes_cpu
+from ds_ring.comm.job import job
 from ds_ring.cpu_heap import configure_cpu_heap
 from ds_ring.kernels.dilation import check_cu_seqlens, check_softcap, validate_qkv
 from ds_ring.kernels.sinks import check_sinks
 from ds_ring.parallel.topology import Topology
 from ds_ring.strategies import DEFAULT_STRATEGY, AttentionCall, Bound, Degrees, Placement, Shape, Target, get_strategy
+from ds_ring.strategies.base import NOT_AGREED
 
 __all__ = [
     "AttentionCall",
@@ -58,10 +58,6 @@ Output = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 CACHE_SIZE = 256
 """Prepared calls kept per placement."""
-
-_prepared: weakref.WeakKeyDictionary[object, OrderedDict[tuple, Bound]] = weakref.WeakKeyDictionary()
-_placements: weakref.WeakKeyDictionary[object, Placement] = weakref.WeakKeyDictionary()
-_lock = threading.Lock()
 
 
 def ring_dilated_attention(
@@ -122,11 +118,7 @@ def ring_dilated_attention(
             (on every rank, after one small exchange on a key's first call); an unsupported layout /
             segment / shard combination — all before any data moves.
     """
-    call = AttentionCall(
-        segment_lengths, dilation_rates, causal, scale, communication, layout, head_offset, return_lse, timeout_s,
-        cu_seqlens, window, sinks, softcap,
-    )  # fmt: skip
-    return attend(q, k, v, call, group_placement(group), strategy, op="ring_dilated_attention")
+    return attend(q, k, v, AttentionCall.of(locals()), group_placement(group), strategy, op="ring_dilated_attention")
 
 
 def sequence_parallel_attention(
@@ -191,11 +183,7 @@ def sequence_parallel_attention(
             cannot do (heads not divisible by the all-to-all degree, unsupported branches or layout)
             — all before any data moves.
     """
-    call = AttentionCall(
-        segment_lengths, dilation_rates, causal, scale, communication, layout, head_offset, return_lse, timeout_s,
-        cu_seqlens, window, sinks, softcap,
-    )  # fmt: skip
-    return attend(q, k, v, call, topology_placement(topology), strategy)
+    return attend(q, k, v, AttentionCall.of(locals()), topology_placement(topology), strategy)
 
 
 def attend(
@@ -210,27 +198,23 @@ def attend(
 ) -> Output:
     """Run ``call`` with ``strategy`` over ``placement`` (prepared on its key's first call); ``op`` names the
     entry point in agreement errors. Shapes and returns as :func:`sequence_parallel_attention`."""
-    documents = _documents(call.cu_seqlens)
-    sinks = call.sinks
+    described = call.described()
     backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    key = (
-        op, strategy, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, backward,
-        _ints(call.segment_lengths), _ints(call.dilation_rates), call.causal, call.scale, call.communication,
-        call.layout, call.head_offset, call.return_lse, call.timeout_s, documents, call.window, call.softcap,
-        None if sinks is None else (sinks.shape, sinks.dtype, sinks.device),
-    )  # fmt: skip
-    prepared = _cache(placement)
-    with _lock:
+    key = (op, strategy, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, backward,
+           *described.values())  # fmt: skip
+    owner = job()
+    prepared = owner.owned(placement, "prepared calls", OrderedDict)
+    with owner.lock:
         bound = prepared.get(key)
         if bound is not None:
             prepared.move_to_end(key)
     if bound is None:
-        bound = _prepare(q, k, v, call, placement, strategy, op, backward, documents)
-        with _lock:
+        bound = _prepare(q, k, v, call, placement, strategy, op, backward)
+        with owner.lock:
             prepared[key] = bound
             if len(prepared) > CACHE_SIZE:
                 prepared.popitem(last=False)
-    out, lse = bound(q, k, v, sinks)
+    out, lse = bound(q, k, v, call.sinks)
     return (out, lse.transpose(1, 2)) if call.return_lse else out
 
 
@@ -243,7 +227,6 @@ def _prepare(
     strategy: str,
     op: str,
     backward: bool,
-    documents: tuple[int, ...] | None,
 ) -> Bound:
     """Validate, agree, check and plan one key's call; the bound function for it."""
     if q.device.type == "cpu":
@@ -251,112 +234,81 @@ def _prepare(
     validate_qkv(q, k, v, call.head_offset)
     check_sinks(call.sinks, q)
     call = dataclasses.replace(call, softcap=check_softcap(call.softcap))
-    _agree_on_call(q, k, v, call, placement, strategy, op, backward, documents)
+    described = call.described()
+    _agree_on_call(q, k, v, described, placement, strategy, op, backward, call.timeout_s)
     chosen = get_strategy(strategy)
-    call = _resolved(call, chosen.default_communication(), placement.timeout_s)
     shape = Shape.of(q, k)
+    documents = check_cu_seqlens(described["cu_seqlens"], shape.rows * placement.degrees.sequence)
+    # The bound function gets the sinks per call; it keeps no tensor of this call (the documents as checked ints).
+    call = _resolved(call, chosen.default_communication(), placement.timeout_s, documents)
     chosen.check(call, shape, placement.degrees)
-    documents = check_cu_seqlens(documents, shape.rows * placement.degrees.sequence)
-    # The bound function gets the sinks per call and the documents planned; it keeps no tensor of this call.
-    target = Target(shape, placement, q.device, documents)
-    return chosen.prepare(dataclasses.replace(call, sinks=None, cu_seqlens=None), target)
+    return chosen.prepare(call, Target(shape, placement, q.device, documents))
 
 
-def _resolved(call: AttentionCall, communication: str | None, timeout_s: float | None) -> AttentionCall:
-    """``call`` with the strategy's default communication and the placement's timeout where it names none."""
-    fields: dict[str, Any] = {}
+def _resolved(
+    call: AttentionCall, communication: str | None, timeout_s: float | None, documents: tuple[int, ...] | None
+) -> AttentionCall:
+    """``call`` with the strategy's default communication and the placement's timeout where it names none, the
+    checked documents and no sinks (a prepared call keeps no tensor)."""
+    fields: dict[str, Any] = {"cu_seqlens": documents, "sinks": None}
     if call.communication is None and communication is not None:
         fields["communication"] = communication
     if call.timeout_s is None and timeout_s is not None:
         fields["timeout_s"] = timeout_s
-    return dataclasses.replace(call, **fields) if fields else call
+    return dataclasses.replace(call, **fields)
 
 
 def _agree_on_call(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    call: AttentionCall,
+    described: dict[str, Any],
     placement: Placement,
     strategy: str,
     op: str,
     backward: bool,
-    documents: tuple[int, ...] | None,
+    timeout_s: float | None,
 ) -> None:
     """Collective over the placement's sequence-parallel group: ``ValueError`` on every rank unless all of
-    them make this call alike (shapes, dtype, device type, backward, every option, strategy)."""
+    them make this call alike (shapes, dtype, device type, backward, strategy and every agreed field of the call)."""
     batch, rows, heads, head_dim = q.shape
     fields = {
         "batch": batch, "rows": rows, "heads": heads, "kv_heads": k.shape[2], "head_dim": head_dim,
-        "v_head_dim": v.shape[3], "softcap": call.softcap,
-        "dtype": q.dtype, "device": q.device.type, "backward": backward,
-        "segment_lengths": call.segment_lengths, "dilation_rates": call.dilation_rates, "causal": call.causal,
-        "scale": None if call.scale is None else float(call.scale),  # 1 and 1.0 are the same scale
-        "layout": call.layout, "head_offset": call.head_offset, "return_lse": call.return_lse,
-        "cu_seqlens": None if documents is None else list(documents), "communication": call.communication,
-        "strategy": strategy, "window": call.window, "sinks": call.sinks is not None,
+        "v_head_dim": v.shape[3], "dtype": q.dtype, "device": q.device.type, "backward": backward,
+        "strategy": strategy, **{name: value for name, value in described.items() if name not in NOT_AGREED},
     }  # fmt: skip
     control = placement.control(placement.sequence)
-    timeout_s = call.timeout_s if call.timeout_s is not None else placement.timeout_s
+    timeout_s = timeout_s if timeout_s is not None else placement.timeout_s
     group, device = (placement.sequence, q.device) if control is None else (control, None)
     agree(fields, group=group, op=op, timeout_s=timeout_s, cache=False, device=device)
 
 
-def _ints(values: Sequence[int] | None) -> tuple[int, ...] | None:
-    return None if values is None else tuple(values)
-
-
-def _documents(cu_seqlens: torch.Tensor | Sequence[int] | None) -> tuple | None:
-    """The boundaries as a tuple (a tensor's values read back: a host sync on a GPU); checked when prepared."""
-    if cu_seqlens is None:
-        return None
-    if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex:
-            check_cu_seqlens(cu_seqlens, 0)  # raises the shape / dtype error
-        return tuple(cu_seqlens.tolist())
-    return tuple(cu_seqlens)
-
-
-def _cache(placement: Placement) -> OrderedDict[tuple, Bound]:
-    with _lock:
-        return _prepared.setdefault(placement, OrderedDict())
-
-
 def topology_placement(topology: Topology) -> Placement:
     """The placement of calls over ``topology`` (built once per topology)."""
-    with _lock:
-        placement = _placements.get(topology)
-    if placement is None:
+
+    def make() -> Placement:
         degrees = Degrees(topology.ulysses, topology.ring, topology.get_sequence_parallel_rank())
-        placement = Placement(
+        return Placement(
             degrees, topology.sequence_parallel_group, topology.ulysses_group, topology.ring_group,
             topology.timeout_s, topology.control_group,
         )  # fmt: skip
-        with _lock:
-            placement = _placements.setdefault(topology, placement)
-    return placement
+
+    return job().owned(topology, "placement", make)
 
 
 def group_placement(group: ProcessGroup | None) -> Placement:
     """The placement of calls over a plain process group (``None``: the world): one ring of all its ranks.
 
     Control traffic takes the group itself when its backend takes CPU tensors, else tensors of the data's
-    device (there is no gloo twin to use: creating one is collective over the whole job).
+    device (there is no gloo twin to use: creating one is collective over the whole job). Without
+    ``torch.distributed`` every rank is the whole sequence.
     """
+    owner = job()
     if not dist.is_initialized():
-        return _ALONE
-    owner = dist.group.WORLD if group is None else group
-    with _lock:
-        placement = _placements.get(owner)
-    if placement is None:
+        return owner.owned(owner, "placement", lambda: Placement(Degrees(), None, None, None, None, lambda _: None))
+
+    def make() -> Placement:
         cpu = group if takes_cpu(group) else None
-        placement = Placement(
-            Degrees(1, group_size(group), group_rank(group)), group, None, group, None, lambda _group: cpu
-        )  # fmt: skip
-        with _lock:
-            placement = _placements.setdefault(owner, placement)
-    return placement
+        return Placement(Degrees(1, group_size(group), group_rank(group)), group, None, group, None, lambda _: cpu)
 
-
-_ALONE = Placement(Degrees(), None, None, None, None, lambda _group: None)
-"""The placement of a process without ``torch.distributed``: every rank is the whole sequence."""
+    return owner.owned(dist.group.WORLD if group is None else group, "placement", make)

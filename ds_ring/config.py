@@ -23,6 +23,7 @@ checks that before any collective.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import os
@@ -36,12 +37,13 @@ from typing import Any, ClassVar, Literal
 
 import yaml
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from ds_ring.auto import Auto  # importing ds_ring.auto registers strategy "auto"
 from ds_ring.comm.wait import DEFAULT_TIMEOUT_S
 from ds_ring.parallel.layout import RankLayout
 from ds_ring.strategies import DEFAULT_STRATEGY, AttentionCall, Degrees, Shape, exchanges, get_strategy, strategy_names
+from ds_ring.strategies.base import FIELDS
 
 __all__ = [
     "RingAttentionConfig", "MonitoringConfig", "LongContextConfig", "PreemptionConfig", "load_config", "read_ds_config",
@@ -278,6 +280,8 @@ class RingAttentionConfig(_Section):
     preemption: PreemptionConfig = Field(default_factory=PreemptionConfig)
     """Stop, save and exit 0 on SIGTERM / SIGUSR1 (:class:`PreemptionConfig`)."""
 
+    _call: tuple[str, AttentionCall] | None = PrivateAttr(None)
+
     def __init__(self, strict: bool = False, **data: Any) -> None:
         # DeepSpeedConfigModel drops every value "auto" (Hugging Face's placeholder) unless strict; here
         # "strategy": "auto" is a choice of its own, so it is kept (other "auto" values are dropped as before).
@@ -322,13 +326,25 @@ class RingAttentionConfig(_Section):
         return layout.data_parallel, layout.ulysses, layout.ring
 
     def call(self) -> AttentionCall:
-        """The section as the attention call every module makes (its strategy's default communication filled in)."""
-        communication = self.communication or get_strategy(self.strategy).default_communication()
-        segments, rates = self.segment_lengths, self.dilation_rates
-        return AttentionCall(segments, rates, self.causal, None, communication, self.layout, timeout_s=self.timeout_s)
+        """The section's share of every attention call (:data:`CALL_FIELDS`), as the one carrier the modules and
+        functions build too; made (and its branch lists validated) once per value of those fields."""
+        values = {name: getattr(self, name) for name in CALL_FIELDS}
+        key = repr(sorted(values.items()))
+        if self._call is None or self._call[0] != key:
+            self._call = (key, AttentionCall(**values))
+        return self._call[1]
+
+    def call_settings(self) -> dict[str, Any]:
+        """:meth:`call`'s fields as ``RingDilatedAttention.configure`` takes them (no validation repeated)."""
+        call = self.call()
+        return {name: getattr(call, name) for name in CALL_FIELDS}
 
     def _strategy_check(self, shape: Shape | None, degrees: Degrees | None) -> None:
-        get_strategy(self.strategy).check(self.call(), shape, degrees)
+        strategy = get_strategy(self.strategy)
+        call = self.call()
+        if call.communication is None:
+            call = dataclasses.replace(call, communication=strategy.default_communication())
+        strategy.check(call, shape, degrees)
 
     def check(
         self, *, world_size: int, num_heads: int, num_kv_heads: int | None = None, seq_len: int | None = None
@@ -362,6 +378,10 @@ class RingAttentionConfig(_Section):
         except ValueError as err:
             length = f" with sequence length {seq_len}" if seq_len is not None else ""
             raise ValueError(f"{SECTION} (strategy {self.strategy!r}, {num_heads} heads{length}): {err}") from None
+
+
+CALL_FIELDS: tuple[str, ...] = tuple(name for name in FIELDS if name in RingAttentionConfig.model_fields)
+"""The options of an attention call the section sets (the fields it shares with :class:`AttentionCall`)."""
 
 
 def read_ds_config(ds_config: str | PathLike | Mapping[str, Any]) -> dict[str, Any]:

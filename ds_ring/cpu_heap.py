@@ -23,6 +23,8 @@ import os
 import threading
 from dataclasses import dataclass
 
+from ds_ring.comm.job import process
+
 __all__ = ["DEFAULT_THRESHOLD", "ENV", "HeapSetting", "configure_cpu_heap", "heap_setting"]
 
 ENV = "DS_RING_MMAP_THRESHOLD"
@@ -43,13 +45,13 @@ class HeapSetting:
     reason: str
 
 
-_setting: HeapSetting | None = None
 _lock = threading.Lock()
 
 
 def heap_setting() -> HeapSetting | None:
-    """The setting this process made, or ``None`` before :func:`configure_cpu_heap` ran."""
-    return _setting
+    """The setting this process made (its :class:`~ds_ring.comm.job.Job` keeps it), or ``None`` before
+    :func:`configure_cpu_heap` ran."""
+    return process().heap
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -89,22 +91,22 @@ def configure_cpu_heap(threshold: int | None = None) -> HeapSetting:
     Without ``threshold`` this runs once per process: later calls return the first one's setting, so a threshold
     set explicitly before (a benchmark's) is kept. With ``threshold`` it always applies. Raises ``ValueError`` for a
     ``DS_RING_MMAP_THRESHOLD`` that is neither ``off`` nor a positive integer."""
-    global _setting
+    owner = process()
     with _lock:
-        if threshold is None and _setting is not None:
-            return _setting
+        if threshold is None and owner.heap is not None:
+            return owner.heap
         wanted = _requested(threshold)
         if wanted.threshold is not None and wanted.threshold <= 0:
             raise ValueError(f"mmap threshold {wanted.threshold}: give a positive number of bytes, or {ENV}=off")
         libc = _glibc() if wanted.threshold is not None else None
         if wanted.threshold is None:
-            _setting = wanted
+            owner.heap = wanted
         elif libc is None:
-            _setting = HeapSetting(None, "the C library is not glibc")
+            owner.heap = HeapSetting(None, "the C library is not glibc")
         elif libc.mallopt(_M_MMAP_THRESHOLD, wanted.threshold) != 1:
-            _setting = HeapSetting(None, f"glibc refused mmap threshold {wanted.threshold} (at most 32 MiB)")
+            owner.heap = HeapSetting(None, f"glibc refused mmap threshold {wanted.threshold} (at most 32 MiB)")
         else:
             libc.mallopt(_M_TRIM_THRESHOLD, wanted.threshold)
             libc.malloc_trim(0)
-            _setting = wanted
-        return _setting
+            owner.heap = wanted
+        return owner.heap

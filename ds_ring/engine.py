@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import uuid
+import weakref
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from functools import partial
@@ -23,14 +24,17 @@ from torch.distributed import ProcessGroup
 from ds_ring.attention import MultiheadRingDilatedAttention, RingDilatedAttention
 from ds_ring.build_locks import clear_stale_build_locks
 from ds_ring.comm.backends import device_backend
+from ds_ring.comm.job import process
 from ds_ring.comm.wait import DEFAULT_TIMEOUT_S, process_group_timeout_s
 from ds_ring.config import SECTION, MonitoringConfig, PreemptionConfig, RingAttentionConfig, read_section
 from ds_ring.cpu_heap import configure_cpu_heap
 from ds_ring.launch_env import discover_launch_env
 from ds_ring.monitor import RingMonitor, at_clean_exit, flush_writer
 from ds_ring.parallel.topology import Topology
+from ds_ring.patches import Patch, set_attribute
 from ds_ring.preemption import Preemption
 from ds_ring.zero import engine_config, mark_parameters
+from ds_ring.zero_gathers import stop_waiting_for_every_gather
 
 __all__ = [
     "initialize",
@@ -50,13 +54,28 @@ MONITOR_BACKENDS = ("csv_monitor", "tensorboard", "wandb", "comet")
 
 class EngineAttachments:
     """What ds_ring attaches to one engine (``engine.ds_ring_attachments``): its monitor, the exit flush of the
-    engine's DeepSpeed monitor, and its preemption handlers. :meth:`close` removes all of them; an engine that
-    ``ds_ring.initialize`` built closes them in its ``destroy()``."""
+    engine's DeepSpeed monitor, its preemption handlers, and every attribute of the engine ds_ring sets
+    (``ring_monitor``, ``preemption``, the fenced ``step``, ``destroy``: :mod:`ds_ring.patches`). :meth:`close`
+    removes all of them and puts the engine's own attributes back; an engine that ``ds_ring.initialize`` built
+    closes them in its ``destroy()``."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
         self.monitor: RingMonitor | None = None
         self.preemption: Preemption | None = None
         self.forget_flush: Callable[[], None] | None = None  # undoes the exit flush of the engine's monitor
+        self.patches: dict[str, Patch] = {}
+
+    def attach(self, name: str, value: Any) -> None:
+        """``engine.<name> = value`` until :meth:`close` (ds_ring's earlier value of it undone first)."""
+        self.detach(name)
+        self.patches[name] = set_attribute(self.engine, name, value, library="deepspeed")
+
+    def detach(self, name: str) -> None:
+        """Put back the engine's own ``name`` (no-op where ds_ring set none)."""
+        patch = self.patches.pop(name, None)
+        if patch is not None:
+            patch.undo()
 
     def close_monitor(self) -> None:
         """Remove the monitor's hooks and its exit flush (no-op if none)."""
@@ -65,20 +84,36 @@ class EngineAttachments:
         if self.forget_flush is not None:
             self.forget_flush()
         self.monitor, self.forget_flush = None, None
+        self.detach("ring_monitor")
 
     def close(self) -> None:
-        """Remove the monitor, its exit flush and the preemption handlers (no-op for those not attached)."""
+        """Remove the monitor, its exit flush and the preemption handlers (no-op for those not attached), and put
+        back every attribute of the engine ds_ring set."""
         self.close_monitor()
         if self.preemption is not None:
             self.preemption.close()
             self.preemption = None
+        for name in reversed(list(self.patches)):
+            self.detach(name)
+        engines = _live_engines()
+        engines.discard(self)
+        if not engines:  # no engine of this process left: DeepSpeed's own ZeRO-3 gather again
+            stop_waiting_for_every_gather()
+
+
+def _live_engines() -> weakref.WeakSet[EngineAttachments]:
+    """The attachments of this process's engines not closed yet (the process's :class:`~ds_ring.comm.job.Job`)."""
+    owner = process()
+    return owner.owned(owner, "engine attachments", weakref.WeakSet)
 
 
 def attachments_of(engine: Any) -> EngineAttachments:
     """``engine``'s :class:`EngineAttachments` (made empty, and set as ``engine.ds_ring_attachments``, if none)."""
     attachments = getattr(engine, "ds_ring_attachments", None)
     if attachments is None:
-        attachments = engine.ds_ring_attachments = EngineAttachments()
+        attachments = EngineAttachments(engine)
+        attachments.attach("ds_ring_attachments", attachments)
+        _live_engines().add(attachments)
     return attachments
 
 
@@ -161,14 +196,7 @@ def install(model: nn.Module, section: RingAttentionConfig, topology: Topology) 
     for module in modules:
         settings: dict[str, Any] = dict(topology=topology, timeout_s=section.timeout_s)
         if section.enabled:
-            settings.update(
-                strategy=section.strategy,
-                communication=section.communication,
-                layout=section.layout,
-                causal=section.causal,
-                segment_lengths=section.segment_lengths,
-                dilation_rates=section.dilation_rates,
-            )
+            settings.update(section.call_settings(), strategy=section.strategy)
         module.configure(**settings)
     return len(modules)
 
@@ -229,7 +257,7 @@ def attach_monitor(
         timeout_s=timeout_s,
         group=group,
     )
-    engine.ring_monitor = attachments.monitor
+    attachments.attach("ring_monitor", attachments.monitor)
     return attachments.monitor
 
 
@@ -248,16 +276,16 @@ def attach_preemption(
         token = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         preemption.token = token[0]
-    engine.preemption = preemption
-    _fence_updates(engine)
+    attachments.attach("preemption", preemption)
+    _fence_updates(engine, attachments)
     return preemption
 
 
-def _fence_updates(engine: Any) -> None:
+def _fence_updates(engine: Any, attachments: EngineAttachments) -> None:
     """``engine.step()`` runs the optimizer update inside ``engine.preemption.updating()`` at a gradient
     accumulation boundary (the gate that keeps a preemption from abandoning the step on some ranks only)."""
     step = getattr(engine, "step", None)
-    if step is None or getattr(step, "_ds_ring_fenced", False):
+    if step is None or "step" in attachments.patches:
         return
 
     def fenced_step(*args: Any, **kwargs: Any) -> Any:
@@ -267,8 +295,7 @@ def _fence_updates(engine: Any) -> None:
         with preemption.updating():
             return step(*args, **kwargs)
 
-    fenced_step._ds_ring_fenced = True  # type: ignore[attr-defined]
-    engine.step = fenced_step
+    attachments.attach("step", fenced_step)
 
 
 def initialize(
@@ -342,7 +369,8 @@ def initialize(
 
 
 def _close_on_destroy(engine: Any) -> None:
-    """``engine.destroy()`` first removes what ds_ring attached to it (:class:`EngineAttachments`)."""
+    """``engine.destroy()`` first removes what ds_ring attached to it (:class:`EngineAttachments`, ``destroy``
+    itself included)."""
     destroy = getattr(engine, "destroy", None)
     if destroy is None:
         return
@@ -351,4 +379,4 @@ def _close_on_destroy(engine: Any) -> None:
         attachments_of(engine).close()
         return destroy(*args, **kwargs)
 
-    engine.destroy = destroy_and_detach
+    attachments_of(engine).attach("destroy", destroy_and_detach)

@@ -86,10 +86,18 @@ class Event:
 
 Hook = Callable[[Event], None]
 
-_lock = threading.Lock()
-_hooks: dict[int, tuple[Hook, frozenset[str]]] = {}
-_ids = itertools.count()
-_listening: dict[str, int] = dict.fromkeys(PHASES, 0)  # hooks per phase
+
+class _Hooks:
+    """The registry of hooks: every registered hook with its phases, and how many listen to each phase."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.entries: dict[int, tuple[Hook, frozenset[str]]] = {}
+        self.ids = itertools.count()
+        self.listening: dict[str, int] = dict.fromkeys(PHASES, 0)
+
+
+_HOOKS = _Hooks()
 
 
 class HookHandle:
@@ -99,11 +107,11 @@ class HookHandle:
         self._id = hook_id
 
     def remove(self) -> None:
-        with _lock:
-            entry = _hooks.pop(self._id, None)
+        with _HOOKS.lock:
+            entry = _HOOKS.entries.pop(self._id, None)
             if entry is not None:
                 for phase in entry[1]:
-                    _listening[phase] -= 1
+                    _HOOKS.listening[phase] -= 1
 
     def __enter__(self) -> HookHandle:
         return self
@@ -117,25 +125,25 @@ def register_hook(hook: Hook, *, phases: Collection[str] = ("end",)) -> HookHand
     wanted = frozenset(phases)
     if not wanted or not wanted <= set(PHASES):
         raise ValueError(f"ds_ring: register_hook phases must be a non-empty subset of {PHASES}, got {phases!r}")
-    with _lock:
-        hook_id = next(_ids)
-        _hooks[hook_id] = (hook, wanted)
+    with _HOOKS.lock:
+        hook_id = next(_HOOKS.ids)
+        _HOOKS.entries[hook_id] = (hook, wanted)
         for phase in wanted:
-            _listening[phase] += 1
+            _HOOKS.listening[phase] += 1
     return HookHandle(hook_id)
 
 
 def hooks_active(phase: str = "end") -> bool:
     """True when at least one hook listens to ``phase`` events (lets emitters skip building events)."""
-    return _listening[phase] > 0
+    return _HOOKS.listening[phase] > 0
 
 
 def emit(event: Event) -> None:
     """Deliver ``event`` to every hook registered for its phase, in registration order."""
-    if not _listening[event.phase]:
+    if not _HOOKS.listening[event.phase]:
         return
-    with _lock:
-        hooks = [hook for hook, phases in _hooks.values() if event.phase in phases]
+    with _HOOKS.lock:
+        hooks = [hook for hook, phases in _HOOKS.entries.values() if event.phase in phases]
     for hook in hooks:
         hook(event)
 

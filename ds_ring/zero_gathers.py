@@ -11,7 +11,9 @@ forward, once in tens of ZeRO-3 runs, training silently wrong from there. DeepSp
 :func:`wait_for_every_gather` makes the older releases do the same where their gathers run on the CPU: it wraps
 the method so that it gathers one parameter per call (each call waits on its only handle), in the same order on
 every rank. Nothing changes on an accelerator or on 0.19.8 and later. ds_ring installs it wherever it meets a
-ZeRO-3 parameter before a step (``ds_ring.initialize``, the attention modules' first forward, the tiles' gathers).
+ZeRO-3 parameter before a step (``ds_ring.initialize``, the attention modules' first forward, the tiles' gathers),
+through :mod:`ds_ring.patches`; :func:`stop_waiting_for_every_gather` (an engine's ``destroy()``) puts DeepSpeed's
+method back.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ from __future__ import annotations
 from functools import cache, wraps
 from typing import Any
 
-__all__ = ["wait_for_every_gather", "waits_for_every_gather"]
+from ds_ring.comm.job import process
+from ds_ring.patches import set_attribute
+
+__all__ = ["wait_for_every_gather", "waits_for_every_gather", "stop_waiting_for_every_gather"]
 
 FIXED_IN = "0.19.8"
 
@@ -33,11 +38,11 @@ def waits_for_every_gather() -> bool:
     return Version(deepspeed.__version__.split("+")[0]) >= Version(FIXED_IN)
 
 
-@cache
 def wait_for_every_gather() -> None:
     """Install the one-parameter-per-call gather on DeepSpeed releases before 0.19.8 (idempotent; no-op on
-    0.19.8 and later). It takes effect for every ZeRO-3 engine, built before or after the call."""
-    if waits_for_every_gather():
+    0.19.8 and later). It takes effect for every ZeRO-3 engine, built before or after the call, until
+    :func:`stop_waiting_for_every_gather`."""
+    if waits_for_every_gather() or NAME in process().patches:
         return
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.zero.partition_parameters import Init
@@ -52,4 +57,14 @@ def wait_for_every_gather() -> None:
             coalesced(self, [param], hierarchy, quantize)
         return None
 
-    Init._allgather_params_coalesced = one_at_a_time
+    process().patches[NAME] = set_attribute(Init, "_allgather_params_coalesced", one_at_a_time, library="deepspeed")
+
+
+def stop_waiting_for_every_gather() -> None:
+    """Put DeepSpeed's own ``Init._allgather_params_coalesced`` back (no-op where it was not replaced)."""
+    patch = process().patches.pop(NAME, None)
+    if patch is not None:
+        patch.undo()
+
+
+NAME = "Init._allgather_params_coalesced"

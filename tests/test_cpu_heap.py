@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from ds_ring import cpu_heap
+from ds_ring.comm.job import process
 from ds_ring.cpu_heap import DEFAULT_THRESHOLD, ENV, configure_cpu_heap, heap_setting
 from tests.dist import run_distributed
 
@@ -88,7 +89,7 @@ class _Libc:
 def libc(monkeypatch: pytest.MonkeyPatch) -> _Libc:
     fake = _Libc()
     monkeypatch.setattr(cpu_heap, "_glibc", lambda: fake)
-    monkeypatch.setattr(cpu_heap, "_setting", None)
+    monkeypatch.setattr(process(), "heap", None)
     for name in (ENV, "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES"):
         monkeypatch.delenv(name, raising=False)
     return fake

@@ -15,14 +15,15 @@ import pytest
 
 from ds_ring.auto.model import Link, Problem, format_table, plan_options
 from ds_ring.comm import cores
-from ds_ring.comm.cores import CpuPlace, oversubscription, record_places
+from ds_ring.comm.cores import CpuPlace, oversubscription
+from ds_ring.comm.job import job
 from tests.dist import assert_no_failures, run_distributed
 
 
 @pytest.fixture
-def places():
-    yield record_places
-    record_places(())
+def places(monkeypatch):
+    """Sets this process's job's places (what a Topology records) for the test."""
+    return lambda recorded: monkeypatch.setattr(job(), "places", tuple(recorded))
 
 
 def test_place_travels_as_text() -> None:
@@ -50,14 +51,16 @@ def test_threads_per_core_on_the_busiest_machine(places) -> None:
     places([CpuPlace("c", frozenset({0}), 3), CpuPlace("c", frozenset({0, 1}), 1)])
     assert oversubscription([0]) == 2.0
     assert oversubscription([0, 9]) == 1.0  # a rank outside the record: unknown
+    assert oversubscription([0, 1], [*a, *b]) == 2.0  # places given: the job's are not read
 
 
 def _recorded(rank: int, world: int) -> tuple[float, str]:
     import ds_ring
 
-    ds_ring.Topology(ring=world)
+    topology = ds_ring.Topology(ring=world)
     mine = cores.this_place()
     expected = max(1.0, world * mine.threads / len(mine.cores))  # every rank here is alike
+    assert oversubscription(range(world), topology.places) == oversubscription(range(world))
     return oversubscription(range(world)), f"{expected}"
 
 

@@ -13,6 +13,7 @@ import pytest
 from ds_ring.comm import hosts as hosts_module
 from ds_ring.comm.errors import CommError, CommTimeoutError
 from ds_ring.comm.hosts import name_hosts
+from ds_ring.comm.job import job
 from ds_ring.parallel.layout import RankLayout
 from ds_ring.parallel.topology import Topology
 from ds_ring.parallel.ulysses_hosts import PlacementWarning, check_placement, ulysses_across_hosts
@@ -48,7 +49,7 @@ def test_errors_name_hosts_only_across_hosts(monkeypatch):
     error = CommTimeoutError(1, 2, 3, "ring_kv", "waiting for recv from rank 2", 10.0)
     assert error.hosts is None and " on " not in str(error)
     assert name_hosts(error).hosts is None, "one host: nothing named"
-    monkeypatch.setattr(hosts_module, "_hosts", TWO_BY_TWO)
+    monkeypatch.setattr(job(), "hosts", TWO_BY_TWO)
     assert CommTimeoutError(1, 2, 3, "ring_kv", "waiting", 10.0).hosts is None, "an error reads no host table"
     error = name_hosts(CommTimeoutError(1, 2, 3, "ring_kv", "waiting for recv from rank 2", 10.0))
     assert str(error).startswith("ds_ring: rank 1 on node0 timed out after 10.0 s waiting for recv from rank 2 ")
@@ -62,12 +63,19 @@ def _topologies_on_fake_hosts(rank: int, world_size: int) -> list[str]:
     log = CaseLog()
     with log.case("ulysses 2 x ring 2: inside each host"), warnings.catch_warnings():
         warnings.simplefilter("error")
-        Topology(ulysses=2, ring=2, timeout_s=20)
-        assert hosts_module._hosts == TWO_BY_TWO
+        first = Topology(ulysses=2, ring=2, timeout_s=20)
+        assert first.hosts == job().hosts == TWO_BY_TWO
         message = str(name_hosts(CommError(rank, 3 - rank, 0, "op", "waiting", "reset")))
         assert (
             f"rank {rank} on node{rank // 2}" in message and f"rank {3 - rank} is on node{(3 - rank) // 2}" in message
         )
+    with log.case("a second topology keeps its own facts and overwrites none of the first's"):
+        hosts_module.node_name = lambda: f"elsewhere{rank}"
+        second = Topology(ring=4, timeout_s=20)
+        assert second.hosts == ("elsewhere0", "elsewhere1", "elsewhere2", "elsewhere3")
+        assert first.hosts == job().hosts == TWO_BY_TWO
+        assert len(first.places) == len(second.places) == 4
+        hosts_module.node_name = lambda: f"node{rank // 2}"
     with log.case("ulysses 4: warns"), pytest.warns(PlacementWarning, match=r"node0 \(0, 1\), node1 \(2, 3\)"):
         Topology(ulysses=4, timeout_s=20)
     with log.case("ulysses 4, strict: raises on every rank"), pytest.raises(ValueError, match="span several hosts"):

@@ -72,8 +72,8 @@ def _check(p: Problem, o: Option) -> str | None:
     if p.seq % (p.world * (2 if o.layout == "zigzag" else 1)):
         return f"sequence {p.seq} does not split into {p.world} {o.layout} shards"
     call = AttentionCall(
-        p.segment_lengths, p.dilation_rates, p.causal, None, o.communication, o.layout, window=p.window,
-        cu_seqlens=p.documents,
+        segment_lengths=p.segment_lengths, dilation_rates=p.dilation_rates, causal=p.causal,
+        communication=o.communication, layout=o.layout, window=p.window, cu_seqlens=p.documents,
     )  # fmt: skip
     shape = Shape(p.batch, p.local, p.heads, p.kv_heads, p.head_dim)
     try:

@@ -15,9 +15,7 @@ process group (the ranks, and so the hosts they run on), so later calls and laye
 
 from __future__ import annotations
 
-import threading
 import time
-import weakref
 from collections.abc import Callable
 
 import torch
@@ -26,6 +24,7 @@ from torch.distributed import ProcessGroup
 from ds_ring.auto.model import Link
 from ds_ring.comm.collectives import all_reduce, all_to_all
 from ds_ring.comm.groups import group_rank, group_size, takes_cpu
+from ds_ring.comm.job import job
 
 __all__ = ["probe_link", "measure_link", "agree_link", "SMALL", "LARGE", "REPEATS"]
 
@@ -35,10 +34,6 @@ LARGE = 1 * 2**20
 """Bytes per rank of the bandwidth all-to-all."""
 REPEATS = 4
 """Timings of each measurement; the best counts."""
-
-_cache: weakref.WeakKeyDictionary[object, Link] = weakref.WeakKeyDictionary()
-_alone: dict[str, Link] = {}
-_lock = threading.Lock()
 
 
 def _sync(device: torch.device) -> None:
@@ -124,26 +119,21 @@ def probe_link(
     timeout_s: float | None = None,
     measure: Callable[[ProcessGroup | None, torch.device, float | None], Link] | None = None,
 ) -> Link:
-    """The agreed :class:`Link` of ``group`` (measured on its first call, then cached per group).
+    """The agreed :class:`Link` of ``group`` (measured on its first call, then kept per group by the job).
 
     Collective over ``group`` on the first call: every rank of it must call at the same point (the
     ``auto`` strategy does, when a call's key is first run). ``control``: a group of the same ranks whose
     backend takes CPU tensors for the agreement (``None``: ``group``, with CPU tensors). ``measure``:
     replaces :func:`measure_link` (tests inject rank-dependent timings).
     """
-    key = group if group is not None else None
-    with _lock:
-        cached = _alone.get(device.type) if key is None else _cache.get(key)
-    if cached is not None:
-        return cached
-    mine = (measure or measure_link)(group, device, timeout_s)
-    if control is None and not takes_cpu(group):  # no CPU twin: the rows travel on the data's device
-        link = agree_link(mine, group, timeout_s, device)
-    else:
-        link = agree_link(mine, control if control is not None else group, timeout_s)
-    with _lock:
-        if key is None:
-            _alone[device.type] = link
-        else:
-            _cache[key] = link
-    return link
+
+    def make() -> Link:
+        mine = (measure or measure_link)(group, device, timeout_s)
+        if control is None and not takes_cpu(group):  # no CPU twin: the rows travel on the data's device
+            return agree_link(mine, group, timeout_s, device)
+        return agree_link(mine, control if control is not None else group, timeout_s)
+
+    owner = job()  # keeps the link per group (one process alone: per device type)
+    if group is None:
+        return owner.owned(owner, f"probed link {device.type}", make)
+    return owner.owned(group, "probed link", make)

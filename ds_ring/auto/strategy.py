@@ -19,7 +19,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import threading
 
 import torch
 
@@ -28,6 +27,7 @@ from ds_ring.auto.probe import probe_link
 from ds_ring.comm import cores
 from ds_ring.comm.groups import group_rank
 from ds_ring.comm.hosts import host_of
+from ds_ring.comm.job import job
 from ds_ring.comm.spans import group_members
 from ds_ring.strategies.base import AttentionCall, Bound, Degrees, Shape, Strategy, Target, get_strategy
 from ds_ring.strategies.sharded import get_exchange
@@ -36,14 +36,13 @@ __all__ = ["Auto", "decisions", "problem_of"]
 
 logger = logging.getLogger("ds_ring.auto")
 
-_decisions: collections.deque[Option] = collections.deque(maxlen=64)
-_lock = threading.Lock()
-
 
 def decisions() -> list[Option]:
-    """The options ``auto`` chose on this rank, oldest first (the last 64)."""
-    with _lock:
-        return list(_decisions)
+    """The options ``auto`` chose on this rank in this job, oldest first (the last 64; the job's
+    :class:`~ds_ring.comm.job.Job` keeps them)."""
+    owner = job()
+    with owner.lock:
+        return list(owner.decisions)
 
 
 def _oversubscription(group, device: torch.device) -> float:
@@ -128,8 +127,9 @@ class Auto(Strategy):
         chosen = options[0]
         if chosen.error is not None:
             raise ValueError(f"strategy 'auto' found no valid strategy for this call: {chosen.error}")
-        with _lock:
-            _decisions.append(chosen)
+        owner = job()
+        with owner.lock:
+            owner.decisions.append(chosen)
         if group_rank(placement.sequence) == 0 and logger.isEnabledFor(logging.INFO):
             logger.info("strategy 'auto' chose %s\n%s", chosen.label, format_table(problem, options, link))
         strategy = get_strategy(chosen.strategy)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import numbers
 import threading
-import weakref
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
@@ -34,6 +33,7 @@ import torch.distributed as dist
 from ds_ring.comm.collectives import all_gather
 from ds_ring.comm.errors import CommError
 from ds_ring.comm.groups import group_rank, group_size
+from ds_ring.comm.job import job
 from ds_ring.comm.spans import group_members
 
 __all__ = ["Value", "agree", "gather_texts", "ROW"]
@@ -48,7 +48,6 @@ _MARKER = int.from_bytes(b"ds_ring!", "little", signed=True)
 _MAX_SHOWN = 160  # characters of a value shown in an error before it is abbreviated
 _CACHE_SIZE = 1024  # distinct fingerprints remembered per group (least recently used dropped)
 
-_verified: weakref.WeakKeyDictionary[object, OrderedDict[tuple, None]] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
@@ -196,10 +195,9 @@ _WAIT_HINT = (
 
 
 def _cache(group: dist.ProcessGroup | None) -> OrderedDict[tuple, None]:
-    """The fingerprints verified on ``group``; they go with the group object (a new world starts empty)."""
-    owner = dist.group.WORLD if group is None else group
-    with _lock:
-        return _verified.setdefault(owner, OrderedDict())
+    """The fingerprints verified on ``group``, kept by the job; they go with the group object (a new world starts
+    empty)."""
+    return job().owned(dist.group.WORLD if group is None else group, "agreed calls", OrderedDict)
 
 
 def _frozen(value: Value) -> object:

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CpuPlace", "this_place", "record_places", "oversubscription"]
+from ds_ring.comm.job import job
+
+__all__ = ["CpuPlace", "this_place", "oversubscription"]
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
@@ -68,25 +70,16 @@ def this_place() -> CpuPlace:
     return CpuPlace(machine, frozenset(cores), torch.get_num_threads())
 
 
-_places: tuple[CpuPlace, ...] = ()
-"""Every global rank's place, in rank order (empty before a Topology recorded it)."""
-
-
-def record_places(places: Sequence[CpuPlace]) -> None:
-    """Remember ``places`` (every global rank's, in rank order) as the job's."""
-    global _places
-    _places = tuple(places)
-
-
-def oversubscription(ranks: Iterable[int]) -> float:
+def oversubscription(ranks: Iterable[int], places: Sequence[CpuPlace] | None = None) -> float:
     """Compute threads per core on the busiest machine running one of ``ranks`` (global ranks): every rank of
-    the job on that machine counts, other groups' too (1.0 when the places are not known, or cores are spare)."""
-    ranks = list(ranks)
-    if not _places or any(not 0 <= r < len(_places) for r in ranks):
+    the job on that machine counts, other groups' too (1.0 when the places are not known, or cores are spare).
+    ``places``: every global rank's, in rank order (``None``: the job's, :attr:`ds_ring.comm.job.Job.places`)."""
+    ranks, places = list(ranks), job().places if places is None else places
+    if not places or any(not 0 <= r < len(places) for r in ranks):
         return 1.0
     worst = 1.0
-    for machine in {_places[r].machine for r in ranks}:
-        there = [place for place in _places if place.machine == machine]
+    for machine in {places[r].machine for r in ranks}:
+        there = [place for place in places if place.machine == machine]
         cores = frozenset().union(*(place.cores for place in there))
         worst = max(worst, sum(place.threads for place in there) / max(1, len(cores)))
     return worst

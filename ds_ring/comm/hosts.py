@@ -1,22 +1,20 @@
-"""Which host every rank of the job runs on: recorded once when a :class:`~ds_ring.Topology` is built.
+"""Which host every rank of the job runs on: recorded once, by the job's first :class:`~ds_ring.Topology`.
 
 A rank's host is its ``socket.gethostname()``. The table is a fact of the job, like the world size: the
-Topology gathers it (:func:`ds_ring.parallel.ulysses_hosts.gather_hosts`) and records it here, and
-:func:`name_hosts` adds the host of the waiting rank and of its peer to a communication error when the job
-spans several hosts. Errors themselves read nothing: their hosts are data given to them.
+Topology gathers it (:func:`ds_ring.parallel.ulysses_hosts.gather_hosts`) and keeps it, and the first one of a job
+records it in the :class:`~ds_ring.comm.job.Job`; :func:`name_hosts` adds the host of the waiting rank and of its
+peer to a communication error when the job spans several hosts. Errors themselves read nothing: their hosts are
+data given to them.
 """
 
 from __future__ import annotations
 
 import socket
-from collections.abc import Sequence
 
 from ds_ring.comm.errors import CommError
+from ds_ring.comm.job import job
 
-__all__ = ["node_name", "record_hosts", "host_of", "hosts_of", "spans_hosts", "name_hosts"]
-
-_hosts: tuple[str, ...] = ()
-"""The host of every global rank, in rank order (empty before a Topology recorded it)."""
+__all__ = ["node_name", "host_of", "hosts_of", "spans_hosts", "name_hosts"]
 
 
 def node_name() -> str:
@@ -24,20 +22,15 @@ def node_name() -> str:
     return socket.gethostname()
 
 
-def record_hosts(hosts: Sequence[str]) -> None:
-    """Remember ``hosts`` (the host of every global rank, in rank order) as the job's."""
-    global _hosts
-    _hosts = tuple(hosts)
-
-
 def spans_hosts() -> bool:
-    """Whether the job's ranks run on more than one host (as far as :func:`record_hosts` was told)."""
-    return len(set(_hosts)) > 1
+    """Whether the job's ranks run on more than one host (as far as its first Topology found)."""
+    return len(set(job().hosts)) > 1
 
 
 def host_of(rank: int) -> str | None:
     """The host of global ``rank``; ``None`` when unknown (no topology built yet, or a rank outside it)."""
-    return _hosts[rank] if 0 <= rank < len(_hosts) else None
+    hosts = job().hosts
+    return hosts[rank] if 0 <= rank < len(hosts) else None
 
 
 def hosts_of(ranks: list[int] | tuple[int, ...]) -> str:

@@ -55,6 +55,7 @@ import torch.distributed as dist
 from ds_ring.comm.backends import device_backend
 from ds_ring.comm.errors import CommError, CommTimeoutError
 from ds_ring.comm.hosts import name_hosts
+from ds_ring.comm.job import process
 from ds_ring.comm.stream_watch import WATCH
 from ds_ring.hooks import Event, current_labels, emit, hooks_active, pop_labels, push_labels
 
@@ -98,19 +99,19 @@ def process_group_timeout_s(timeout_s: float) -> float:
 POLL_S = 0.1
 """Seconds between two wakes of the main thread in an :func:`interruptible` wait."""
 
-_checks: list[Callable[[], None]] = []  # the open interruptible blocks' checks, innermost last
-
 
 @contextlib.contextmanager
 def interruptible(check: Callable[[], None]) -> Iterator[None]:
     """While the block runs, host waits (:func:`wait_all` without ``in_stream``) wake every :data:`POLL_S`
     seconds, let pending signal handlers run and call ``check()``, whose exception ends the wait (the work
-    is left behind: the caller is abandoning what it was doing). Main thread only."""
-    _checks.append(check)
+    is left behind: the caller is abandoning what it was doing). Main thread only. The process's
+    :class:`~ds_ring.comm.job.Job` holds the open blocks' checks."""
+    checks = process().checks
+    checks.append(check)
     try:
         yield
     finally:
-        _checks.remove(check)
+        checks.remove(check)
 
 
 _TIMEOUT_WORDS = ("timed out", "timing out")  # gloo's wait; NCCL's Work.wait(timeout) and watchdog
@@ -159,7 +160,7 @@ def wait_all(
                 raise failed(CommError(rank, item.peer, step, op, f"waiting for {item.what}", str(exc))) from exc
         WATCH.watch(pending, timeout_s=timeout_s, rank=rank, op=op, step=step)
         return 0.0
-    if _checks and threading.current_thread() is threading.main_thread():
+    if process().checks and threading.current_thread() is threading.main_thread():
         return _wait_in_helper(pending, timeout_s=timeout_s, rank=rank, op=op, step=step)
     return _wait_host(pending, timeout_s=timeout_s, rank=rank, op=op, step=step)
 
@@ -185,16 +186,16 @@ class _Helper:
     def run(self, wait: Callable[[], float]) -> float:
         """``wait()`` on the helper; the main thread wakes every :data:`POLL_S` s to run the checks. A check that
         raises leaves the helper blocked in the wait: the next wait gets a new helper."""
-        global _helper
+        owner = process()
         outcome: list[tuple[bool, object]] = []
         done = threading.Event()
         self._requests.put((wait, outcome, done))
         try:
             while not done.wait(POLL_S):
-                for check in list(_checks):
+                for check in list(owner.checks):
                     check()
         except BaseException:
-            _helper = None
+            owner.helper = None
             raise
         ok, value = outcome[0]
         if not ok:
@@ -202,14 +203,12 @@ class _Helper:
         return value  # type: ignore[return-value]
 
 
-_helper: _Helper | None = None
-
-
 def _wait_in_helper(pending: Sequence[Pending], *, timeout_s: float, rank: int, op: str, step: int) -> float:
     """:func:`_wait_host` on the helper thread; the main thread wakes every :data:`POLL_S` s for signals and checks."""
-    global _helper
-    if _helper is None:
-        _helper = _Helper()
+    owner = process()
+    if owner.helper is None:
+        owner.helper = _Helper()
+    helper = owner.helper
     labels = current_labels()  # thread-local: the events a failed wait emits name the caller's step and layer
 
     def wait() -> float:
@@ -219,7 +218,7 @@ def _wait_in_helper(pending: Sequence[Pending], *, timeout_s: float, rank: int, 
         finally:
             pop_labels(token)
 
-    return _helper.run(wait)
+    return helper.run(wait)
 
 
 def _wait_host(pending: Sequence[Pending], *, timeout_s: float, rank: int, op: str, step: int) -> float:

@@ -28,6 +28,8 @@ __all__ = [
     "document_regions",
     "HeadGroup",
     "SegmentRun",
+    "Lengths",
+    "check_branches",
     "make_branches",
     "head_groups",
     "segment_runs",
@@ -90,12 +92,30 @@ class SegmentRun:
     count: int
 
 
-def make_branches(
-    seq_len: int, segment_lengths: Sequence[int] | None, dilation_rates: Sequence[int] | None
-) -> list[Branch]:
-    """Validate the branch lists and clamp each segment to ``seq_len`` (``None`` means dense)."""
+class Lengths(tuple):
+    """A branch list (segment lengths or dilation rates) :func:`check_branches` has validated: passed on as it is,
+    it is never validated again (the one proof an :class:`~ds_ring.strategies.AttentionCall` carries)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return repr(list(self))  # as the lists users write, in messages
+
+
+def check_branches(
+    segment_lengths: Sequence[int] | None, dilation_rates: Sequence[int] | None
+) -> tuple[Lengths, Lengths] | tuple[None, None]:
+    """The branch lists as :class:`Lengths`, validated unless they already are (``(None, None)``: dense)."""
+    if isinstance(segment_lengths, Lengths) and isinstance(dilation_rates, Lengths):
+        return segment_lengths, dilation_rates
     if segment_lengths is None and dilation_rates is None:
-        return [Branch(seq_len, 1)]
+        return None, None
+    return _validated_branches(segment_lengths, dilation_rates)
+
+
+def _validated_branches(
+    segment_lengths: Sequence[int] | None, dilation_rates: Sequence[int] | None
+) -> tuple[Lengths, Lengths]:
     if segment_lengths is None or dilation_rates is None:
         missing = "segment_lengths" if segment_lengths is None else "dilation_rates"
         raise ValueError(f"{missing} is None but the other list is given; pass both or neither (dense)")
@@ -111,6 +131,17 @@ def make_branches(
         bad = [x for x in values if not isinstance(x, int) or isinstance(x, bool) or x < 1]
         if bad:
             raise ValueError(f"{name} must be integers >= 1, got {values} (bad: {bad})")
+    return Lengths(segment_lengths), Lengths(dilation_rates)
+
+
+def make_branches(
+    seq_len: int, segment_lengths: Sequence[int] | None, dilation_rates: Sequence[int] | None
+) -> list[Branch]:
+    """The branches with each segment clamped to ``seq_len`` (``None`` means dense), the lists validated unless
+    they are :class:`Lengths` already."""
+    segment_lengths, dilation_rates = check_branches(segment_lengths, dilation_rates)
+    if segment_lengths is None:
+        return [Branch(seq_len, 1)]
     return [Branch(min(w, seq_len), r) for w, r in zip(segment_lengths, dilation_rates, strict=True)]
 
 

@@ -23,8 +23,10 @@ import torch.distributed as dist
 
 from ds_ring.comm.errors import CommError, CommTimeoutError
 from ds_ring.comm.hosts import hosts_of
+from ds_ring.comm.job import job
 from ds_ring.comm.wait import failed, resolve_timeout
 from ds_ring.hooks import current_labels
+from ds_ring.patches import Patch, set_attribute, undo_all
 
 __all__ = ["NamedCollectives", "running_collective", "COLLECTIVES"]
 
@@ -35,12 +37,12 @@ COLLECTIVES = (
 )  # fmt: skip
 """The methods of DeepSpeed's communication backend that are wrapped (where it has them)."""
 
-_running: list[str] = []
-
 
 def running_collective() -> str | None:
-    """The DeepSpeed collective the process is inside now (``"deepspeed.comm.all_reduce"``), or ``None``."""
-    return _running[-1] if _running else None
+    """The DeepSpeed collective the process is inside now (``"deepspeed.comm.all_reduce"``), or ``None`` (the job's
+    :class:`~ds_ring.comm.job.Job` keeps the ones running)."""
+    running = job().running
+    return running[-1] if running else None
 
 
 class NamedCollectives:
@@ -52,7 +54,7 @@ class NamedCollectives:
 
     def __init__(self, timeout_s: float | None = None) -> None:
         self.timeout_s = resolve_timeout(timeout_s)
-        self._backend: Any = None
+        self._patches: list[Patch] = []
         comm = sys.modules.get("deepspeed.comm.comm")
         backend = getattr(comm, "cdb", None)
         if backend is None or getattr(backend, "_ds_ring_named", False):
@@ -60,24 +62,20 @@ class NamedCollectives:
         for name in COLLECTIVES:
             method = getattr(backend, name, None)
             if callable(method):
-                setattr(backend, name, self._named(name, method))
-        backend._ds_ring_named = True
-        self._backend = backend
+                self._patches.append(set_attribute(backend, name, self._named(name, method), library="deepspeed"))
+        self._patches.append(set_attribute(backend, "_ds_ring_named", True, library="deepspeed"))
 
     def close(self) -> None:
         """Restore the backend's own methods."""
-        if self._backend is None:
-            return
-        for name in (*COLLECTIVES, "_ds_ring_named"):
-            self._backend.__dict__.pop(name, None)
-        self._backend = None
+        undo_all(self._patches)
 
     def _named(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
         signature = inspect.signature(method)
         op = f"deepspeed.comm.{name}"
 
         def collective(*args: Any, **kwargs: Any) -> Any:
-            _running.append(op)
+            running = job().running
+            running.append(op)
             try:
                 return method(*args, **kwargs)
             except CommError:
@@ -89,7 +87,7 @@ class NamedCollectives:
                     group = None
                 raise failed(self._error(op, group, exc)) from exc
             finally:
-                _running.pop()
+                running.pop()
 
         collective.__wrapped__ = method  # type: ignore[attr-defined]
         return collective

@@ -22,30 +22,34 @@ import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from ds_ring.comm.job import process
+
 __all__ = ["run_main", "at_clean_exit"]
 
 logger = logging.getLogger("ds_ring.monitor")
-_flushes: dict[int, Callable[[], Any]] = {}
 
 
 def at_clean_exit(flush: Callable[[], Any]) -> Callable[[], None]:
-    """Have :func:`run_main` call ``flush()`` before it ends the process; returns a function undoing that."""
-    key = id(flush)
-    _flushes[key] = flush
-    return lambda: _flushes.pop(key, None)
+    """Have :func:`run_main` call ``flush()`` before it ends the process (the process's
+    :class:`~ds_ring.comm.job.Job` keeps it); returns a function undoing that."""
+    key, flushes = id(flush), process().flushes
+    flushes[key] = flush
+    return lambda: flushes.pop(key, None)
 
 
 def _run_flushes(timeout_s: float) -> None:
     """Call every registered flush in registration order, in a daemon thread given ``timeout_s`` seconds."""
 
+    flushes = process().flushes
+
     def run() -> None:
-        for flush in list(_flushes.values()):
+        for flush in list(flushes.values()):
             try:
                 flush()
             except Exception as exc:  # noqa: BLE001 - one failed flush must not stop the others or the exit
                 logger.error("ds_ring: rank %s: flushing %r at exit failed: %s", _rank(), flush, exc)
 
-    if not _flushes:
+    if not flushes:
         return
     worker = threading.Thread(target=run, name="ds_ring-exit-flush", daemon=True)
     worker.start()

@@ -11,7 +11,6 @@ again on every call, each would leave a gloo group (and its connections) behind.
 from __future__ import annotations
 
 import logging
-import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -22,6 +21,7 @@ from torch.distributed import ProcessGroup
 from ds_ring.comm.backends import device_backend
 from ds_ring.comm.collectives import all_reduce
 from ds_ring.comm.groups import takes_cpu
+from ds_ring.comm.job import job
 from ds_ring.comm.wait import process_group_timeout_s, resolve_timeout
 from ds_ring.parallel.layout import ROLES, RankLayout
 
@@ -39,23 +39,17 @@ def needs_control_twins(group: ProcessGroup | None = None) -> bool:
     return not takes_cpu(group)
 
 
-_world_twins: weakref.WeakKeyDictionary[ProcessGroup, ProcessGroup] = weakref.WeakKeyDictionary()
-"""The twin :func:`control_world` made for each process group (it goes with the group)."""
-
-
 def control_world(group: ProcessGroup | None = None, timeout_s: float | None = None) -> ProcessGroup | None:
     """``group`` (``None``: the world) when its backend takes CPU tensors, else a gloo group of the same
     ranks, made once per group with the timeout :func:`group_timeout` gives ``timeout_s`` (``None``: 300 s).
-    Collective on its first call: every rank calls it at the same point."""
+    Collective on its first call: every rank calls it at the same point. The job's :class:`~ds_ring.comm.job.Job`
+    keeps the twin; it goes with the group."""
     if not dist.is_initialized() or not needs_control_twins(group):
         return group
     world = dist.group.WORLD if group is None else group
-    twin = _world_twins.get(world)
-    if twin is None:
-        timeout = group_timeout(resolve_timeout(timeout_s))
-        twin = _world_twins[world] = dist.new_group(dist.get_process_group_ranks(world), backend="gloo",
-                                                    timeout=timeout)  # fmt: skip
-    return twin
+    timeout = group_timeout(resolve_timeout(timeout_s))
+    make = lambda: dist.new_group(dist.get_process_group_ranks(world), backend="gloo", timeout=timeout)
+    return job().owned(world, "control twin", make)
 
 
 def group_timeout(timeout_s: float) -> timedelta:

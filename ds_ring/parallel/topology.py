@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ds_ring.comm.agree import agree
+from ds_ring.comm.job import job
 from ds_ring.comm.wait import resolve_timeout
 from ds_ring.parallel.groups import control_world, create_groups
 from ds_ring.parallel.layout import DEGREE_KEYS, RankLayout, rank_layout, read_key
@@ -72,6 +73,11 @@ class Topology(DeepSpeedMpu):
         sequence_data_parallel_group: all ranks: what ZeRO partitions and reduces over.
         model_parallel_group: this rank alone.
         timeout_s: the bound in seconds on communication waits over these groups, where a call names none.
+        hosts: every global rank's host, in rank order, as this topology gathered them.
+        places: every global rank's CPU place (:class:`~ds_ring.comm.cores.CpuPlace`), in rank order.
+
+    The first topology of a job records its hosts and places as the job's (:class:`ds_ring.comm.job.Job`, what
+    communication errors and ``strategy="auto"`` read); a later one keeps its own and overwrites nothing.
     """
 
     layout: RankLayout
@@ -84,6 +90,8 @@ class Topology(DeepSpeedMpu):
     sequence_data_parallel_group: ProcessGroup = field(repr=False)
     model_parallel_group: ProcessGroup = field(repr=False)
     timeout_s: float
+    hosts: tuple[str, ...] = field(repr=False)
+    places: tuple[Any, ...] = field(repr=False)
     _controls: dict[int, ProcessGroup | None] = field(repr=False)
 
     def __init__(
@@ -112,11 +120,15 @@ class Topology(DeepSpeedMpu):
         agree(dict(data_parallel=data_parallel, ulysses=ulysses, ring=ring), group=control, op="Topology",
               timeout_s=timeout_s, fix=_SAME_DEGREES, cache=False)  # fmt: skip
         layout = rank_layout(world_size, data_parallel=data_parallel, ulysses=ulysses, ring=ring)
-        check_placement(layout, gather_hosts(control, timeout_s), ulysses_across_hosts)
+        hosts, places = gather_hosts(control, timeout_s)
+        check_placement(layout, hosts, ulysses_across_hosts)
+        job().record_facts(hosts, places)
         rank = dist.get_rank(group)
         world = dist.group.WORLD if group is None else group
         groups = create_groups(layout, rank, world, control, timeout_s)
         object.__setattr__(self, "layout", layout)
+        object.__setattr__(self, "hosts", hosts)
+        object.__setattr__(self, "places", places)
         object.__setattr__(self, "rank", rank)
         object.__setattr__(self, "world_group", group)
         object.__setattr__(self, "timeout_s", timeout_s)

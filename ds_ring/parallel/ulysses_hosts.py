@@ -30,17 +30,16 @@ class PlacementWarning(UserWarning):
     """A Ulysses group spans several hosts."""
 
 
-def gather_hosts(group: dist.ProcessGroup | None, timeout_s: float | None) -> tuple[str, ...]:
-    """Every rank's host in rank order (one all-gather over ``group``, a group of every rank whose backend
-    takes CPU tensors), recorded as the job's (:func:`ds_ring.comm.hosts.record_hosts`: communication errors
-    name them from then on), and every rank's CPU cores (:func:`ds_ring.comm.cores.record_places`). Collective:
-    every rank calls it at the same point."""
+def gather_hosts(
+    group: dist.ProcessGroup | None, timeout_s: float | None
+) -> tuple[tuple[str, ...], tuple[cores.CpuPlace, ...]]:
+    """Every rank's host and CPU place (:class:`ds_ring.comm.cores.CpuPlace`) in rank order: one all-gather over
+    ``group``, a group of every rank whose backend takes CPU tensors. Collective: every rank calls it at the same
+    point. The Topology keeps them, and the job's first records them (:meth:`ds_ring.comm.job.Job.record_facts`:
+    communication errors name the hosts from then on)."""
     mine = [job_hosts.node_name(), cores.this_place().to_text()]
     rows = gather_texts(mine, group=group, op="Topology hosts", timeout_s=timeout_s)
-    names = tuple(row[0] for row in rows)
-    job_hosts.record_hosts(names)
-    cores.record_places([cores.CpuPlace.from_text(row[1]) for row in rows])
-    return names
+    return tuple(row[0] for row in rows), tuple(cores.CpuPlace.from_text(row[1]) for row in rows)
 
 
 def ulysses_across_hosts(layout: RankLayout, hosts: Sequence[str]) -> list[tuple[int, ...]]:

@@ -25,15 +25,15 @@ registered in ``ds_ring/strategies/__init__.py``; one from outside the package r
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed import ProcessGroup
 
 from ds_ring.kernels.dilated import check_window_branches
-from ds_ring.kernels.dilation import check_softcap, make_branches
+from ds_ring.kernels.dilation import check_branches, check_cu_seqlens, check_softcap
 from ds_ring.registry import Registry
 from ds_ring.strategies.cost import Cost, Link, Option, Problem
 
@@ -112,9 +112,34 @@ class Placement:
     control: Callable[[ProcessGroup | None], ProcessGroup | None]
 
 
-@dataclass(frozen=True)
+def _float(value: float | None) -> float | None:
+    return None if value is None else float(value)  # 1 and 1.0 are the same scale
+
+
+def _documents(cu_seqlens: torch.Tensor | Sequence[int] | None) -> tuple[int, ...] | None:
+    """The boundaries as a tuple (a tensor's values read back: a host sync on a GPU); checked when prepared."""
+    if cu_seqlens is None:
+        return None
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex:
+            check_cu_seqlens(cu_seqlens, 0)  # raises the shape / dtype error
+        return tuple(cu_seqlens.tolist())
+    return tuple(cu_seqlens)
+
+
+def _tensor_facts(tensor: torch.Tensor | None) -> tuple | None:
+    return None if tensor is None else (tuple(tensor.shape), tensor.dtype, tensor.device.type)
+
+
+@dataclass(frozen=True, kw_only=True)
 class AttentionCall:
-    """How to attend: everything of a call but the tensors, the process groups and the strategy."""
+    """How to attend: everything of a call but the tensors, the process groups and the strategy.
+
+    The one carrier of a call's options: the ds_config's section (:meth:`ds_ring.config.RingAttentionConfig.call`),
+    the modules and the functions all build one, by keyword. Its branch lists are validated once, when it is made
+    (they become :class:`~ds_ring.kernels.dilation.Lengths`, which nothing validates again); the cache key of a
+    prepared call and what its ranks agree on are derived from its fields (:meth:`described`).
+    """
 
     segment_lengths: Sequence[int] | None = None
     """LongNet segment lengths over the *global* sequence; ``None``: dense."""
@@ -122,7 +147,7 @@ class AttentionCall:
     """One dilation rate per segment length; ``None``: dense."""
     causal: bool = False
     """Causal mask by global position."""
-    scale: float | None = None
+    scale: float | None = field(default=None, metadata={"describe": _float})
     """Softmax scale; ``None``: ``1/sqrt(head_dim)``."""
     communication: str | None = None
     """How K/V move along a ring dimension: a registered exchange (``"ring"``, ``"allgather"``); ``None``: the
@@ -133,29 +158,51 @@ class AttentionCall:
     """Global index of local head 0 (dilation offsets use global head indices)."""
     return_lse: bool = False
     """Also return ``lse [batch, heads, seq/p]``."""
-    timeout_s: float | None = None
+    timeout_s: float | None = field(default=None, metadata={"agreed": False})
     """Bound in seconds on every communication wait; ``None``: the topology's (sequence-parallel strategies) or
-    :data:`ds_ring.comm.DEFAULT_TIMEOUT_S` (300 s, plain groups)."""
-    cu_seqlens: torch.Tensor | Sequence[int] | None = None
+    :data:`ds_ring.comm.DEFAULT_TIMEOUT_S` (300 s, plain groups). Each rank's own: not agreed."""
+    cu_seqlens: torch.Tensor | Sequence[int] | None = field(default=None, metadata={"describe": _documents})
     """Document boundaries ``[0, e1, ..., seq]`` of a packed global sequence; ``None``: one document. Python
     ints cost nothing per call; a tensor is read back to the host to key the call (a device sync on a GPU)."""
     window: int | None = None
     """Causal sliding window: query ``i`` sees keys ``[i - window + 1, i]`` of its document (dense attention,
     ``causal=True``); ``None``: no window."""
-    sinks: torch.Tensor | None = None
+    sinks: torch.Tensor | None = field(default=None, metadata={"describe": _tensor_facts})
     """``[heads]`` attention-sink logits of this rank's query heads (GPT-OSS): one more key per head with that
     score and value 0, differentiable; ``None``: no sink."""
     softcap: float | None = None
     """Attention logit soft-cap (Gemma 2): scores ``s`` become ``softcap·tanh(s / softcap)`` before the softmax;
     ``None``: uncapped."""
 
+    def __post_init__(self) -> None:
+        segments, rates = check_branches(self.segment_lengths, self.dilation_rates)
+        object.__setattr__(self, "segment_lengths", segments)
+        object.__setattr__(self, "dilation_rates", rates)
+
+    @classmethod
+    def of(cls, options: Mapping[str, Any]) -> AttentionCall:
+        """The call made of the entries of ``options`` that are its fields (e.g. a public function's ``locals()``)."""
+        return cls(**{name: options[name] for name in FIELDS if name in options})
+
+    def described(self) -> dict[str, Any]:
+        """Every field as a hashable value (document boundaries as a tuple, the sinks as their shape, dtype and
+        device type): what keys a prepared call and, but for the fields marked not agreed, what its ranks agree on."""
+        values = ((name, describe, getattr(self, name)) for name, describe in _DESCRIBE)
+        return {name: describe(value) if describe else value for name, describe, value in values}
+
     def check_options(self, rows: int | None = None) -> None:
-        """``ValueError`` for branches, a window or a softcap that no strategy can run: the branch lists (segments
-        clamped to ``rows``, this rank's shard length; ``None``: unknown, nothing clamped), a window with branches
-        or without ``causal``, a softcap that is not a finite number > 0."""
-        make_branches(2**62 if rows is None else rows, self.segment_lengths, self.dilation_rates)
+        """``ValueError`` for a window or a softcap that no strategy can run: a window with branches or without
+        ``causal``, a softcap that is not a finite number > 0 (the branch lists were checked when the call was made;
+        ``rows`` is kept for callers that passed this rank's shard length)."""
         check_window_branches(self.window, self.causal, self.segment_lengths)
         check_softcap(self.softcap)
+
+
+FIELDS: tuple[str, ...] = tuple(f.name for f in fields(AttentionCall))
+"""The options of an attention call, in declaration order."""
+_DESCRIBE = tuple((f.name, f.metadata.get("describe")) for f in fields(AttentionCall))
+NOT_AGREED: frozenset[str] = frozenset(f.name for f in fields(AttentionCall) if not f.metadata.get("agreed", True))
+"""Fields each rank may set for itself (they key its cache but are not compared across ranks)."""
 
 
 class Target(NamedTuple):

@@ -44,10 +44,6 @@ from ds_ring.strategies.ulysses import (
 __all__ = ["Hybrid"]
 
 
-def _tuple(values) -> tuple[int, ...] | None:
-    return None if values is None else tuple(values)
-
-
 class Hybrid(Strategy):
     """``strategy="hybrid"``: all-to-all inside the ulysses group (``heads % U == 0``; fewer K/V heads than ``U``
     are replicated), then ``communication`` moves K/V across the ring group on blocks of ``U·L`` rows."""
@@ -111,7 +107,7 @@ class Hybrid(Strategy):
             )
         plan_shards(
             block, shape.heads // degrees.ulysses, max(1, shape.kv_heads // degrees.ulysses), 0, degrees.ring,
-            _tuple(call.segment_lengths), _tuple(call.dilation_rates), layout=call.layout, causal=call.causal,
+            call.segment_lengths, call.dilation_rates, layout=call.layout, causal=call.causal,
         )  # fmt: skip
 
     def prepare(self, call: AttentionCall, target: Target) -> Bound:
@@ -140,8 +136,8 @@ class Hybrid(Strategy):
                 split.kv_heads // chunks,
                 r,
                 degrees.ring,
-                _tuple(call.segment_lengths),
-                _tuple(call.dilation_rates),
+                call.segment_lengths,
+                call.dilation_rates,
                 layout=call.layout,
                 head_offset=offset + i * width,
                 device=device,

@@ -33,7 +33,7 @@ from itertools import pairwise
 
 import torch
 
-from ds_ring.kernels.dilation import Branch, HeadGroup, Region, head_groups, make_branches
+from ds_ring.kernels.dilation import Branch, HeadGroup, Region, check_branches, head_groups
 from ds_ring.parallel.order import check_order
 
 __all__ = ["Run", "Held", "Travel", "SpanPlan", "ShardPlan", "plan_shards", "pieces"]
@@ -261,7 +261,7 @@ def _span(
 
 
 def _branch_specs(seq_len: int, segment_lengths: Sequence[int] | None, dilation_rates: Sequence[int] | None):
-    make_branches(seq_len, segment_lengths, dilation_rates)  # validates the lists
+    """The ``(w, r)`` pairs of lists :func:`plan_shards` has checked (dense: one segment of the sequence)."""
     if segment_lengths is None:
         return [(seq_len, 1)]
     return list(zip(segment_lengths, dilation_rates, strict=True))
@@ -294,11 +294,10 @@ def plan_shards(
         ValueError: a layout or branch combination that cannot be supported, naming the constraint
             and what would satisfy it.
     """
+    segment_lengths, dilation_rates = check_branches(segment_lengths, dilation_rates)
     return _plan(
-        local_len, num_heads, num_kv_heads, rank, world_size,
-        None if segment_lengths is None else tuple(segment_lengths),
-        None if dilation_rates is None else tuple(dilation_rates),
-        layout, head_offset, torch.device(device), causal, documents, window,
+        local_len, num_heads, num_kv_heads, rank, world_size, segment_lengths, dilation_rates, layout, head_offset,
+        torch.device(device), causal, documents, window,
     )  # fmt: skip
 
 

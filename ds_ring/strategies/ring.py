@@ -39,10 +39,6 @@ from ds_ring.strategies.sharded import CommSpec, get_exchange, sharded_attention
 __all__ = ["SequenceShards", "ring_dimension"]
 
 
-def _tuple(values) -> tuple[int, ...] | None:
-    return None if values is None else tuple(values)
-
-
 def ring_dimension(p: Problem, o: Option, link: Link, bandwidth: float) -> Cost:
     """The ring dimension of ``o`` (degree ``o.ring`` on blocks of ``o.chunk`` rows, ``o.ulysses`` ranks sharing the
     heads) over a link of ``bandwidth`` bytes/s: compute seconds, bytes sent, link seconds, exposed seconds."""
@@ -131,9 +127,11 @@ class SequenceShards(Strategy):
         get_exchange(call.communication)
         call.check_options(None if shape is None else shape.rows)
         if shape is not None and degrees is not None:
+            # The arguments prepare plans with (but the device): on the CPU its plan is this one, from the cache.
             plan_shards(
-                shape.rows, shape.heads, shape.kv_heads, 0, degrees.sequence, _tuple(call.segment_lengths),
-                _tuple(call.dilation_rates), layout=call.layout, head_offset=call.head_offset, causal=call.causal,
+                shape.rows, shape.heads, shape.kv_heads, degrees.rank, degrees.sequence, call.segment_lengths,
+                call.dilation_rates, layout=call.layout, head_offset=call.head_offset, causal=call.causal,
+                documents=call.cu_seqlens, window=call.window,
             )  # fmt: skip
         elif call.layout == "zigzag" and call.segment_lengths is not None:
             raise ValueError(
@@ -145,8 +143,8 @@ class SequenceShards(Strategy):
         shape, placement, device, documents = target
         degrees = placement.degrees
         plan = plan_shards(
-            shape.rows, shape.heads, shape.kv_heads, degrees.rank, degrees.sequence, _tuple(call.segment_lengths),
-            _tuple(call.dilation_rates), layout=call.layout, head_offset=call.head_offset, device=device,
+            shape.rows, shape.heads, shape.kv_heads, degrees.rank, degrees.sequence, call.segment_lengths,
+            call.dilation_rates, layout=call.layout, head_offset=call.head_offset, device=device,
             causal=call.causal, documents=documents, window=call.window,
         )  # fmt: skip
         exchange, comm = get_exchange(call.communication), CommSpec(placement.sequence, call.timeout_s)

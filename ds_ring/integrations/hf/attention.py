@@ -10,6 +10,7 @@ here imports transformers.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ds_ring.calls import sequence_parallel_attention
+from ds_ring.calls import attend, topology_placement
 from ds_ring.comm.agree import agree
 from ds_ring.config import SECTION, RingAttentionConfig
 from ds_ring.integrations.hf.audit import CallAudit, ModelWatch
@@ -147,15 +148,12 @@ class SequenceParallelAttention:
             if len(self._checked) > _CHECKED_KEPT:
                 self._checked.popitem(last=False)
         window = None if sliding_window is None or sliding_window >= bounds[-1] else sliding_window
-        branches = (None, None) if window is not None else (self.section.segment_lengths, self.section.dilation_rates)
-        out = sequence_parallel_attention(
-            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), *branches,
-            causal=self.section.causal, scale=scaling, topology=self.topology, strategy=self.section.strategy,
-            communication=self.section.communication, layout=self.section.layout,
-            cu_seqlens=bounds if len(bounds) > 2 else None, window=window, sinks=kwargs.get("s_aux"),
-            softcap=softcap,
-        )  # fmt: skip
-        return out, None
+        dense = {"segment_lengths": None, "dilation_rates": None} if window is not None else {}
+        documents = bounds if len(bounds) > 2 else None
+        call = dataclasses.replace(self.section.call(), **dense, scale=scaling, window=window, softcap=softcap,
+                                   cu_seqlens=documents, sinks=kwargs.get("s_aux"))  # fmt: skip
+        q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+        return attend(q, k, v, call, topology_placement(self.topology), self.section.strategy), None
 
     def _refuse_features(
         self, module: nn.Module, dropout: float, softcap: float | None, spec: MaskSpec | None, kwargs: dict

@@ -34,6 +34,7 @@ from ds_ring.integrations.hf.compat import (
 from ds_ring.integrations.hf.documents import IGNORE_INDEX
 from ds_ring.loss import sequence_parallel_mean
 from ds_ring.parallel.topology import Topology
+from ds_ring.patches import Patch, keep_attribute, set_attribute, undo_all
 from ds_ring.tiles import gated_mlp_parts, make_store, offloaded_checkpoint, tiled_cross_entropy_sum, tiled_gated_mlp
 
 __all__ = ["check_long_context", "apply_long_context"]
@@ -126,45 +127,36 @@ def apply_long_context(
     if not section.enabled:
         return lambda: None
     lm = _causal_lm(model)
-    patched: list[nn.Module] = []
+    patches: list[Patch] = []
     if section.tiled_mlp:
         for _, mlp in _mlps(lm):
-            mlp.forward = functools.partial(tiled_gated_mlp, mlp, tile_tokens=section.tile_tokens)
-            patched.append(mlp)
+            tiled = functools.partial(tiled_gated_mlp, mlp, tile_tokens=section.tile_tokens)
+            patches.append(set_attribute(mlp, "forward", tiled, library=LIB))
     store = make_store(section.offload_checkpoints, section.offload_dir)
     checkpointing_was_on = is_activation_checkpointing(lm)
-    functions = {
-        m: m.__dict__.get("_gradient_checkpointing_func") for m in lm.modules() if hasattr(m, "gradient_checkpointing")
-    }
+    # the layers' own checkpointing functions, put back by undo (enabling checkpointing, and offloading, set them)
+    kept = [keep_attribute(m, "_gradient_checkpointing_func", library=LIB) for m in lm.modules()
+            if hasattr(m, "gradient_checkpointing")] if store is not None else []  # fmt: skip
     if store is not None and not checkpointing_was_on:
         activation_checkpointing_enable(lm)
     if section.tiled_loss or store is not None:
-        lm.forward = functools.partial(
-            _forward,
-            lm,
-            lm.forward,
-            section,
-            topology,
-            gradient_scale,
-            store and offloaded_checkpoint(store, recompute=section.offload_recompute),
-        )
-        patched.append(lm)
+        checkpoint = store and offloaded_checkpoint(store, recompute=section.offload_recompute)
+        forward = functools.partial(_forward, lm, lm.forward, section, topology, gradient_scale, checkpoint)
+        patches.append(set_attribute(lm, "forward", forward, library=LIB))
 
     def undo() -> None:
-        for module in patched:
-            del module.forward
+        undo_all(patches)
         if store is None:
             return
         if not checkpointing_was_on:
             activation_checkpointing_disable(lm)
-        for module, function in functions.items():  # the layers' own checkpointing functions back
-            if function is None:
-                module.__dict__.pop("_gradient_checkpointing_func", None)
-            else:
-                module._gradient_checkpointing_func = function
+        undo_all(kept)
         store.close()
 
     return undo
+
+
+LIB = "transformers"
 
 
 def _forward(
@@ -207,5 +199,6 @@ def _offload_checkpoints(lm: nn.Module, checkpoint: Callable[..., Any]) -> None:
             f"checkpointing was turned off; call model.gradient_checkpointing_enable(), or set offload_checkpoints "
             f"to 'none'"
         )
-    for layer in layers:
-        layer._gradient_checkpointing_func = checkpoint
+    for layer in layers:  # undone with the rest (the functions kept when the section was applied)
+        if layer.__dict__.get("_gradient_checkpointing_func") is not checkpoint:
+            set_attribute(layer, "_gradient_checkpointing_func", checkpoint, library=LIB)

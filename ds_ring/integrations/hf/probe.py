@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ds_ring.patches import Patch, set_item, undo_all
+
 __all__ = ["Mixer", "Probe", "probe_sequence_mixers", "PROBE_TOKENS"]
 
 PROBE_TOKENS = 48
@@ -96,23 +98,16 @@ def _attention_standing_in(implementations: Iterable[str]) -> Iterator[None]:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    undo: list[tuple[Any, str, bool, Any]] = []
+    undo: list[Patch] = []
     try:
         for name in implementations:
-            own = ALL_ATTENTION_FUNCTIONS._local_mapping
-            undo.append((own, name, name in own, own.get(name)))
-            own[name] = _stand_in
+            undo.append(set_item(ALL_ATTENTION_FUNCTIONS._local_mapping, name, _stand_in, library="transformers"))
             masks = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
             if name not in ALL_MASK_ATTENTION_FUNCTIONS:
-                undo.append((masks, name, False, None))
-                masks[name] = masks["sdpa"]
+                undo.append(set_item(masks, name, masks["sdpa"], library="transformers"))
         yield
     finally:
-        for table, name, had, entry in reversed(undo):
-            if had:
-                table[name] = entry
-            else:
-                del table[name]
+        undo_all(undo)
 
 
 def _sequence_dim(tensor: Any, length: int) -> int | None:

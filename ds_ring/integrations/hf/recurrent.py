@@ -32,6 +32,7 @@ from ds_ring.comm.groups import group_rank, group_size
 from ds_ring.integrations.hf.documents import DOCUMENTS_KEY
 from ds_ring.integrations.hf.watch import ForwardWatch
 from ds_ring.parallel.topology import Topology
+from ds_ring.patches import Patch, set_attribute, undo_all
 from ds_ring.recurrent.mixers import delta_rule_scan, selective_scan, ssd_scan
 from ds_ring.recurrent.pieces import ShardPieces, shard_pieces
 from ds_ring.recurrent.scan import causal_conv
@@ -243,24 +244,19 @@ def install_recurrent(
     if not mixers:
         return lambda: None
     shards = _Shards(model, topology, layout, disable_in_eval)
-    undo: list[tuple[Any, str, Any]] = []
+    undo: list[Patch] = []
     for family in dict.fromkeys(f for m in mixers if (f := _family_of(m)) is not None):
         modeling = _modeling(family)
         originals = {name: getattr(modeling, name) for name in family.functions if hasattr(modeling, name)}
         for name, replacement in _replacements(shards, originals).items():
-            undo.append((modeling, name, originals[name]))
-            setattr(modeling, name, replacement)
+            undo.append(set_attribute(modeling, name, replacement, library="transformers"))
 
-    wrapped = [m for m in mixers if not _family_of(m).functions]
-    for mixer in wrapped:
+    for mixer in (m for m in mixers if not _family_of(m).functions):
         wrapper = _mlstm if _family_of(mixer).module == "xlstm" else _lightning
-        mixer.forward = wrapper(mixer, mixer.forward, shards)
+        undo.append(set_attribute(mixer, "forward", wrapper(mixer, mixer.forward, shards), library="transformers"))
 
     def restore() -> None:
-        for modeling, name, original in reversed(undo):
-            setattr(modeling, name, original)
-        for mixer in wrapped:
-            del mixer.forward  # the class's forward again
+        undo_all(undo)  # the modeling functions, and the class's forward of every wrapped mixer again
         shards.remove()
 
     return restore

@@ -35,6 +35,7 @@ from ds_ring.integrations.hf.probe import Probe
 from ds_ring.integrations.hf.recurrent import install_recurrent, sequence_parallel_mixers
 from ds_ring.integrations.hf.session import SequenceParallelSession, installed_sessions
 from ds_ring.parallel.topology import Topology
+from ds_ring.patches import Patch, set_item
 
 __all__ = [
     "register_with_transformers",
@@ -173,7 +174,8 @@ def register_with_transformers(
     )
     session = SequenceParallelSession(section, topology, loaded.zero_optimization, attention)
     attention.session = session
-    replaced = [_replace(ALL_ATTENTION_FUNCTIONS, core_attn_implementation, attention)]
+    # the instance's own entries, as ALST does (GeneralInterface: they override the class-wide ones)
+    replaced = [set_item(ALL_ATTENTION_FUNCTIONS._local_mapping, core_attn_implementation, attention, library=LIB)]
     attention.audit = CallAudit()
     if isinstance(model_name_or_path, torch.nn.Module):
         attention.watch = ModelWatch(model_name_or_path)
@@ -182,14 +184,14 @@ def register_with_transformers(
 
         from ds_ring.integrations.hf.loss import shard_loss  # it imports the session
 
-        replaced.append((LOSS_MAPPING, "ForCausalLM", True, LOSS_MAPPING["ForCausalLM"]))
-        LOSS_MAPPING["ForCausalLM"] = shard_loss(LOSS_MAPPING["ForCausalLM"], session)
+        replaced.append(set_item(LOSS_MAPPING, "ForCausalLM", shard_loss(LOSS_MAPPING["ForCausalLM"], session),
+                                 library=LIB))  # fmt: skip
     if not disable_in_eval and (own or core_attn_implementation in ALL_MASK_ATTENTION_FUNCTIONS):
-        replaced.append(_replace(ALL_MASK_ATTENTION_FUNCTIONS, core_attn_implementation, _no_mask))
+        masks = ALL_MASK_ATTENTION_FUNCTIONS._local_mapping
+        replaced.append(set_item(masks, core_attn_implementation, _no_mask, library=LIB))
     if own:  # transformers builds masks only for implementations of its class-wide table: the window lives there
         table = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
-        replaced.append((table, OWN_NAME, OWN_NAME in table, table.get(OWN_NAME)))
-        table[OWN_NAME] = _no_mask
+        replaced.append(set_item(table, OWN_NAME, _no_mask, library=LIB))
     session.on_close(functools.partial(_put_back, tuple(replaced), attention))
     # state-space / short-convolution layers of the model instance: their state carried across shards
     session.on_close(install_recurrent(model_name_or_path, topology, section.layout, disable_in_eval=disable_in_eval))
@@ -204,18 +206,18 @@ def unregister_from_transformers(session: SequenceParallelSession | None = None)
         installed.close()
 
 
-def _put_back(replaced: tuple[tuple[Any, str, bool, Any], ...], attention: SequenceParallelAttention) -> None:
-    """Put back the registry entries of ``replaced`` (``(registry, key, had its own entry, that entry)``, undone in
-    reverse order) and remove the attention's hooks on the model."""
-    for interface, key, had_entry, entry in reversed(replaced):
-        if had_entry:
-            interface[key] = entry
-        else:
-            del interface[key]
+def _put_back(replaced: tuple[Patch, ...], attention: SequenceParallelAttention) -> None:
+    """Put back the registry entries of ``replaced`` (undone in reverse order) and remove the attention's hooks on
+    the model."""
+    for patch in reversed(replaced):
+        patch.undo()
     for hooks in (attention.audit, attention.watch):
         if hooks is not None:
             hooks.remove()
     attention.audit = attention.watch = None
+
+
+LIB = "transformers"
 
 
 def _check_implementation(name: str, registry: Mapping[str, Any]) -> None:
@@ -313,14 +315,6 @@ def _audit_modules(
     elif isinstance(model_name_or_path, torch.nn.Module):
         _log.warning("ds_ring could not probe %s (%s): its modules were judged by class name only",
                      type(model_name_or_path).__name__, probe)  # fmt: skip
-
-
-def _replace(interface: Any, key: str, value: Any) -> tuple[Any, str, bool, Any]:
-    """Set ``interface[key]`` (the instance's own entry, as ALST does); return how to undo it."""
-    own = interface._local_mapping  # GeneralInterface: the instance's entries override the class-wide ones
-    undo = (interface, key, key in own, own.get(key))
-    interface[key] = value
-    return undo
 
 
 def _no_mask(*, attention_mask: torch.Tensor | None = None, mask_function: Any = None, **_: Any) -> MaskSpec:

@@ -47,6 +47,7 @@ from ds_ring.integrations.hf.router import add_router_aux_loss
 from ds_ring.parallel.groups import control_world
 from ds_ring.parallel.order import gather_sequence
 from ds_ring.parallel.topology import Topology
+from ds_ring.patches import set_attribute
 from ds_ring.preemption import Preemption
 from ds_ring.zero import mark_parameters
 
@@ -323,11 +324,11 @@ def _engine_over(topology: Topology, args: Any) -> Iterator[None]:
             mark_parameters(model, config, topology.get_sequence_parallel_world_size())
         return initialized
 
-    deepspeed.initialize = initialize
+    patch = set_attribute(deepspeed, "initialize", initialize, library="deepspeed")
     try:
         yield
     finally:
-        deepspeed.initialize = original
+        patch.undo()
 
 
 @contextlib.contextmanager
@@ -357,11 +358,12 @@ def _loaders_over_replicas(accelerator: Any, topology: Topology) -> Iterator[Non
             non_blocking=accelerator.non_blocking, use_stateful_dataloader=accelerator.use_stateful_dataloader,
         )  # fmt: skip
 
-    accelerator.prepare_data_loader = prepare  # accelerator.prepare calls it for every DataLoader
+    # accelerator.prepare calls it for every DataLoader; undone: the class's method again
+    patch = set_attribute(accelerator, "prepare_data_loader", prepare, library="accelerate")
     try:
         yield
     finally:
-        del accelerator.prepare_data_loader  # the class's method again
+        patch.undo()
 
 
 class _DataParallelGather:
