@@ -22,7 +22,8 @@ HEADS, HEAD_DIM = 8, 64
 @dataclass(frozen=True)
 class Call:
     """One attention call: strategy, K/V exchange (None: the strategy's own), layout, branches (fractions of S), the
-    two local lengths of the slope, glibc's mmap threshold in the ranks (65536: RSS follows live tensors)."""
+    two local lengths of the slope, glibc's mmap threshold in the ranks (65536: RSS follows live tensors), the query
+    and K/V heads (``None``: ``heads``)."""
 
     strategy: str
     communication: str | None = None
@@ -31,6 +32,8 @@ class Call:
     rates: tuple[int, ...] | None = None
     tokens_per_rank: tuple[int, int] = (4096, 8192)
     mmap_threshold: int | None = None
+    heads: int = HEADS
+    kv_heads: int | None = None
 
 
 _LONGNET = {"segments": (1 / 32, 1 / 4, 1), "rates": (1, 4, 16), "tokens_per_rank": (16384, 32768)}
@@ -79,7 +82,10 @@ def _measure(rank: int, world: int, call: Call, local_len: int, device: str, liv
     ulysses = common.ulysses_degree(call.strategy, world)
     topology = ds_ring.Topology(ulysses=ulysses, ring=world // ulysses)
     g = torch.Generator().manual_seed(rank)
-    shards = (torch.randn((1, local_len, HEADS, HEAD_DIM), generator=g).to(device) for _ in range(4))
+    kv = call.kv_heads or call.heads
+    shards = (
+        torch.randn((1, local_len, h, HEAD_DIM), generator=g).to(device) for h in (call.heads, kv, kv, call.heads)
+    )
     q, k, v, dout = (x.requires_grad_(i < 3) for i, x in enumerate(shards))
     release_free_memory()  # gc, and (CPU) freed heap back to the OS before the baseline
     if cuda := device == "cuda":

@@ -24,7 +24,7 @@ from torch.distributed import ProcessGroup
 from ds_ring.calls import attend, group_placement, topology_placement
 from ds_ring.comm.groups import group_size
 from ds_ring.parallel.topology import Topology
-from ds_ring.strategies import AttentionCall
+from ds_ring.strategies import DEFAULT_STRATEGY, AttentionCall
 from ds_ring.zero import require_marked
 
 __all__ = ["RingDilatedAttention", "MultiheadRingDilatedAttention"]
@@ -68,7 +68,7 @@ class RingDilatedAttention(nn.Module):
         layout: str = "contiguous",
         group: ProcessGroup | None = None,
         topology: Topology | None = None,
-        strategy: str = "ring",
+        strategy: str = DEFAULT_STRATEGY,
         scale: float | None = None,
         head_offset: int = 0,
         timeout_s: float | None = None,
@@ -130,7 +130,7 @@ class RingDilatedAttention(nn.Module):
             )  # fmt: skip
         if self.topology is not None:
             return attend(q, k, v, call, topology_placement(self.topology), self.strategy)
-        return attend(q, k, v, call, group_placement(self.group), "ring", op="ring_dilated_attention")
+        return attend(q, k, v, call, group_placement(self.group), DEFAULT_STRATEGY, op="ring_dilated_attention")
 
     def extra_repr(self) -> str:
         return (

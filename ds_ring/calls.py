@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+import ds_ring.auto  # noqa: F401  (registers strategy "auto")
 from ds_ring.comm.agree import agree
 from ds_ring.comm.groups import group_rank, group_size, takes_cpu
 from ds_ring.comm.job import job
@@ -39,7 +40,7 @@ from ds_ring.kernels.dilation import check_cu_seqlens, check_softcap, validate_q
 from ds_ring.kernels.sinks import check_sinks
 from ds_ring.kernels.spans import Spans, resolve_spans
 from ds_ring.parallel.topology import Topology
-from ds_ring.strategies import AttentionCall, Bound, Degrees, Placement, Shape, Target, get_strategy
+from ds_ring.strategies import DEFAULT_STRATEGY, AttentionCall, Bound, Degrees, Placement, Shape, Target, get_strategy
 from ds_ring.strategies.base import NOT_AGREED
 
 __all__ = [
@@ -79,7 +80,7 @@ def ring_dilated_attention(
     window: int | None = None,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
-    strategy: str = "ring",
+    strategy: str = DEFAULT_STRATEGY,
     bidirectional_spans: torch.Tensor | Sequence | None = None,
     prefix_lengths: int | Sequence[int] | None = None,
 ) -> Output:
@@ -135,7 +136,7 @@ def sequence_parallel_attention(
     causal: bool = False,
     scale: float | None = None,
     topology: Topology,
-    strategy: str = "ring",
+    strategy: str = DEFAULT_STRATEGY,
     communication: str | None = None,
     layout: str = "contiguous",
     head_offset: int = 0,

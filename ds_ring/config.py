@@ -39,9 +39,10 @@ import yaml
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
+from ds_ring.auto import Auto  # importing ds_ring.auto registers strategy "auto"
 from ds_ring.comm.wait import DEFAULT_TIMEOUT_S
 from ds_ring.parallel.layout import RankLayout
-from ds_ring.strategies import AttentionCall, Degrees, Shape, exchanges, get_strategy, strategy_names
+from ds_ring.strategies import DEFAULT_STRATEGY, AttentionCall, Degrees, Shape, exchanges, get_strategy, strategy_names
 from ds_ring.strategies.base import FIELDS
 
 __all__ = [
@@ -227,7 +228,7 @@ class RingAttentionConfig(_Section):
     enabled: bool = True
     """Use ds_ring's sequence-parallel attention. ``false`` runs every attention on the whole sequence."""
 
-    strategy: str = "ring"
+    strategy: str = DEFAULT_STRATEGY
     """``"ring"``/``"allgather"`` (K/V move between sequence shards), ``"ulysses"`` (all-to-all from
     sequence to head sharding), ``"hybrid"`` (Ulysses inside ``ulysses_degree`` ranks, ring across), or ``"auto"``
     (per call, the fastest of those the degrees admit by a cost model and a link probe, the same on every rank;
@@ -284,7 +285,7 @@ class RingAttentionConfig(_Section):
     def __init__(self, strict: bool = False, **data: Any) -> None:
         # DeepSpeedConfigModel drops every value "auto" (Hugging Face's placeholder) unless strict; here
         # "strategy": "auto" is a choice of its own, so it is kept (other "auto" values are dropped as before).
-        if not strict and data.get("strategy") == "auto":
+        if not strict and data.get("strategy") == Auto.name:
             data, strict = {k: v for k, v in data.items() if v != "auto" or k == "strategy"}, True
         super().__init__(strict=strict, **data)
 
@@ -302,20 +303,10 @@ class RingAttentionConfig(_Section):
             self._strategy_check(None, None)
         except ValueError as err:
             raise ValueError(f"{SECTION}: {err}") from None
-        if self.strategy in ("ring", "allgather") and self.ulysses_degree not in (None, 1):
-            raise ValueError(
-                f"{SECTION}.ulysses_degree is {self.ulysses_degree} but strategy {self.strategy!r} has no Ulysses "
-                "dimension; set ulysses_degree to 1 (or remove it), or use strategy 'hybrid'"
-            )
-        if self.strategy == "ulysses" and self.ring_degree not in (None, 1):
-            raise ValueError(
-                f"{SECTION}.ring_degree is {self.ring_degree} but strategy 'ulysses' has no ring dimension; "
-                "set ring_degree to 1 (or remove it), or use strategy 'hybrid'"
-            )
-        if self.strategy == "hybrid" and self.ulysses_degree is None:
-            raise ValueError(
-                f"{SECTION}.strategy 'hybrid' needs ulysses_degree (the Ulysses ranks inside each ring step)"
-            )
+        try:
+            get_strategy(self.strategy).check_degrees(self.ulysses_degree, self.ring_degree)
+        except ValueError as err:
+            raise ValueError(f"{SECTION}.{err}") from None  # the strategy's message starts with the field
         if None not in (self.sequence_parallel_size, self.ulysses_degree, self.ring_degree):
             product = self.ulysses_degree * self.ring_degree
             if product != self.sequence_parallel_size:

@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from ds_ring.auto.model import Link, Problem, format_table, plan_options
+from ds_ring.auto.strategy import Auto
 
 __all__ = ["main", "problem_from_args"]
 
@@ -46,7 +47,7 @@ def problem_from_args(args: argparse.Namespace) -> Problem:
     world = args.world
     ulysses, ring = section.get("ulysses_degree"), section.get("ring_degree")
     degrees = None
-    if section.get("strategy", "auto") != "auto" or ulysses is not None or ring is not None:
+    if section.get("strategy", Auto.name) != Auto.name or ulysses is not None or ring is not None:
         u = ulysses or (world // ring if ring else 1)
         degrees = ((1, world), (u, world // u)) if world % u == 0 else ((1, world),)
     layout = args.layout or section.get("layout", "any")

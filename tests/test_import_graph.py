@@ -124,6 +124,14 @@ def test_lower_layers_never_import_strategies_or_integrations() -> None:
     assert upward == []
 
 
+def test_strategies_never_import_auto() -> None:
+    """``auto`` ranks what every registered strategy offers, so it sits above them and registers itself."""
+    graph = import_graph(everywhere=True)
+    upward = sorted((m, t) for m, ts in graph.items() if m.startswith("ds_ring.strategies") for t in ts
+                    if t.startswith("ds_ring.auto"))  # fmt: skip
+    assert upward == []
+
+
 def test_the_graph_sees_known_edges() -> None:
     graph = import_graph()
     assert "ds_ring.comm.collectives" in graph["ds_ring.comm.agree"]

@@ -80,7 +80,7 @@ def measure_link(group: ProcessGroup | None, device: torch.device, timeout_s: fl
     """This rank's own measurement (collective over ``group``: every rank calls it at the same point)."""
     flops = _time_flops(device)
     if group_size(group) == 1:
-        return Link(latency_s=0.0, bandwidth=float("inf"), flops=flops, source="measured, 1 rank")
+        return Link(latency_s=0.0, bandwidth=float("inf"), flops=flops, source="measured, 1 rank", device=device.type)
     small = _time_all_to_all(SMALL, group, device, timeout_s)
     large = _time_all_to_all(LARGE, group, device, timeout_s)
     p = group_size(group)
@@ -89,7 +89,9 @@ def measure_link(group: ProcessGroup | None, device: torch.device, timeout_s: fl
     # extra bytes: then the bandwidth is taken as if the whole large exchange were transfer (a lower bound), never
     # extra / ~0 (783 TB/s was read that way on 2 shared cores).
     bandwidth = extra / (large - small) if large - small > 0.1 * large else LARGE * (p - 1) / p / large
-    return Link(latency_s=small / max(1, p - 1), bandwidth=bandwidth, flops=flops, source="measured")
+    return Link(
+        latency_s=small / max(1, p - 1), bandwidth=bandwidth, flops=flops, source="measured", device=device.type
+    )
 
 
 def agree_link(
@@ -104,7 +106,9 @@ def agree_link(
     rows[me] = torch.tensor([mine.latency_s, mine.bandwidth, mine.flops], dtype=torch.float64, device=device)
     rows = all_reduce(rows, group=group, op="auto_probe_agree", timeout_s=timeout_s).cpu()
     latency, bandwidth, flops = (float(x) for x in (rows[:, 0].max(), rows[:, 1].min(), rows[:, 2].min()))
-    return Link(latency_s=latency, bandwidth=bandwidth, flops=flops, source=f"measured, worst of {p} ranks")
+    return Link(
+        latency_s=latency, bandwidth=bandwidth, flops=flops, source=f"measured, worst of {p} ranks", device=mine.device
+    )
 
 
 def probe_link(

@@ -133,7 +133,6 @@ class Auto(Strategy):
         if group_rank(placement.sequence) == 0 and logger.isEnabledFor(logging.INFO):
             logger.info("strategy 'auto' chose %s\n%s", chosen.label, format_table(problem, options, link))
         strategy = get_strategy(chosen.strategy)
-        communication = chosen.communication if chosen.strategy != "ulysses" else None
-        resolved = dataclasses.replace(call, communication=communication)
+        resolved = dataclasses.replace(call, communication=chosen.communication)
         strategy.check(resolved, shape, placement.degrees)
         return strategy.prepare(resolved, target)

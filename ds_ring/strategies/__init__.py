@@ -1,10 +1,15 @@
 """Strategies: how attention over sequence shards is computed and how K/V move between ranks.
 
 Importing this package registers the built-in exchanges (``ring``, ``allgather``: how a ring dimension
-moves K/V blocks) and strategies (one line each: a new strategy is one module plus one line here).
+moves K/V blocks) and strategies, one line each. A strategy owns its rules: what it refuses
+(:meth:`Strategy.check`), the degrees a ds_config may give it (:meth:`Strategy.check_degrees`) and its cost and
+memory model (:meth:`Strategy.options`, :meth:`Strategy.cost`, :meth:`Strategy.memory_q_shards`), so a new one is
+one module plus one :func:`register_strategy` call (here, or in the module that defines it: ``strategy="auto"``
+registers itself in :mod:`ds_ring.auto`). This package never imports :mod:`ds_ring.auto`.
 """
 
 from ds_ring.strategies.base import (
+    DEFAULT_STRATEGY,
     AttentionCall,
     Bound,
     Degrees,
@@ -28,11 +33,8 @@ register_strategy(SequenceShards("allgather", exchange="allgather"))
 register_strategy(Ulysses())
 register_strategy(Hybrid())
 
-from ds_ring.auto.strategy import Auto  # noqa: E402  (needs the strategies above)
-
-register_strategy(Auto())
-
 __all__ = [
+    "DEFAULT_STRATEGY",
     "AttentionCall",
     "Bound",
     "CommSpec",

@@ -11,8 +11,15 @@ A strategy is one object with two parts:
   exchange moves them) and return a :data:`Bound` function that runs the call on tensors of that key
   with no further validation, agreement or host read.
 
-A new strategy is one module defining a subclass plus one :func:`register_strategy` line in
-``ds_ring/strategies/__init__.py``.
+A strategy also owns its other rules, so that ``config.py`` and ``auto`` only iterate the registry:
+
+- :meth:`Strategy.check_degrees` — which ``ulysses_degree`` / ``ring_degree`` a ds_config may give it;
+- :meth:`Strategy.options`, :meth:`Strategy.cost` and :meth:`Strategy.memory_q_shards` — its cost and memory model
+  (:mod:`ds_ring.strategies.cost`): the ways it can run a call, and the seconds, bytes and memory of each, which
+  ``strategy="auto"`` ranks. A strategy that offers no option is never picked by ``auto``.
+
+A new strategy is one module defining a subclass plus one :func:`register_strategy` call: the built-in ones are
+registered in ``ds_ring/strategies/__init__.py``; one from outside the package registers itself the same way.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from ds_ring.kernels.dilated import check_window_branches
 from ds_ring.kernels.dilation import check_branches, check_cu_seqlens, check_softcap
 from ds_ring.kernels.spans import check_span_options
 from ds_ring.registry import Registry
+from ds_ring.strategies.cost import Cost, Link, Option, Problem
 
 __all__ = [
     "AttentionCall",
@@ -41,7 +49,11 @@ __all__ = [
     "register_strategy",
     "get_strategy",
     "strategy_names",
+    "DEFAULT_STRATEGY",
 ]
+
+DEFAULT_STRATEGY = "ring"
+"""The strategy a call or a ds_config gets when it names none."""
 
 Bound = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]
@@ -227,6 +239,8 @@ class Strategy(ABC):
     """How attention over sequence shards is computed and how K/V (or heads) move between ranks."""
 
     name: str = ""
+    buffers: dict[str, float] = {}
+    """The memory model's fitted coefficients, by name (``python -m benchmarks.auto_fit --fit``); never mutated."""
 
     def default_communication(self) -> str | None:
         """The ``communication`` a call gets when it names none (``None``: the strategy moves no K/V blocks)."""
@@ -241,6 +255,27 @@ class Strategy(ABC):
     @abstractmethod
     def prepare(self, call: AttentionCall, target: Target) -> Bound:
         """Plan ``call`` (checked, its ranks agreed) once for ``target``; return the function that runs it."""
+
+    def check_degrees(self, ulysses_degree: int | None, ring_degree: int | None) -> None:
+        """``ValueError`` for degrees a ds_config may not give this strategy (``None``: not given), its message
+        starting with the field or ``strategy`` (the section's name and a dot are prefixed: ``"ulysses_degree is 2
+        but ..."``) and naming the fix. By default every degree is allowed."""
+        return None
+
+    def options(self, problem: Problem) -> list[Option]:
+        """The ways this strategy can run ``problem`` (layouts, exchange, degrees, ring chunk), unchecked: ``auto``
+        checks each with :meth:`check` and ranks the valid ones by :meth:`cost`. By default none: ``auto`` never
+        picks the strategy."""
+        return []
+
+    def cost(self, problem: Problem, option: Option, link: Link) -> Cost:
+        """The predicted cost per rank of one of :meth:`options` under ``link`` (calibrated rates)."""
+        raise NotImplementedError(f"strategy {self.name!r} has no cost model")
+
+    def memory_q_shards(self, problem: Problem, option: Option, buffers: dict[str, float] | None = None) -> float:
+        """Predicted extra memory per rank of one call (over q, k, v, dout), in q-shards; ``buffers`` overrides
+        the strategy's fitted coefficients (:attr:`buffers`) by name."""
+        raise NotImplementedError(f"strategy {self.name!r} has no memory model")
 
 
 _STRATEGIES: Registry[Strategy] = Registry("strategy")

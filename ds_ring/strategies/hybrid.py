@@ -22,15 +22,21 @@ import torch
 from ds_ring.kernels.dilation import make_branches
 from ds_ring.strategies.base import AttentionCall, Bound, Degrees, Shape, Strategy, Target
 from ds_ring.strategies.blocks import Options
+from ds_ring.strategies.cost import Cost, Link, Option, Problem, kv_heads_sent
 from ds_ring.strategies.plan import plan_shards
+from ds_ring.strategies.ring import ring_dimension
 from ds_ring.strategies.sharded import CommSpec, get_exchange, sharded_backward, sharded_forward
 from ds_ring.strategies.ulysses import (
+    Ulysses,
+    all_to_all_cost,
     attend_head_groups,
     check_layout,
     dilated_jobs,
     group_job,
     group_sinks,
     head_chunks,
+    head_groups_of,
+    head_sharded_memory,
     split_heads,
     to_heads,
 )
@@ -43,6 +49,42 @@ class Hybrid(Strategy):
     are replicated), then ``communication`` moves K/V across the ring group on blocks of ``U·L`` rows."""
 
     name = "hybrid"
+    buffers = {"hybrid_ring": 1.0}
+    """Memory of the ring's K/V block of the head group in its backward, per unit of that group's K/V bytes over q
+    bytes (on top of Ulysses' model, :func:`~ds_ring.strategies.ulysses.head_sharded_memory`)."""
+
+    def check_degrees(self, ulysses_degree: int | None, ring_degree: int | None) -> None:
+        if ulysses_degree is None:
+            raise ValueError("strategy 'hybrid' needs ulysses_degree (the Ulysses ranks inside each ring step)")
+
+    def options(self, problem: Problem) -> list[Option]:
+        """Every layout on every factorisation ``U × R`` with both degrees above 1, on the call's exchange (``ring``
+        when it names none); the ring block is ``U·L`` rows."""
+        communication = problem.communication or self.default_communication()
+        return [
+            Option(self.name, communication, layout, u, r, u * problem.local)
+            for layout in problem.layouts
+            for u, r in problem.factorisations()
+            if u > 1 and r > 1
+        ]
+
+    def cost(self, problem: Problem, option: Option, link: Link) -> Cost:
+        per_host = problem.ranks_per_host or problem.world
+        a2a_bandwidth = link.within_host() if option.ulysses <= per_host else link.bandwidth
+        ring_bandwidth = link.within_host() if per_host >= problem.world else link.bandwidth
+        a_sent, a_comm = all_to_all_cost(problem, option.ulysses, a2a_bandwidth, link)
+        ring = ring_dimension(problem, option, link, ring_bandwidth)
+        return Cost(ring.compute_s, a_sent + ring.sent_bytes, a_comm + ring.comm_s, a_comm + ring.exposed_s)
+
+    def memory_q_shards(self, problem: Problem, option: Option, buffers: dict[str, float] | None = None) -> float:
+        b = {**Ulysses.buffers, **self.buffers, **(buffers or {})}
+        rows = problem.local * option.ulysses
+        peak = head_sharded_memory(problem, option.ulysses, rows, option.ring, b)
+        if option.ring == 1:
+            return peak
+        kv_heads = kv_heads_sent(problem, option.ulysses)
+        heads_kv = kv_heads * (problem.head_dim + problem.dv) / (problem.heads * problem.head_dim)
+        return peak + b["hybrid_ring"] * heads_kv / head_groups_of(kv_heads // option.ulysses)
 
     def check(self, call: AttentionCall, shape: Shape | None, degrees: Degrees | None) -> None:
         get_exchange(call.communication)

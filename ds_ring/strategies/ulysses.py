@@ -43,9 +43,10 @@ from ds_ring.hooks import current_labels, emit_attention, hooks_active, labelled
 from ds_ring.kernels.delta import OutputByDelta, row_delta
 from ds_ring.kernels.dilated import dilated_forward, plan_dilated
 from ds_ring.kernels.merge import accum_dtype
-from ds_ring.kernels.overwrite import dilated_backward_over_inputs
+from ds_ring.kernels.overwrite import BLOCK_ROWS, dilated_backward_over_inputs
 from ds_ring.parallel.order import ORDERS as LAYOUTS
 from ds_ring.strategies.base import AttentionCall, Bound, Degrees, Shape, Strategy, Target
+from ds_ring.strategies.cost import Cost, Link, Option, Problem, branches, flops, kv_heads_sent, pairs
 
 __all__ = [
     "Ulysses",
@@ -478,14 +479,94 @@ def group_sinks(sinks: torch.Tensor | None, widths: Sequence[int]) -> list[torch
     return list(sinks.split(list(widths)))
 
 
+BLOCKED_GROUP = 3.0
+"""The cost model's group in a blocked backward (dense attention over more than ``BLOCK_ROWS`` rows written over the
+head shards), in units of its ``dout``: ``dout`` itself, the ``dq`` of unfinished query blocks, one key block's dK/dV
+and one call's pieces (census at 4K rows per rank: 3.3; RSS slope: less)."""
+
+EXCHANGE_BACK = 1.5
+"""The gradients' way back to sequence shards, in q-shards over the head shards: the tensor's result (1) and one of
+:data:`EXCHANGE_PARTS` parts in flight both ways."""
+
+
+def all_to_all_cost(p: Problem, degree: int, bandwidth: float, link: Link) -> tuple[float, float]:
+    """The cost model's all-to-alls of q, k, v and back over ``degree`` ranks (K/V heads replicated when they do not
+    split): bytes sent, seconds (all exposed)."""
+    if degree <= 1:
+        return 0.0, 0.0
+    rows = p.batch * p.local
+    q = rows * p.heads * p.head_dim
+    kv = rows * kv_heads_sent(p, degree) * (p.head_dim + p.dv)
+    out = rows * p.heads * p.dv
+    elements = (q + kv + out) * (2 if p.backward else 1)
+    sent = elements * p.itemsize * (degree - 1) / degree
+    messages = (8 if p.backward else 4) * (degree - 1)  # one exchange per tensor: q, k, v, out (and back)
+    return sent, sent / bandwidth + messages * link.latency_s
+
+
+def head_groups_of(kv_heads: int) -> int:
+    """Head groups of a rank with ``kv_heads`` K/V heads (:func:`head_chunks`)."""
+    return max(c for c in range(1, min(HEAD_GROUPS, kv_heads) + 1) if kv_heads % c == 0)
+
+
+def head_group_peak(heads_kv: float, out: float, groups: int, backward: bool, blocked: bool) -> float:
+    """The memory model's head shards at the peak, in q-shards: the saved q, k, v (``1 + heads_kv``; in the backward
+    the groups already done hold their gradients instead) and the group in its backward. ``blocked`` (dense attention
+    over more than ``BLOCK_ROWS`` rows, written over the head shards): its ``dout``, the ``dq`` of unfinished blocks
+    and one call's pieces (``BLOCKED_GROUP·out/groups``) or the gradients' way back (:data:`EXCHANGE_BACK`),
+    whichever is larger; else one call's dq, dk, dv, the group's ``dout`` and the call's stand-in output, each a
+    ``1/groups`` share. Forward only: the q, k, v and one group's output."""
+    if not backward:
+        return 1 + heads_kv + out / groups
+    if blocked:
+        return 1 + heads_kv + max(BLOCKED_GROUP * out / groups, EXCHANGE_BACK)
+    return (1 + heads_kv) * (1 + 1 / groups) + 2 * out / groups
+
+
+def head_sharded_memory(p: Problem, degree: int, rows: int, ring: int, buffers: dict[str, float]) -> float:
+    """The memory model of attention on head shards after an all-to-all over ``degree`` ranks (Ulysses; the hybrid
+    adds its ring's block), ``rows`` rows a rank attends over, in q-shards: the output and the head-group peak."""
+    out = p.dv / p.head_dim
+    heads_kv = kv_heads_sent(p, degree) * (p.head_dim + p.dv) / (p.heads * p.head_dim)
+    groups = head_groups_of(kv_heads_sent(p, degree) // degree)
+    dense = p.segment_lengths is None and p.window is None and p.documents is None
+    blocked = dense and rows > BLOCK_ROWS and ring == 1
+    return out + head_group_peak(heads_kv, out, groups, p.backward, blocked) + buffers["ulysses"]
+
+
 class Ulysses(Strategy):
     """``strategy="ulysses"``: all-to-all over the whole sequence-parallel group (``heads % (U·R) == 0``);
     every rank attends over the whole sequence on its heads, with any branches and either layout."""
 
     name = "ulysses"
+    buffers = {"ulysses": 0.0}
+    """Memory beyond the head-group peak (:func:`head_sharded_memory`), in q-shards."""
 
     def default_communication(self) -> None:
         return None
+
+    def check_degrees(self, ulysses_degree: int | None, ring_degree: int | None) -> None:
+        if ring_degree not in (None, 1):
+            raise ValueError(
+                f"ring_degree is {ring_degree} but strategy 'ulysses' has no ring dimension; set ring_degree to 1 "
+                "(or remove it), or use strategy 'hybrid'"
+            )
+
+    def options(self, problem: Problem) -> list[Option]:
+        """Every layout, all-to-all over the whole group; none when the call names an exchange."""
+        if problem.communication is not None:
+            return []
+        return [Option(self.name, None, layout, problem.world, 1, problem.seq) for layout in problem.layouts]
+
+    def cost(self, problem: Problem, option: Option, link: Link) -> Cost:
+        work = sum(flops(problem, pairs(problem, w, r)) for w, r in branches(problem))
+        spans = (problem.ranks_per_host or problem.world) < problem.world
+        sent, comm = all_to_all_cost(problem, problem.world, link.bandwidth if spans else link.within_host(), link)
+        return Cost(work / problem.world / link.flops, sent, comm, comm)
+
+    def memory_q_shards(self, problem: Problem, option: Option, buffers: dict[str, float] | None = None) -> float:
+        b = {**self.buffers, **(buffers or {})}
+        return head_sharded_memory(problem, problem.world, problem.seq, 1, b)
 
     def check(self, call: AttentionCall, shape: Shape | None, degrees: Degrees | None) -> None:
         if call.communication is not None:
