@@ -13,6 +13,13 @@ gloo is pinned to the loopback interface. The hang guard waits on progress, not 
 on a peer that never comes uses none, a slow rank on a loaded machine keeps using some — and a cap of
 ``CAP_FACTOR × timeout_s`` ends even a spinning hang. Hung ranks are killed (SIGKILL) and reported;
 once a rank has failed, the others get ``grace_s`` to finish, since they are usually blocked on it.
+
+A rank sends its result *before* it tears down its process group: a teardown that blocks (seen on torch 2.6:
+a rank stuck in ``destroy_process_group`` after its function had returned) can no longer hold a result back, and
+once every rank has reported, ranks that stop exiting (no CPU for :data:`_EXIT_S`) are killed. A rendezvous that
+fails (``init_process_group`` and a first barrier of all ranks; gloo's ``connectFullMesh`` "Connection closed by
+peer", seen on torch 2.6 under load) before any rank got through it is tried once more, from a fresh rendezvous
+file; a second failure is reported naming the rank, the stage and the cause.
 """
 
 from __future__ import annotations
@@ -40,7 +47,11 @@ PRELOAD = ("torch", "torch.distributed")
 """Modules the fork server imports once. The server starts on the first call of a process and keeps
 the ``preload`` of that call; ranks import anything else their function needs themselves."""
 _EXIT_S = 5.0
-"""How long a rank that has sent its result may take to exit before it is killed."""
+"""Ranks that have sent their results and then use no CPU for this long (seconds) while exiting are killed."""
+_RENDEZVOUS_TRIES = 2
+"""How often a rendezvous that failed before any rank got through it is tried, each from a fresh file."""
+_JOINED = "joined"
+"""What a rank sends once it got through the rendezvous, before it runs the function."""
 CAP_FACTOR = 20.0
 """A guard's hard cap, in units of its idle time: only a hang that keeps using CPU lasts that long."""
 _TICK_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -163,31 +174,16 @@ def spawn_ranks(
     """
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(list(preload))
-    procs: list[BaseProcess] = []
-    readers: list[Connection] = []
-    sent: dict[int, tuple] = {}
-    with tempfile.TemporaryDirectory(prefix="ds_ring_ranks_", ignore_cleanup_errors=True) as tmp:
-        init_method = "file://" + os.path.join(tmp, "rendezvous") if process_group else ""
-        setup = (world_size, init_method, CAP_FACTOR * timeout_s, threads_per_rank)
-        try:
-            for rank in range(world_size):
-                reader, writer = ctx.Pipe(duplex=False)
-                proc = ctx.Process(
-                    target=_rank_main,
-                    args=(fn, rank, setup, tuple(args), dict(kwargs or {}), writer),
-                    name=f"ds_ring-rank{rank}",
-                    daemon=True,
-                )
-                proc.start()
-                writer.close()
-                procs.append(proc)
-                readers.append(reader)
-            running = [proc.pid for rank, proc in enumerate(procs) if rank not in sent]
-            _collect(procs, readers, Progress(lambda: running, timeout_s), grace_s, sent)
-        finally:
-            _stop(procs, finished=set(sent))
-            for reader in readers:
-                reader.close()
+    call = (fn, tuple(args), dict(kwargs or {}))
+    for attempt in range(1, _RENDEZVOUS_TRIES + 1):
+        sent, joined = _attempt(ctx, call, world_size, timeout_s, threads_per_rank, process_group, grace_s)
+        # retried only where no rank got through the rendezvous, so no rank has run any of fn
+        rendezvous_failed = process_group and not joined and any(not ok for ok, *_ in sent.values())
+        if not rendezvous_failed or attempt == _RENDEZVOUS_TRIES:
+            break
+    if rendezvous_failed:
+        stage = f"in the rendezvous (init_process_group, then a barrier of all ranks), tried {attempt} times:\n"
+        sent = {rank: (ok, payload if ok else stage + payload, *rest) for rank, (ok, payload, *rest) in sent.items()}
     if any(not ok for ok, *_ in sent.values()):
         why = f"killed: no result within {grace_s} s after the first failure"
     else:
@@ -201,6 +197,47 @@ def spawn_ranks(
         value, error = (pickle.loads(payload), None) if ok else (None, payload)
         outcomes.append(RankOutcome(rank, value, error, cpu_s=cpu_s, peak_rss_mib=peak_rss_mib))
     return outcomes
+
+
+def _attempt(
+    ctx: Any,
+    call: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]],
+    world_size: int,
+    timeout_s: float,
+    threads_per_rank: int,
+    process_group: bool,
+    grace_s: float,
+) -> tuple[dict[int, tuple], set[int]]:
+    """Start the ranks once, from a fresh rendezvous: ``({rank: (ok, payload, cpu_s, peak_rss_mib)}, joined)``,
+    ``joined`` the ranks that got through the rendezvous. Every rank has exited or been killed on return."""
+    fn, args, kwargs = call
+    procs: list[BaseProcess] = []
+    readers: list[Connection] = []
+    sent: dict[int, tuple] = {}
+    joined: set[int] = set()
+    with tempfile.TemporaryDirectory(prefix="ds_ring_ranks_", ignore_cleanup_errors=True) as tmp:
+        init_method = "file://" + os.path.join(tmp, "rendezvous") if process_group else ""
+        setup = (world_size, init_method, CAP_FACTOR * timeout_s, threads_per_rank)
+        try:
+            for rank in range(world_size):
+                reader, writer = ctx.Pipe(duplex=False)
+                proc = ctx.Process(
+                    target=_rank_main,
+                    args=(fn, rank, setup, args, kwargs, writer),
+                    name=f"ds_ring-rank{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                writer.close()
+                procs.append(proc)
+                readers.append(reader)
+            running = [proc.pid for proc in procs]
+            _collect(procs, readers, Progress(lambda: running, timeout_s), grace_s, sent, joined)
+        finally:
+            _stop(procs, finished=set(sent))
+            for reader in readers:
+                reader.close()
+    return sent, joined
 
 
 def rank_results(outcomes: Sequence[RankOutcome]) -> list[Any]:
@@ -249,22 +286,33 @@ def _rank_main(
             dist.init_process_group(
                 "gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
             )
+            dist.barrier()  # every pair is connected: a failure after this is fn's, never the rendezvous's
+        writer.send(_JOINED)
         try:
             ok, payload = True, pickle.dumps(fn(rank, world_size, *args, **kwargs))
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-    except BaseException:  # everything, SystemExit included, goes back to the parent as text
+        except BaseException:  # everything, SystemExit included, goes back to the parent as text
+            ok, payload = False, traceback.format_exc()
+    except BaseException:
         ok, payload = False, traceback.format_exc()
     usage = resource.getrusage(resource.RUSAGE_SELF)
     writer.send((ok, payload, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024))  # ru_maxrss: KiB
     writer.close()
+    # Teardown only once the result is out: the parent kills a rank stuck here (see _stop)
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 def _collect(
-    procs: list[BaseProcess], readers: list[Connection], progress: Progress, grace_s: float, sent: dict[int, tuple]
+    procs: list[BaseProcess],
+    readers: list[Connection],
+    progress: Progress,
+    grace_s: float,
+    sent: dict[int, tuple],
+    joined: set[int],
 ) -> None:
-    """Fill ``sent`` until every rank reported, the ranks stalled, or the post-failure grace ran out."""
+    """Fill ``sent`` (and ``joined``) until every rank reported, the ranks stalled, or the post-failure grace ran
+    out."""
     limit = float("inf")
     while len(sent) < len(procs):
         now = time.monotonic()
@@ -276,30 +324,41 @@ def _collect(
             rank = waiting[ready] if ready in waiting else exits[ready]
             if rank in sent:
                 continue
-            sent[rank] = _read(procs[rank], readers[rank])
-            if not sent[rank][0]:
+            report = _receive(rank, procs[rank], readers[rank], joined)
+            if report is None:
+                continue
+            sent[rank] = report
+            if not report[0]:
                 limit = min(limit, time.monotonic() + grace_s)
 
 
-def _read(proc: BaseProcess, reader: Connection) -> tuple:
-    """The rank's report, or a failure when it exited without one (crash, ``os._exit``, killed for memory)."""
-    if reader.poll():
-        try:
-            return reader.recv()
-        except EOFError:
-            pass
+def _receive(rank: int, proc: BaseProcess, reader: Connection, joined: set[int]) -> tuple | None:
+    """The rank's report; a failure when it exited without one (crash, ``os._exit``, killed for memory); ``None``
+    while it is running and has only said that it got through the rendezvous."""
+    try:
+        while reader.poll():
+            message = reader.recv()
+            if message != _JOINED:
+                return message
+            joined.add(rank)
+        if proc.is_alive():
+            return None
+    except EOFError:
+        pass
     proc.join(_EXIT_S)
     return False, f"process exited with code {proc.exitcode} before returning a result", None, None
 
 
 def _stop(procs: list[BaseProcess], finished: set[int]) -> None:
-    """SIGKILL ranks without a result at once, give the others a moment to exit, reap them all."""
+    """SIGKILL ranks without a result at once; the others may exit as long as they use CPU doing so
+    (:data:`_EXIT_S` idle: stuck in teardown, killed); reap them all."""
     for rank, proc in enumerate(procs):
         if rank not in finished and proc.is_alive():
             proc.kill()
-    exit_by = time.monotonic() + _EXIT_S
+    exiting = Progress(lambda: [proc.pid for proc in procs if proc.is_alive()], _EXIT_S)
+    with contextlib.suppress(TimeoutError):
+        exiting.wait_until(lambda: not any(proc.is_alive() for proc in procs), "exit")
     for proc in procs:
-        proc.join(max(0.0, exit_by - time.monotonic()))
         if proc.is_alive():
             proc.kill()
-            proc.join()
+        proc.join()

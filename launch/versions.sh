@@ -5,7 +5,8 @@
 # installed versions equal the pins, builds DeepSpeed's CPU ops into their own cache and runs the tests that depend
 # on those packages: the block kernels and the oracle, every Hugging Face test, the DeepSpeed engine and ZeRO tests,
 # the ds_config section (the ring / Ulysses / hybrid modules by hand: the list below). Arguments after the name
-# replace that test list. Exits with pytest's status. Idempotent: a second run only re-checks the pins and re-installs ds_ring.
+# replace that test list. Exits with pytest's status. Idempotent: a second run (same constraints and setup.cfg) only
+# re-installs ds_ring (without its dependencies) and re-checks the pins.
 # launch/oldest.sh and launch/newest.sh call this with their name.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,13 +21,22 @@ VENV=".venv-$NAME"
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
-# torch first, alone: its ~3 GB of CUDA libraries are the slow part, and a failure there names torch
-"$VENV/bin/pip" install -q "$(grep '^torch==' "$CONSTRAINTS")"
-"$VENV/bin/pip" install -q -c "$CONSTRAINTS" -e ".[dev]"
-# The registry's torch brings triton, and DeepSpeed 0.16 compiles triton kernels when it is imported, which raises
-# "0 active drivers" where there is no GPU driver: without CUDA the venv goes without triton (eager torch needs none)
-if ! "$VENV/bin/python" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
-  "$VENV/bin/pip" uninstall -q -y triton 2>/dev/null || true
+# What the venv was installed from: once installed, a run re-installs ds_ring alone (--no-deps), since resolving the
+# dev extra again would bring back the triton removed below (~250 MB to fetch, and DeepSpeed 0.16 fails with it)
+INSTALLED="$VENV/.ds_ring-installed-from"
+FROM="$(cat "$CONSTRAINTS" setup.cfg | sha256sum | cut -d' ' -f1)"
+if [ "$(cat "$INSTALLED" 2>/dev/null)" = "$FROM" ]; then
+  "$VENV/bin/pip" install -q --no-deps -e .
+else
+  # torch first, alone: its ~3 GB of CUDA libraries are the slow part, and a failure there names torch
+  "$VENV/bin/pip" install -q "$(grep '^torch==' "$CONSTRAINTS")"
+  "$VENV/bin/pip" install -q -c "$CONSTRAINTS" -e ".[dev]"
+  # The registry's torch brings triton, and DeepSpeed 0.16 compiles triton kernels when it is imported, which raises
+  # "0 active drivers" where there is no GPU driver: without CUDA the venv goes without triton (eager torch needs none)
+  if ! "$VENV/bin/python" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+    "$VENV/bin/pip" uninstall -q -y triton 2>/dev/null || true
+  fi
+  echo "$FROM" > "$INSTALLED"
 fi
 "$VENV/bin/python" - "$NAME" "$CONSTRAINTS" <<'PY'
 import sys

@@ -133,3 +133,64 @@ def test_ranks_without_a_process_group_report_their_resources() -> None:
         assert outcome.ok and not outcome.hung
         assert outcome.cpu_s is not None and outcome.cpu_s >= 0
         assert outcome.peak_rss_mib is not None and outcome.peak_rss_mib > 0
+
+
+def _stuck_in_teardown(rank: int, world_size: int, pid_dir: str) -> int:
+    """Returns, then blocks in destroy_process_group on rank 1 (as torch 2.6's gloo did now and then)."""
+    Path(pid_dir, str(rank)).write_text(str(os.getpid()))
+    if rank == 1:
+        dist.destroy_process_group = lambda group=None: time.sleep(3600)
+    return rank
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_stuck_in_teardown_after_its_result_is_killed(tmp_path: Path) -> None:
+    timeout = 600.0  # the hang guard's idle time: far above the run, so it cannot be what ends the stuck rank
+    started = time.monotonic()
+    assert run_distributed(_stuck_in_teardown, 2, timeout=timeout, pid_dir=str(tmp_path)) == [0, 1]
+    assert time.monotonic() - started < timeout  # killed once idle in teardown for 5 s
+    assert multiprocessing.active_children() == []
+    for pid in (int(p.read_text()) for p in tmp_path.iterdir()):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def _rendezvous_fails(fn, rank, setup, args, kwargs, writer) -> None:
+    """``ds_ring.testing._rank_main`` whose init_process_group fails on rank 1 the first ``kwargs["failures"]``
+    times (counted in ``kwargs["count_dir"]``) like gloo's connectFullMesh on torch 2.6 under load."""
+    import ds_ring.testing
+
+    count_dir = Path(kwargs["count_dir"])
+    tries = len(list(count_dir.glob(f"{rank}-*")))
+    Path(count_dir, f"{rank}-{tries}").touch()
+    if rank == 1 and tries < kwargs["failures"]:
+
+        def fail(*a, **k):
+            raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+
+        dist.init_process_group = fail
+    ds_ring.testing._rank_main(fn, rank, setup, args, kwargs, writer)
+
+
+def _tries(rank: int, world_size: int, count_dir: str, failures: int) -> int:
+    return len(list(Path(count_dir).glob(f"{rank}-*")))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("failures", [1, 2])
+def test_a_failed_rendezvous_is_tried_once_more(monkeypatch, tmp_path: Path, failures: int) -> None:
+    import ds_ring.testing
+
+    monkeypatch.setattr(ds_ring.testing, "_rank_main", _rendezvous_fails)
+    kwargs = {"count_dir": str(tmp_path), "failures": failures}
+    if failures == 1:
+        assert run_distributed(_tries, 2, timeout=60, **kwargs) == [2, 2]
+        return
+    with pytest.raises(RuntimeError) as info:
+        run_distributed(_tries, 2, timeout=60, **kwargs)
+    message = str(info.value)
+    assert message.startswith(
+        "rank 1 failed:\nin the rendezvous (init_process_group, then a barrier of all ranks), tried 2 times:\n"
+    )
+    assert "Connection closed by peer" in message
+    assert len(list(tmp_path.iterdir())) == 4

@@ -33,6 +33,7 @@ from ds_ring.comm.groups import group_rank
 from ds_ring.comm.spans import group_members, span_position
 from ds_ring.comm.wait import Pending, failed, resolve_timeout, stream_ordered, wait_all
 from ds_ring.hooks import Event, emit, hooks_active
+from ds_ring.torch_compat import all_gather_single, reduce_scatter_single
 
 __all__ = ["all_gather", "all_reduce", "reduce_scatter", "all_to_all"]
 
@@ -71,7 +72,7 @@ def all_gather(
         return parts
     collective = None
     if not force_p2p and len(set(numels)) == 1 and call.span == group_members(group) and call.runs(tensor):
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather = all_gather_single()
         collective = lambda: gather(out, tensor, group=group, async_op=True)
 
     def exchange() -> list[tuple[int, torch.Tensor, torch.Tensor]]:
@@ -118,7 +119,7 @@ def reduce_scatter(
     out = mine.new_empty(mine.numel())
     collective = None
     if not force_p2p and len(set(sizes)) == 1 and call.span == group_members(group) and call.runs(mine):
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        scatter = reduce_scatter_single()
         collective = lambda: scatter(out, torch.cat(contributions), group=group, async_op=True)
     received: list[torch.Tensor] = []  # the members' contributions for this rank, on the pairwise path
 
