@@ -194,7 +194,7 @@ class SequenceParallelAttention:
                                    cu_seqlens=documents, sinks=kwargs.get("s_aux"),
                                    bidirectional_spans=spans)  # fmt: skip
         q, k, v = (x.transpose(1, 2) for x in (query, key, value))
-        return attend(q, k, v, call, topology_placement(self.topology), self.section.strategy), None
+        return attend(q, k, v, call, topology_placement(self.topology), self.section.strategy)
 
     def _whole_image(
         self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any,
