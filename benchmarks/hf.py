@@ -52,7 +52,8 @@ def _ds_ring_step(
     case: Case, model: Any, batch: dict[str, Any], section: dict[str, Any], lr: float, compiled: bool = False
 ) -> Any:
     """One training step of ``ds_ring.initialize`` (AdamW, ``section`` as ``ring_attention``) on this rank's shard;
-    ``compiled``: ``engine.compile()`` (inductor, ``fullgraph=True``)."""
+    ``compiled``: ``engine.compile()`` (inductor; not ``fullgraph``: DeepSpeed's own throughput timer breaks its
+    graph from the third step)."""
     import torch
 
     import ds_ring
@@ -64,7 +65,7 @@ def _ds_ring_step(
     session = register_with_transformers(model, config=config, topology=engine.mpu)
     session.apply_long_context(model)
     if compiled:
-        engine.compile(backend="inductor", compile_kwargs={"fullgraph": True})
+        engine.compile(backend="inductor")
     inputs = shard_batch(session, batch)
 
     def step() -> None:

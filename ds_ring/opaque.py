@@ -1,4 +1,4 @@
-"""What ds_ring's ``torch.compile`` custom ops share: handles for the Python objects they need, and autograd inside.
+"""The handles and the autograd that ds_ring's ``torch.compile`` custom ops share.
 
 A custom op (``torch.library.custom_op``) takes tensors and plain values only, and the compiler neither traces nor
 splits it: ds_ring's attention runs inside one, its communication, agreement and caches as in eager mode. The

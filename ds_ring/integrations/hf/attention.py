@@ -14,7 +14,7 @@ import dataclasses
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from ds_ring.calls import attend, topology_placement
 from ds_ring.comm.agree import agree
 from ds_ring.config import SECTION, RingAttentionConfig
 from ds_ring.integrations.hf.audit import CallAudit, ModelWatch
-from ds_ring.integrations.hf.compiled import attention_handle, compiled_attention
+from ds_ring.integrations.hf.compiled import Site, attention_handle, compiled_attention
 from ds_ring.integrations.hf.documents import DOCUMENTS_KEY, Documents, document_positions
 from ds_ring.integrations.hf.masks import Blocks, MaskSpec, check_mask_tensor
 from ds_ring.parallel.order import shard_sequence
@@ -34,16 +34,6 @@ __all__ = ["SequenceParallelAttention", "Site"]
 
 AttentionFunction = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 _CHECKED_KEPT = 1024  # checked call signatures remembered per attention function (least recently used dropped)
-
-
-class Site(NamedTuple):
-    """What the attention of one call needs of its module and mask: the module's and its config's class names (for
-    errors), the :class:`~ds_ring.integrations.hf.masks.MaskSpec` (``None``: a mask tensor or none) and the window."""
-
-    module: str
-    config: str
-    spec: MaskSpec | None
-    window: int | None
 
 
 class SequenceParallelAttention:

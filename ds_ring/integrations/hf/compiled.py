@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -25,14 +25,21 @@ from ds_ring.integrations.hf.documents import DOCUMENTS_KEY, Documents
 from ds_ring.integrations.hf.masks import MaskSpec
 from ds_ring.opaque import autograd_inside, lookup, register
 
-if TYPE_CHECKING:
-    from ds_ring.integrations.hf.attention import SequenceParallelAttention, Site
+__all__ = ["Site", "compiled_attention", "attention_handle"]
 
-__all__ = ["compiled_attention"]
+
+class Site(NamedTuple):
+    """What the attention of one call needs of its module and mask: the module's and its config's class names (for
+    errors), the :class:`~ds_ring.integrations.hf.masks.MaskSpec` (``None``: a mask tensor or none) and the window."""
+
+    module: str
+    config: str
+    spec: MaskSpec | None
+    window: int | None
 
 
 def compiled_attention(
-    attention: SequenceParallelAttention,
+    attention: Any,
     site: Site,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -42,7 +49,8 @@ def compiled_attention(
     softcap: float | None,
     kwargs: Mapping[str, Any],
 ) -> torch.Tensor:
-    """``attention.attend(...)`` through ``ds_ring::hf_attention``: ``query [b, heads, s/p, d]``, ``key``/``value``
+    """``attention.attend(...)`` (a :class:`~ds_ring.integrations.hf.attention.SequenceParallelAttention`) through
+    ``ds_ring::hf_attention``: ``query [b, heads, s/p, d]``, ``key``/``value``
     ``[b, kv_heads, s/p, d|dv]`` → ``out [b, s/p, heads, dv]`` (contiguous)."""
     spec = site.spec
     handle = _call_handle(
@@ -74,14 +82,12 @@ def _call_handle(
     softcap: float | None,
 ) -> int:
     """The handle of one call site's settings (called while tracing, its result a constant of the graph)."""
-    from ds_ring.integrations.hf.attention import Site
-
     spec = MaskSpec(causal, spec_window, unsupported) if has_spec else None
     key = ("hf_attention", attention, module, config, spec, window, scaling, softcap)
     return register((attention, Site(module, config, spec, window), scaling, softcap), key)
 
 
-def attention_handle(attention: SequenceParallelAttention) -> int:
+def attention_handle(attention: Any) -> int:
     """A handle for ``attention`` that does not keep it alive (taken once, when it is built)."""
     return register(weakref.ref(attention))
 
