@@ -133,8 +133,9 @@ class RingDilatedAttention(nn.Module):
 
 
 def _validated(call: AttentionCall) -> AttentionCall:
-    """``call`` once its options are valid (its branch lists were validated when it was made; the rest is checked at
-    build time too, so a typo fails before the first forward)."""
+    """``call`` with its branch lists validated and its other options checked (at build time, so a typo fails
+    before the first forward)."""
+    call = call.validated()
     call.check_options()
     return call
 

@@ -340,7 +340,7 @@ class RingAttentionConfig(_Section):
         values = {name: getattr(self, name) for name in CALL_FIELDS}
         key = repr(sorted(values.items()))
         if self._call is None or self._call[0] != key:
-            self._call = (key, AttentionCall(**values))
+            self._call = (key, AttentionCall(**values).validated())
         return self._call[1]
 
     def call_settings(self) -> dict[str, Any]:
