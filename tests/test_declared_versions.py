@@ -1,5 +1,5 @@
 """The version range setup.cfg declares is the one tested: ``launch/oldest-constraints.txt`` pins every bound
-setup.cfg declares for torch, DeepSpeed, transformers and accelerate to exactly that bound, and
+setup.cfg declares for torch, DeepSpeed, transformers, accelerate, TRL and PEFT to exactly that bound, and
 ``launch/newest-constraints.txt`` pins the same packages, each at or above it (``launch/versions.sh`` installs and
 tests both ends)."""
 
@@ -13,15 +13,19 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
-TESTED = ("torch", "deepspeed", "transformers", "accelerate")
+TESTED = ("torch", "deepspeed", "transformers", "accelerate", "trl", "peft")
 """The packages whose lowest and newest releases ``launch/versions.sh`` installs."""
 
 
 def _declared_floors() -> dict[str, Version]:
-    """``{package: lowest release}`` from setup.cfg's ``install_requires`` and its ``hf`` extra."""
+    """``{package: lowest release}`` from setup.cfg's ``install_requires`` and its ``hf``, ``trl`` and ``peft``
+    extras."""
     config = configparser.ConfigParser()
     config.read(ROOT / "setup.cfg")
-    lines = config["options"]["install_requires"].split("\n") + config["options.extras_require"]["hf"].split("\n")
+    extras = config["options.extras_require"]
+    lines = config["options"]["install_requires"].split("\n")
+    for extra in ("hf", "trl", "peft"):
+        lines += extras[extra].split("\n")
     floors = {}
     for line in filter(None, (line.strip() for line in lines)):
         requirement = Requirement(line)

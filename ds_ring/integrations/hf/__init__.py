@@ -35,6 +35,7 @@ and MLP, offloaded checkpoints), and :mod:`.alst` / :mod:`.alst_tiles`: DeepSpee
 transformers is imported on first use (``pip install ds_ring[hf]``).
 """
 
+from ds_ring.integrations.hf.accelerate_sp import apply_to_accelerate
 from ds_ring.integrations.hf.alst import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
 from ds_ring.integrations.hf.alst_tiles import TiledFusedLogitsLoss, TiledMLP, sequence_tiled_compute
 from ds_ring.integrations.hf.batches import SequenceParallelDataLoader, shard_batch
@@ -43,6 +44,7 @@ from ds_ring.integrations.hf.registration import register_with_transformers, unr
 from ds_ring.integrations.hf.session import SequenceParallelSession
 
 __all__ = [
+    "apply_to_accelerate",
     "SequenceParallelTrainer",
     "SequenceParallelSession",
     "register_with_transformers",

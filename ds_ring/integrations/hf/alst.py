@@ -183,6 +183,8 @@ class UlyssesSPDataLoaderAdapter:
         session: ds_ring's addition: the session of ``register_with_transformers``. Default: the session
             transformers' attention registry holds with ``sp_group`` as its sequence-parallel group (what
             :meth:`UlyssesSPAttentionHF.register_with_transformers` installed).
+        pad_to_multiple: ds_ring's addition: pad a sequence that does not split into the layout's chunks (label
+            -100, never attended by a counted token) rather than raise (:func:`shard_batch`).
 
     Raises:
         ValueError: ``sp_rank`` / ``sp_world_size`` that are not ``sp_group``'s, or no session given and none (or
@@ -199,6 +201,7 @@ class UlyssesSPDataLoaderAdapter:
         device: torch.device | str | None,
         *,
         session: SequenceParallelSession | None = None,
+        pad_to_multiple: bool = False,
     ) -> None:
         session = _installed_session(sp_group) if session is None else require_session(session, "the adapter")
         if (sp_rank, sp_world_size) != (dist.get_rank(sp_group), dist.get_world_size(sp_group)):
@@ -208,7 +211,7 @@ class UlyssesSPDataLoaderAdapter:
                 f"groups._get_sequence_parallel_rank() and groups._get_sequence_parallel_world_size()"
             )
         self.dl, self.sp_rank, self.sp_group, self.sp_world_size = dl, sp_rank, sp_group, sp_world_size
-        self.device, self.session = device, session
+        self.device, self.session, self.pad_to_multiple = device, session, pad_to_multiple
 
     def __len__(self) -> int:
         return len(self.dl) * self.sp_world_size
@@ -220,7 +223,7 @@ class UlyssesSPDataLoaderAdapter:
             if gathered is None:
                 return
             for batch in gathered:
-                sharded = shard_batch(self.session, batch, check_same=False)
+                sharded = shard_batch(self.session, batch, check_same=False, pad_to_multiple=self.pad_to_multiple)
                 documents = sharded.pop(DOCUMENTS_KEY)
                 del sharded["cu_seq_lens_q"], sharded["cu_seq_lens_k"]
                 out = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in sharded.items()}
