@@ -24,7 +24,7 @@ REGISTRIES = frozenset(
     {"ALL_ATTENTION_FUNCTIONS", "ALL_MASK_ATTENTION_FUNCTIONS", "LOSS_MAPPING", "_local_mapping", "_global_mapping"}
 )
 """transformers' tables whose entries ds_ring replaces."""
-OWN = frozenset({"self", "cls", "param", "attachments"})  # ds_ring's own objects, its marks on torch parameters
+OWN = frozenset({"self", "cls", "param", "attachments", "call"})  # ds_ring's own objects, its marks on torch parameters
 
 
 def _names(node: ast.expr) -> set[str]:
@@ -37,7 +37,11 @@ def _raw_change(node: ast.AST) -> bool:
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr"):
         return bool(node.args) and not (isinstance(node.args[0], ast.Name) and node.args[0].id in OWN)
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("pop", "update"):
-        return bool(_names(node.func.value) & (REGISTRIES | {"__dict__"}))
+        root = node.func.value
+        while isinstance(root, ast.Attribute | ast.Subscript):
+            root = root.value
+        own = isinstance(root, ast.Name) and root.id in OWN
+        return not own and bool(_names(node.func.value) & (REGISTRIES | {"__dict__"}))
     if not isinstance(node, ast.Assign | ast.AugAssign | ast.Delete):
         return False
     for target in node.targets if isinstance(node, ast.Assign | ast.Delete) else [node.target]:

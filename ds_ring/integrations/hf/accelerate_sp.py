@@ -40,14 +40,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ds_ring.comm.job import process
 from ds_ring.config import SECTION
 from ds_ring.integrations.hf.session import SequenceParallelSession
+from ds_ring.patches import Patch, set_attribute, undo_all
 
 __all__ = ["AccelerateHandle", "apply_to_accelerate", "check_hooked_libraries", "TESTED"]
 
 ULYSSES_MODULE = "deepspeed.runtime.sequence_parallel.ulysses_sp"
 LOSS_MODULE = "transformers.trainer"
 LOSS_NAME = "deepspeed_sp_compute_loss"
+
+LIBRARIES = ("deepspeed", "deepspeed", "transformers", "accelerate")
+"""Whose object each replacement of :func:`apply_to_accelerate` changes (:mod:`ds_ring.patches` checks the release)."""
 
 TESTED = {"accelerate": ("1.12.0", "1.15.0"), "transformers": ("5.0.0", "5.24.0")}
 """The releases the hook is declared for: setup.cfg's lowest and the newest pinned (launch/oldest-constraints.txt,
@@ -58,7 +63,7 @@ launch/newest-constraints.txt; CI's launch/oldest.sh runs the tests on the lowes
 class AccelerateHandle:
     """What :func:`apply_to_accelerate` replaced; :meth:`undo` puts it back (idempotent)."""
 
-    replaced: list[tuple[Any, str, Any]] = field(default_factory=list)
+    replaced: list[Patch] = field(default_factory=list)
     session: SequenceParallelSession | None = None
     """The ds_ring registration made through accelerate's ``prepare`` (``None``: none, or ALST's)."""
 
@@ -68,15 +73,12 @@ class AccelerateHandle:
 
     def undo(self) -> None:
         """Put back DeepSpeed's classes, transformers' loss and accelerate's backend choice; close the registration."""
-        global _HANDLE
-        while self.replaced:
-            owner, name, original = self.replaced.pop()
-            setattr(owner, name, original)
+        undo_all(self.replaced)
         if self.session is not None:
             self.session.close()
             self.session = None
-        if _HANDLE is self:
-            _HANDLE = None
+        if process().patches.get(HOOK) is self:
+            del process().patches[HOOK]
 
     def __enter__(self) -> AccelerateHandle:
         return self
@@ -85,7 +87,8 @@ class AccelerateHandle:
         self.undo()
 
 
-_HANDLE: AccelerateHandle | None = None
+HOOK = "accelerate sequence parallelism"
+"""The name the process's :class:`~ds_ring.comm.job.Job` keeps the applied hook's handle under."""
 
 
 def apply_to_accelerate() -> AccelerateHandle:
@@ -101,9 +104,8 @@ def apply_to_accelerate() -> AccelerateHandle:
         RuntimeError: accelerate or transformers no longer look the hooked names up where this hook replaces them
             (:func:`check_hooked_libraries`), naming the library, its version and the tested range.
     """
-    global _HANDLE
-    if _HANDLE is not None:
-        return _HANDLE
+    if (applied := process().patches.get(HOOK)) is not None:
+        return applied
     check_hooked_libraries()
     handle = AccelerateHandle()
     from accelerate.state import PartialState
@@ -118,10 +120,9 @@ def apply_to_accelerate() -> AccelerateHandle:
         (trainer, LOSS_NAME, _compute_loss(handle, originals[2])),
         (PartialState, "_prepare_backend", _prepare_backend(originals[3])),
     )
-    for (owner, name, replacement), original in zip(replacements, originals, strict=True):
-        handle.replaced.append((owner, name, original))
-        setattr(owner, name, replacement)
-    _HANDLE = handle
+    for (owner, name, replacement), library in zip(replacements, LIBRARIES, strict=True):
+        handle.replaced.append(set_attribute(owner, name, replacement, library=library))
+    process().patches[HOOK] = handle
     return handle
 
 
