@@ -22,10 +22,10 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ds_ring.calls import attend, group_placement, topology_placement
-from ds_ring.comm.groups import group_size
+from ds_ring.comm.group_ranks import group_size
+from ds_ring.engine.gradient_scale import require_marked
 from ds_ring.parallel.topology import Topology
 from ds_ring.strategies import AttentionCall
-from ds_ring.zero import require_marked
 
 __all__ = ["RingDilatedAttention", "MultiheadRingDilatedAttention"]
 

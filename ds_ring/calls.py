@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ds_ring.comm.agree import agree
-from ds_ring.comm.groups import group_rank, group_size, takes_cpu
+from ds_ring.comm.group_ranks import group_rank, group_size, takes_cpu
 from ds_ring.comm.job import job
 from ds_ring.cpu_heap import configure_cpu_heap
 from ds_ring.kernels.dilation import check_cu_seqlens, check_softcap, validate_qkv

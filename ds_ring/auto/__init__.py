@@ -6,7 +6,7 @@
 - :mod:`ds_ring.auto.probe` — the link probe at start-up (a few small all-to-alls, a small matmul),
   cached per process group and agreed by every rank, so every rank decides alike.
 - :mod:`ds_ring.auto.strategy` — the ``"auto"`` strategy, registered with the others.
-- ``python -m ds_ring.plan`` — the choice, the alternatives and their predictions before any run.
+- ``python -m ds_ring.auto`` — the choice, the alternatives and their predictions before any run.
 """
 
 from ds_ring.auto.model import Link, Option, Problem, choose, plan_options

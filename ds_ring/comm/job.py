@@ -59,7 +59,7 @@ class Job:
         self.flushes: dict[int, Callable[[], Any]] = {}
         """Process: what :func:`ds_ring.run_main` runs before a clean exit."""
         self.patches: dict[str, Any] = {}
-        """Process: the :class:`ds_ring.patches.Patch` of a library's class in force, by name (until undone)."""
+        """Process: the :class:`ds_ring.engine.patches.Patch` of a library's class in force, by name (until undone)."""
         self._owned: weakref.WeakKeyDictionary[object, dict[str, Any]] = weakref.WeakKeyDictionary()
 
     def record_facts(self, hosts: Sequence[str], places: Sequence[Any]) -> bool:

@@ -30,7 +30,7 @@ from torch.distributed import ProcessGroup
 
 from ds_ring.kernels.dilated import check_window_branches
 from ds_ring.kernels.dilation import check_branches, check_cu_seqlens, check_softcap
-from ds_ring.registry import Registry
+from ds_ring.strategies.registry import Registry
 
 __all__ = [
     "AttentionCall",

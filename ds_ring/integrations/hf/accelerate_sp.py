@@ -40,10 +40,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ds_ring.comm.job import process
-from ds_ring.config import SECTION
 from ds_ring.integrations.hf.session import SequenceParallelSession
-from ds_ring.patches import Patch, set_attribute, undo_all
+from ds_ring.integrations.internal import SECTION, Patch, process, set_attribute, undo_all
 
 __all__ = ["AccelerateHandle", "apply_to_accelerate", "check_hooked_libraries", "TESTED"]
 
@@ -52,7 +50,8 @@ LOSS_MODULE = "transformers.trainer"
 LOSS_NAME = "deepspeed_sp_compute_loss"
 
 LIBRARIES = ("deepspeed", "deepspeed", "transformers", "accelerate")
-"""Whose object each replacement of :func:`apply_to_accelerate` changes (:mod:`ds_ring.patches` checks the release)."""
+"""Whose object each replacement of :func:`apply_to_accelerate` changes (:mod:`ds_ring.engine.patches` checks the
+release)."""
 
 TESTED = {"accelerate": ("1.12.0", "1.15.0"), "transformers": ("5.0.0", "5.24.0")}
 """The releases the hook is declared for: setup.cfg's lowest and the newest pinned (launch/oldest-constraints.txt,
@@ -337,7 +336,7 @@ def _compute_loss(handle: AccelerateHandle, original: Callable[..., Any]) -> Cal
     data-parallel replicas (the engine averages over them). Each rank's gradient is its tokens' share, scaled for the
     engine (the session's gradient scale); ``return_outputs`` as transformers'.
     """
-    from ds_ring.comm.collectives import all_reduce
+    from ds_ring.integrations.internal import all_reduce
 
     def deepspeed_sp_compute_loss(accelerator: Any, model: Any, inputs: dict[str, Any], return_outputs: bool,
                                   pc: Any) -> Any:  # fmt: skip
