@@ -10,7 +10,7 @@ from typing import Any
 
 from ds_ring.attention import MultiheadRingDilatedAttention, RingDilatedAttention
 from ds_ring.calls import ring_dilated_attention, sequence_parallel_attention
-from ds_ring.checkpoint import load_checkpoint, save_checkpoint, save_rank_checkpoint
+from ds_ring.engine.checkpoint import load_checkpoint, save_checkpoint, save_rank_checkpoint
 from ds_ring.hooks import Event, register_hook
 from ds_ring.kernels import dilated_attention, merge
 from ds_ring.loss import sequence_parallel_cross_entropy
@@ -22,8 +22,8 @@ from ds_ring.reference import dilated_attention_reference
 _WITH_DEEPSPEED = {
     "load_config": "ds_ring.config",
     "RingAttentionConfig": "ds_ring.config",
-    "initialize": "ds_ring.engine",
-    "StepAbandoned": "ds_ring.preemption",
+    "initialize": "ds_ring.engine.initialize",
+    "StepAbandoned": "ds_ring.engine.preemption",
 }
 
 __all__ = [

@@ -22,10 +22,10 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ds_ring.calls import attend, group_placement, topology_placement
-from ds_ring.comm.groups import group_size
+from ds_ring.comm.group_ranks import group_size
+from ds_ring.engine.gradient_scale import require_marked
 from ds_ring.parallel.topology import Topology
 from ds_ring.strategies import DEFAULT_STRATEGY, AttentionCall
-from ds_ring.zero import require_marked
 
 __all__ = ["RingDilatedAttention", "MultiheadRingDilatedAttention"]
 
@@ -140,8 +140,9 @@ class RingDilatedAttention(nn.Module):
 
 
 def _validated(call: AttentionCall) -> AttentionCall:
-    """``call`` once its options are valid (its branch lists were validated when it was made; the rest is checked at
-    build time too, so a typo fails before the first forward)."""
+    """``call`` with its branch lists validated and its other options checked (at build time, so a typo fails
+    before the first forward)."""
+    call = call.validated()
     call.check_options()
     return call
 

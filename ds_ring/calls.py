@@ -23,7 +23,7 @@ it fails after its timeout with an error saying so.
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,7 +33,7 @@ from torch.distributed import ProcessGroup
 
 import ds_ring.auto  # noqa: F401  (registers strategy "auto")
 from ds_ring.comm.agree import agree
-from ds_ring.comm.groups import group_rank, group_size, takes_cpu
+from ds_ring.comm.group_ranks import group_rank, group_size, takes_cpu
 from ds_ring.comm.job import job
 from ds_ring.cpu_heap import configure_cpu_heap
 from ds_ring.kernels.dilation import check_cu_seqlens, check_softcap, validate_qkv
@@ -59,6 +59,8 @@ Output = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 CACHE_SIZE = 256
 """Prepared calls kept per placement."""
+
+_lock = threading.Lock()
 
 
 def ring_dilated_attention(
@@ -216,19 +218,17 @@ def attend(
     if call.bidirectional_spans is not None or call.prefix_lengths is not None:
         seq = q.shape[1] * placement.degrees.sequence if q.dim() == 4 else 0
         call = dataclasses.replace(call, bidirectional_spans=_spans(call, seq), prefix_lengths=None)
-    described = call.described()
     backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     key = (op, strategy, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, backward,
-           *described.values())  # fmt: skip
-    owner = job()
-    prepared = owner.owned(placement, "prepared calls", OrderedDict)
-    with owner.lock:
+           call.key())  # fmt: skip
+    prepared = placement.prepared
+    with _lock:
         bound = prepared.get(key)
         if bound is not None:
             prepared.move_to_end(key)
     if bound is None:
         bound = _prepare(q, k, v, call, placement, strategy, op, backward)
-        with owner.lock:
+        with _lock:
             prepared[key] = bound
             if len(prepared) > CACHE_SIZE:
                 prepared.popitem(last=False)
@@ -251,7 +251,7 @@ def _prepare(
         configure_cpu_heap()  # once per process: freed tensors leave the RSS (ds_ring/cpu_heap.py)
     validate_qkv(q, k, v, call.head_offset)
     check_sinks(call.sinks, q)
-    call = dataclasses.replace(call, softcap=check_softcap(call.softcap))
+    call = dataclasses.replace(call.validated(), softcap=check_softcap(call.softcap))
     described = call.described()
     _agree_on_call(q, k, v, described, placement, strategy, op, backward, call.timeout_s)
     chosen = get_strategy(strategy)

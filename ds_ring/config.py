@@ -107,7 +107,7 @@ class MonitoringConfig(_Section):
 
 class PreemptionConfig(_Section):
     """What a preemption signal does (the ``"preemption"`` object inside ``"ring_attention"``;
-    :mod:`ds_ring.preemption`)::
+    :mod:`ds_ring.engine.preemption`)::
 
         "preemption": {"enabled": true, "signals": ["SIGTERM", "SIGUSR1"], "grace_s": 25}
     """
@@ -232,7 +232,7 @@ class RingAttentionConfig(_Section):
     """``"ring"``/``"allgather"`` (K/V move between sequence shards), ``"ulysses"`` (all-to-all from
     sequence to head sharding), ``"hybrid"`` (Ulysses inside ``ulysses_degree`` ranks, ring across), or ``"auto"``
     (per call, the fastest of those the degrees admit by a cost model and a link probe, the same on every rank;
-    ``python -m ds_ring.plan`` shows the choice and the degrees to set before the run)."""
+    ``python -m ds_ring.auto`` shows the choice and the degrees to set before the run)."""
 
     communication: str | None = None
     """How the ring dimension moves K/V: ``"ring"`` (passed rank to rank, O(n/p) memory), ``"allgather"``
@@ -331,7 +331,7 @@ class RingAttentionConfig(_Section):
         values = {name: getattr(self, name) for name in CALL_FIELDS}
         key = repr(sorted(values.items()))
         if self._call is None or self._call[0] != key:
-            self._call = (key, AttentionCall(**values))
+            self._call = (key, AttentionCall(**values).validated())
         return self._call[1]
 
     def call_settings(self) -> dict[str, Any]:

@@ -37,7 +37,7 @@ def sequence_parallel_cross_entropy(
         timeout_s: bound in seconds on the one all-reduce (``None``: the topology's; 300 s for a plain group).
         gradient_scale: factor on this rank's gradient share (not on the value): the sequence-parallel degree
             for an engine that divides the all-rank gradient sum by every rank (ZeRO 3's reduce-scatter path,
-            :mod:`ds_ring.zero`), else 1.
+            :mod:`ds_ring.engine.gradient_scale`), else 1.
 
     Returns:
         A scalar equal on every rank to (sum of token losses) / (number of counted tokens), over

@@ -33,6 +33,6 @@ def pytest_collection_modifyitems(config, items) -> None:
 def pytest_sessionstart(session) -> None:
     """A lock left by a killed build of DeepSpeed's ops is removed at once, with a warning naming it (it would hang
     every test that starts DeepSpeed)."""
-    from ds_ring.build_locks import clear_stale_build_locks
+    from ds_ring.engine.build_locks import clear_stale_build_locks
 
     clear_stale_build_locks()

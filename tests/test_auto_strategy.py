@@ -1,5 +1,5 @@
 """``strategy="auto"``: equals the float64 oracle (it runs one valid strategy), decides alike on every rank even
-when the probe measures differently per rank, never picks what a strategy refuses; ``python -m ds_ring.plan``."""
+when the probe measures differently per rank, never picks what a strategy refuses; ``python -m ds_ring.auto``."""
 
 import functools
 import io
@@ -115,7 +115,7 @@ def test_choice_follows_the_link():
 
 
 def test_plan_cli_prints_table(tmp_path):
-    from ds_ring import plan
+    from ds_ring.auto import cli as plan
 
     config = tmp_path / "ds_config.json"
     config.write_text(json.dumps({"ring_attention": {"strategy": "auto", "causal": True}}))

@@ -4,7 +4,7 @@ import logging
 import subprocess
 import sys
 
-from ds_ring.build_locks import clear_stale_build_locks, stale_build_locks
+from ds_ring.engine.build_locks import clear_stale_build_locks, stale_build_locks
 
 
 def _lock(root, name: str):
@@ -18,7 +18,7 @@ def _lock(root, name: str):
 def test_a_killed_builds_lock_is_removed_with_a_warning_naming_it(tmp_path, caplog):
     lock = _lock(tmp_path, "deepspeed_shm_comm")
     assert stale_build_locks(tmp_path) == [lock]
-    with caplog.at_level(logging.WARNING, logger="ds_ring.build_locks"):
+    with caplog.at_level(logging.WARNING, logger="ds_ring.engine.build_locks"):
         assert clear_stale_build_locks(tmp_path) == [lock]
     assert not lock.exists()
     assert f"removed {lock}: a build of DeepSpeed's ops was killed halfway" in caplog.text

@@ -63,7 +63,7 @@ def test_key_and_agreement_derive_from_every_field() -> None:
 def _validations(rank: int, world_size: int) -> list[int]:
     """Validations of the branch lists, counted after each step from a ds_config section to a second call."""
     from ds_ring.config import read_section
-    from ds_ring.engine import install
+    from ds_ring.engine.initialize import install
 
     counted: list[int] = []
     real = dilation._validated_branches

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_ring.checkpoint import COMPLETE, checkpoint_files
+from ds_ring.engine.checkpoint import COMPLETE, checkpoint_files
 from tests.trainer_runs import train_with_checkpoints, write_config
 
 pytestmark = pytest.mark.jobs  # a whole job under a launcher: CI's second step (docs/testing.md)

@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torch.testing import assert_close
 
 from ds_ring.comm import CommError, all_gather, all_to_all, backends, reduce_scatter
+from ds_ring.comm.torch_compat import reduce_scatter_single
 from ds_ring.hooks import Event, register_hook
-from ds_ring.torch_compat import reduce_scatter_single
 from tests.dist import CaseLog, cases_test
 
 WORLD_SIZES = [1, 2, 3, 4]

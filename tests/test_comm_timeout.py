@@ -160,7 +160,7 @@ def test_a_backend_timeout_is_named_a_timeout_before_the_deadline(error, kind):
 def test_nccl_process_group_timeout_leaves_the_watchdog_as_backstop(monkeypatch):
     """The group's timeout is twice ds_ring's (NCCL's watchdog would end the process first otherwise).
     ``init_distributed`` starts the group with it."""
-    from ds_ring import engine
+    from ds_ring.engine import initialize as engine
 
     assert process_group_timeout_s(120) == 240
     assert process_group_timeout_s(300) == 600

@@ -83,7 +83,7 @@ def test_monitoring_defaults_and_ready_values():
 
 
 def test_metrics_need_a_deepspeed_monitor_before_any_collective():
-    from ds_ring.engine import initialize
+    from ds_ring.engine.initialize import initialize
 
     config = {"train_micro_batch_size_per_gpu": 1, "ring_attention": {"monitoring": {"metrics": True}}}
     with pytest.raises(ValueError, match=r"monitoring.metrics is true but the ds_config enables none of .*csv_monitor"):
@@ -156,7 +156,7 @@ def test_read_section_is_the_one_reader_and_enabled_false_means_no_sequence_para
 def test_zero_owns_the_gradient_scale_rule():
     import torch
 
-    from ds_ring.zero import engine_config, gradient_scale, mark_parameters, parameter_gradient_scale
+    from ds_ring.engine.gradient_scale import engine_config, gradient_scale, mark_parameters, parameter_gradient_scale
 
     assert engine_config({"zero_optimization": {"stage": 3}}, 2)["zero_optimization"]["reduce_scatter"] is False
     assert engine_config({"zero_optimization": {"stage": 3}}, 1) == {"zero_optimization": {"stage": 3}}

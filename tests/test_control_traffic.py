@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import ds_ring
 from ds_ring.comm import collectives
-from ds_ring.comm.ring import RingComm
+from ds_ring.comm.ring_comm import RingComm
 from tests.dist import CaseLog, assert_no_failures, run_distributed
 
 SEQ, VOCAB = 32, 11
@@ -121,7 +121,7 @@ def test_control_exchanges_take_the_control_groups():
 
 
 def test_backend_on_cuda_is_gloo_for_cpu_and_nccl_for_cuda(monkeypatch):
-    from ds_ring import engine
+    from ds_ring.engine import initialize as engine
 
     class Accelerator:
         def __init__(self, backend: str) -> None:
@@ -141,7 +141,7 @@ def test_backend_on_cuda_is_gloo_for_cpu_and_nccl_for_cuda(monkeypatch):
     [("gloo", True), ("nccl", False), ("cpu:gloo,cuda:nccl", True), ("cuda:nccl", False), ("mpi", True)],
 )
 def test_which_backends_take_cpu_tensors(monkeypatch, backend, takes):
-    from ds_ring.comm import groups
+    from ds_ring.comm import group_ranks as groups
 
     monkeypatch.setattr(groups.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(groups.dist, "get_backend", lambda group=None: backend)

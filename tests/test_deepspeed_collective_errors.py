@@ -13,7 +13,7 @@ import torch
 
 from ds_ring.comm.errors import CommError, CommTimeoutError
 from ds_ring.hooks import labelled
-from ds_ring.monitor.collectives import NamedCollectives, running_collective
+from ds_ring.monitor.deepspeed_collectives import NamedCollectives, running_collective
 from tests.dist import CaseLog, assert_no_failures, run_distributed
 
 

@@ -74,8 +74,8 @@ def test_buffered_monitor_events_reach_disk_before_the_process_ends(mode: str, c
 
 
 def test_initialize_registers_the_engine_monitor_flush(tmp_path: Path) -> None:
-    from ds_ring import engine as glue
     from ds_ring.config import MonitoringConfig
+    from ds_ring.engine import initialize as glue
     from ds_ring.monitor import exit as clean_exit
 
     sink = _Sink(tmp_path, "tensorboard")

@@ -18,6 +18,7 @@ import importlib
 import pytest
 import torch
 
+from ds_ring.comm.job import process
 from ds_ring.integrations.hf import accelerate_sp
 from ds_ring.integrations.hf.accelerate_sp import apply_to_accelerate, check_hooked_libraries
 
@@ -44,7 +45,7 @@ def test_a_changed_library_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(Accelerator, "_prepare_deepspeed", _prepare_deepspeed)
     with pytest.raises(RuntimeError, match=r"accelerate 1\.\d+\.\d+ no longer imports UlyssesSPAttentionHF"):
         apply_to_accelerate()
-    assert accelerate_sp.applied_handle() is None
+    assert process().patches.get(accelerate_sp.HOOK) is None
 
 
 def test_applied_idempotent_and_undone_exactly() -> None:

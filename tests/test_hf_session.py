@@ -49,8 +49,8 @@ def test_nothing_is_installed_without_a_registration():
 
 
 def test_the_engine_holds_its_monitor_and_preemption():
-    from ds_ring import engine as glue
     from ds_ring.config import PreemptionConfig
+    from ds_ring.engine import initialize as glue
 
     engines = [SimpleNamespace(), SimpleNamespace()]
     monitors = [glue.attach_monitor(e, SimpleNamespace(), MonitoringConfig(watchdog=False)) for e in engines]

@@ -136,3 +136,17 @@ def test_the_graph_sees_known_edges() -> None:
     graph = import_graph()
     assert "ds_ring.comm.collectives" in graph["ds_ring.comm.agree"]
     assert "ds_ring.parallel.topology" in graph["ds_ring.parallel.order"]
+
+
+def test_integrations_import_the_public_api_and_the_declared_interface() -> None:
+    """An integration imports ``ds_ring`` (the public API), other integration modules and the one declared internal
+    interface, ``ds_ring.integrations.internal`` (which imports what it declares from where it lives)."""
+    graph = import_graph(everywhere=True)
+    beyond = sorted(
+        (module, target)
+        for module, targets in graph.items()
+        if module.startswith("ds_ring.integrations") and module != "ds_ring.integrations.internal"
+        for target in targets
+        if target != "ds_ring" and not target.startswith("ds_ring.integrations")
+    )
+    assert beyond == []

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ds_ring.launch_env import discover_launch_env
+from ds_ring.engine.launch_env import discover_launch_env
 
 KEYS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
 LAUNCHERS = ["SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST", "SLURM_NTASKS_PER_NODE",

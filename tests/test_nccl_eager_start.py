@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import ds_ring.parallel.groups as groups_module
-from ds_ring import engine
+from ds_ring.engine import initialize as engine
 from ds_ring.parallel.topology import Topology
 from tests.dist import CaseLog, assert_no_failures, run_distributed
 

@@ -1,4 +1,5 @@
-"""A training step in flight under :meth:`ds_ring.preemption.Preemption.step_in_flight`: what a signal does to it.
+"""A training step in flight under :meth:`ds_ring.engine.preemption.Preemption.step_in_flight`: what a signal does
+to it.
 
 In one process (no ranks):
 
@@ -28,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from ds_ring.config import PreemptionConfig
-from ds_ring.preemption import NOTICE, Preemption, StepAbandoned
+from ds_ring.engine.preemption import NOTICE, Preemption, StepAbandoned
 from tests.dist import CaseLog, assert_no_failures, run_distributed
 
 HANG_GUARD_S = 30.0
@@ -116,7 +117,7 @@ def test_an_error_while_a_peer_abandons_abandons_the_step(tmp_path: Path) -> Non
 def test_a_long_step_that_only_the_end_of_step_poll_covers_is_named_once(caplog: pytest.LogCaptureFixture) -> None:
     preemption = _preemption([], grace_s=0.2)
     try:
-        with caplog.at_level(logging.WARNING, logger="ds_ring.preemption"):
+        with caplog.at_level(logging.WARNING, logger="ds_ring.engine.preemption"):
             for step in (1, 2, 3):
                 time.sleep(0.3)
                 preemption.stop_requested(step)

@@ -1,4 +1,4 @@
-"""The signal side of :class:`ds_ring.preemption.Preemption`, in one process (no ranks, no launcher).
+"""The signal side of :class:`ds_ring.engine.preemption.Preemption`, in one process (no ranks, no launcher).
 
 - before the loop polls, a signal keeps its old effect (the previous handler runs);
 - once polled, the first signal only sets the stop (the next poll is true), a repeat within
@@ -16,7 +16,7 @@ import time
 import pytest
 
 from ds_ring.config import PreemptionConfig
-from ds_ring.preemption import GRACE_EXPIRED, Preemption
+from ds_ring.engine.preemption import GRACE_EXPIRED, Preemption
 
 
 def _preemption(exits: list[int], **config: object) -> Preemption:

@@ -14,7 +14,7 @@ MUTATORS = frozenset(
     {"append", "add", "update", "setdefault", "pop", "popitem", "clear", "extend", "insert", "remove", "discard",
      "move_to_end", "appendleft", "register"}
 )  # fmt: skip
-"""Methods that change the object they are called on (``register``: a :class:`ds_ring.registry.Registry`)."""
+"""Methods that change the object they are called on (``register``: a :class:`ds_ring.strategies.registry.Registry`)."""
 
 EXPECTED = {
     "ds_ring/comm/job.py": {"_JOBS"},  # the jobs of this process (one per default process group)

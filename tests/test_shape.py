@@ -1,10 +1,11 @@
-"""Which shape changes load as they are, through a universal checkpoint, or are refused (ds_ring.shape)."""
+"""Which shape changes load as they are, through a universal checkpoint, or are refused
+(ds_ring.engine.checkpoint_shape)."""
 
 from __future__ import annotations
 
 import pytest
 
-from ds_ring.shape import TrainingShape, how_to_load
+from ds_ring.engine.checkpoint_shape import TrainingShape, how_to_load
 
 
 def _shape(ranks: int, zero: int, sequence: int | None = None) -> TrainingShape:

@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ds_ring.comm import gpu_timing, ring, stream_watch, wait
-from ds_ring.comm.ring import RingComm
+from ds_ring.comm import gpu_timing, stream_watch, wait
+from ds_ring.comm import ring_comm as ring
+from ds_ring.comm.ring_comm import RingComm
 from ds_ring.hooks import register_hook
 from ds_ring.monitor.timeline import StepTimeline
 

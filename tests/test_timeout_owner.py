@@ -16,8 +16,9 @@ import torch
 import ds_ring
 import ds_ring.comm
 from ds_ring import RingDilatedAttention, Topology, ring_dilated_attention, sequence_parallel_attention
-from ds_ring.checkpoint import load_checkpoint
-from ds_ring.comm import DEFAULT_TIMEOUT_S, collectives, ring
+from ds_ring.comm import DEFAULT_TIMEOUT_S, collectives
+from ds_ring.comm import ring_comm as ring
+from ds_ring.engine.checkpoint import load_checkpoint
 from ds_ring.monitor import RingMonitor
 from tests.dist import CaseLog, assert_no_failures, run_distributed
 

@@ -60,7 +60,7 @@ def test_the_top_level_must_be_an_object(tmp_path, text):
 
 
 def test_initialize_reads_yaml_before_any_collective(tmp_path):
-    from ds_ring.engine import initialize
+    from ds_ring.engine.initialize import initialize
 
     path = tmp_path / "ds_config.yml"
     path.write_text("train_micro_batch_size_per_gpu: 1\nring_attention:\n  monitoring: {metrics: true}\n")

@@ -108,7 +108,7 @@ def _rank(rank: int, world: int, sequence_parallel: int, stages: list[int]) -> l
                 torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
             engine.destroy()
     with log.case("deepspeed.initialize(mpu=topology) at ZeRO 3: the first forward refuses, naming ds_ring.initialize"):
-        from ds_ring.engine import install
+        from ds_ring.engine.initialize import install
 
         config = _config(3, sequence_parallel, per_replica)
         section = ds_ring.load_config(config)

@@ -1,10 +1,10 @@
-"""ZeRO 3's blocking gathers hold every parameter when they return (:mod:`ds_ring.zero_gathers`).
+"""ZeRO 3's blocking gathers hold every parameter when they return (:mod:`ds_ring.engine.zero_gathers`).
 
 On 2 gloo ranks, a small model at ZeRO 3, every all-gather DeepSpeed launches as a blocking gather of several
 parameters is watched: by the time the call returns, each one's handle has been waited on, for the
 re-gather of the persistent parameters at the end of an optimizer step and for ``GatheredParameters`` over
 several parameters (what ``ds_ring.tiles.zero.gathered`` runs). On a DeepSpeed before 0.19.8 the same step
-without :func:`~ds_ring.zero_gathers.wait_for_every_gather` leaves handles unwaited: the check sees the defect it
+without :func:`~ds_ring.engine.zero_gathers.wait_for_every_gather` leaves handles unwaited: the check sees the defect it
 guards against (with ``ds_ring.initialize`` it is installed, and the whole training run is checked by
 ``test_zero_equivalence.py`` and ``test_hf_trainer.py``).
 """
@@ -75,7 +75,7 @@ def _rank(rank: int, world: int) -> list[str]:
     import deepspeed
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
-    from ds_ring.zero_gathers import wait_for_every_gather, waits_for_every_gather
+    from ds_ring.engine.zero_gathers import wait_for_every_gather, waits_for_every_gather
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
     deepspeed.init_distributed(dist_backend="gloo")

@@ -8,7 +8,7 @@
 - :mod:`ds_ring.auto.strategy` — the ``"auto"`` strategy, registered here (importing this package), after the
   built-in ones: ``auto`` sits above :mod:`ds_ring.strategies` (it ranks what every registered strategy offers),
   which never imports it.
-- ``python -m ds_ring.plan`` — the choice, the alternatives and their predictions before any run.
+- ``python -m ds_ring.auto`` — the choice, the alternatives and their predictions before any run.
 """
 
 from ds_ring.auto.model import Link, Option, Problem, choose, plan_options

@@ -23,7 +23,7 @@ from torch.distributed import ProcessGroup
 
 from ds_ring.auto.model import Link
 from ds_ring.comm.collectives import all_reduce, all_to_all
-from ds_ring.comm.groups import group_rank, group_size, takes_cpu
+from ds_ring.comm.group_ranks import group_rank, group_size, takes_cpu
 from ds_ring.comm.job import job
 
 __all__ = ["probe_link", "measure_link", "agree_link", "SMALL", "LARGE", "REPEATS"]

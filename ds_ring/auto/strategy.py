@@ -4,7 +4,7 @@ A run fixes the layout (the shards the caller made) and the degrees (the topolog
 a plain group is ``1 × p``), so at run time ``auto`` chooses among the strategies those admit —
 ``ring``, ``allgather`` and ``ulysses`` over the whole sequence-parallel group, and ``hybrid`` on the
 topology's degrees when both are above 1 — and the exchange (``ring``/``allgather``) unless the call
-names one. ``python -m ds_ring.plan`` searches layouts and degrees too, before the run.
+names one. ``python -m ds_ring.auto`` searches layouts and degrees too, before the run.
 
 The inputs are the call's key (agreed by every rank before :meth:`Auto.prepare`: shapes, dtype,
 branches, window, documents, causal, degrees), the hosts of the group's ranks (gathered when the
@@ -25,7 +25,7 @@ import torch
 from ds_ring.auto.model import Link, Option, Problem, format_table, plan_options
 from ds_ring.auto.probe import probe_link
 from ds_ring.comm import cores
-from ds_ring.comm.groups import group_rank
+from ds_ring.comm.group_ranks import group_rank
 from ds_ring.comm.hosts import host_of
 from ds_ring.comm.job import job
 from ds_ring.comm.spans import group_members

@@ -8,7 +8,7 @@ plan the ranks :func:`agree` on it (one small all-gather, cached per plan).
 from ds_ring.comm.agree import agree
 from ds_ring.comm.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
 from ds_ring.comm.errors import CommError, CommTimeoutError
-from ds_ring.comm.ring import RingComm
+from ds_ring.comm.ring_comm import RingComm
 from ds_ring.comm.wait import DEFAULT_TIMEOUT_S
 
 __all__ = [

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ds_ring.comm.collectives import all_gather
 from ds_ring.comm.errors import CommError
-from ds_ring.comm.groups import group_rank, group_size
+from ds_ring.comm.group_ranks import group_rank, group_size
 from ds_ring.comm.job import job
 from ds_ring.comm.spans import group_members
 
@@ -77,7 +77,7 @@ def agree(
             only the local digest, microseconds). ``False`` for rare calls that must always be
             checked (see the cache's limit in the module docstring), and for callers that cache themselves.
         device: where the exchanged integers live (``None``: the CPU). Control traffic belongs on a group
-            whose backend takes CPU tensors (:func:`ds_ring.comm.groups.takes_cpu`); only a caller with no
+            whose backend takes CPU tensors (:func:`ds_ring.comm.group_ranks.takes_cpu`); only a caller with no
             such group passes the data's device (one host read of the gathered table follows).
 
     A world of one, or no process group, agrees with itself.

@@ -29,11 +29,11 @@ import torch.distributed as dist
 from ds_ring.comm.backends import runs_collective
 from ds_ring.comm.errors import CommError
 from ds_ring.comm.gpu_timing import StreamTiming, mark
-from ds_ring.comm.groups import group_rank
+from ds_ring.comm.group_ranks import group_rank
 from ds_ring.comm.spans import group_members, span_position
+from ds_ring.comm.torch_compat import all_gather_single, reduce_scatter_single
 from ds_ring.comm.wait import Pending, failed, resolve_timeout, stream_ordered, wait_all
 from ds_ring.hooks import Event, emit, hooks_active
-from ds_ring.torch_compat import all_gather_single, reduce_scatter_single
 
 __all__ = ["all_gather", "all_reduce", "reduce_scatter", "all_to_all"]
 

@@ -59,7 +59,7 @@ class Job:
         self.flushes: dict[int, Callable[[], Any]] = {}
         """Process: what :func:`ds_ring.run_main` runs before a clean exit."""
         self.patches: dict[str, Any] = {}
-        """Process: the :class:`ds_ring.patches.Patch` of a library's class in force, by name (until undone)."""
+        """Process: the :class:`ds_ring.engine.patches.Patch` of a library's class in force, by name (until undone)."""
         self._owned: weakref.WeakKeyDictionary[object, dict[str, Any]] = weakref.WeakKeyDictionary()
 
     def record_facts(self, hosts: Sequence[str], places: Sequence[Any]) -> bool:
@@ -74,6 +74,9 @@ class Job:
     def owned(self, owner: object, name: str, make: Callable[[], T]) -> T:
         """The ``name`` entry kept for ``owner`` (a topology, a process group, a placement), made by ``make()`` on
         first use (outside the lock: making one may be collective); it goes when ``owner`` does."""
+        entries = self._owned.get(owner)
+        if entries is not None and name in entries:  # the steady state: no lock (a dict read is atomic)
+            return entries[name]
         with self.lock:
             entries = self._owned.setdefault(owner, {})
             if name in entries:

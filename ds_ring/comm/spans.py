@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
-from ds_ring.comm.groups import global_ranks, group_rank, group_size
+from ds_ring.comm.group_ranks import global_ranks, group_rank, group_size
 
 __all__ = ["group_members", "span_position"]
 

@@ -7,7 +7,7 @@ so the wait is delegated to it rather than polled. A wait that raises is turned 
 Every such error is announced to the hooks (a ``"comm_error"`` event, :func:`failed`) before it is
 raised, so a watchdog logs it where it happens even if a caller swallows it.
 
-**Interruptible waits.** While an :func:`interruptible` block is open (:mod:`ds_ring.preemption` opens one
+**Interruptible waits.** While an :func:`interruptible` block is open (:mod:`ds_ring.engine.preemption` opens one
 around a training step in flight), a host wait runs in a helper thread and the main thread wakes every
 :data:`POLL_S` seconds: Python runs signal handlers only in the main thread between bytecodes, so a rank
 blocked on a peer that stopped would otherwise not see its own SIGTERM until the wait ends. Between wakes

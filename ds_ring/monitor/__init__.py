@@ -22,7 +22,7 @@ from ds_ring.monitor.flush import flush_writer
 from ds_ring.monitor.guard import GUARD_MODES, NumericsError, NumericsGuard
 from ds_ring.monitor.layers import label_layers
 from ds_ring.monitor.metrics import METRICS, MetricsReporter
-from ds_ring.monitor.session import RingMonitor
+from ds_ring.monitor.ring_monitor import RingMonitor
 from ds_ring.monitor.timeline import RankTotals, StepTimeline
 from ds_ring.monitor.watchdog import Watchdog
 

@@ -17,7 +17,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from ds_ring.comm.collectives import all_reduce
-from ds_ring.comm.groups import group_rank, group_size
+from ds_ring.comm.group_ranks import group_rank, group_size
 from ds_ring.hooks import Event, current_labels
 from ds_ring.monitor.timeline import MONITOR_OP_PREFIX
 

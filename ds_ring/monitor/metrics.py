@@ -16,7 +16,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from ds_ring.comm.collectives import all_gather
-from ds_ring.comm.groups import group_rank
+from ds_ring.comm.group_ranks import group_rank
 from ds_ring.comm.spans import group_members
 from ds_ring.monitor.timeline import MONITOR_OP_PREFIX, RankTotals
 

@@ -18,7 +18,7 @@ import threading
 import time
 
 from ds_ring.hooks import Event, current_labels
-from ds_ring.monitor.collectives import running_collective
+from ds_ring.monitor.deepspeed_collectives import running_collective
 
 __all__ = ["Watchdog", "EXIT_CODE"]
 

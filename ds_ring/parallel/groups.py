@@ -20,7 +20,7 @@ from torch.distributed import ProcessGroup
 
 from ds_ring.comm.backends import device_backend
 from ds_ring.comm.collectives import all_reduce
-from ds_ring.comm.groups import takes_cpu
+from ds_ring.comm.group_ranks import takes_cpu
 from ds_ring.comm.job import job
 from ds_ring.comm.wait import process_group_timeout_s, resolve_timeout
 from ds_ring.parallel.layout import ROLES, RankLayout

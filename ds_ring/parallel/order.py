@@ -14,7 +14,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from ds_ring.comm.collectives import all_gather
-from ds_ring.comm.groups import global_ranks, group_rank, group_size
+from ds_ring.comm.group_ranks import global_ranks, group_rank, group_size
 from ds_ring.parallel.topology import Topology, sequence_group
 
 __all__ = ["ORDERS", "check_order", "order_chunks", "shard_sequence", "gather_sequence"]

@@ -18,7 +18,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from ds_ring.comm.collectives import all_gather, all_reduce
-from ds_ring.comm.groups import global_ranks, group_rank, group_size
+from ds_ring.comm.group_ranks import global_ranks, group_rank, group_size
 
 __all__ = ["gather_summaries", "tie"]
 

@@ -24,7 +24,10 @@ registered in ``ds_ring/strategies/__init__.py``; one from outside the package r
 
 from __future__ import annotations
 
+import dataclasses
+import operator
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
@@ -35,8 +38,8 @@ from torch.distributed import ProcessGroup
 from ds_ring.kernels.dilated import check_window_branches
 from ds_ring.kernels.dilation import check_branches, check_cu_seqlens, check_softcap
 from ds_ring.kernels.spans import check_span_options
-from ds_ring.registry import Registry
 from ds_ring.strategies.cost import Cost, Link, Option, Problem
+from ds_ring.strategies.registry import Registry
 
 __all__ = [
     "AttentionCall",
@@ -111,6 +114,9 @@ class Placement:
     ring: ProcessGroup | None
     timeout_s: float | None
     control: Callable[[ProcessGroup | None], ProcessGroup | None]
+    prepared: OrderedDict[tuple, Bound] = field(default_factory=OrderedDict, repr=False)
+    """The calls prepared over this placement, by key (:mod:`ds_ring.calls`; the job that owns the placement owns
+    them)."""
 
 
 def _float(value: float | None) -> float | None:
@@ -146,9 +152,9 @@ class AttentionCall:
     """How to attend: everything of a call but the tensors, the process groups and the strategy.
 
     The one carrier of a call's options: the ds_config's section (:meth:`ds_ring.config.RingAttentionConfig.call`),
-    the modules and the functions all build one, by keyword. Its branch lists are validated once, when it is made
-    (they become :class:`~ds_ring.kernels.dilation.Lengths`, which nothing validates again); the cache key of a
-    prepared call and what its ranks agree on are derived from its fields (:meth:`described`).
+    the modules and the functions all build one, by keyword. Its branch lists are validated once
+    (:meth:`validated`: they become :class:`~ds_ring.kernels.dilation.Lengths`, which nothing validates again); the
+    cache key of a prepared call and what its ranks agree on are derived from its fields (:meth:`key`).
     """
 
     segment_lengths: Sequence[int] | None = None
@@ -192,20 +198,48 @@ class AttentionCall:
     document); ``None``: none. Resolved into ``bidirectional_spans`` before a strategy sees the call."""
 
     def __post_init__(self) -> None:
+        # hashable for the key; validated by :meth:`validated`
+        if type(self.segment_lengths) is list:
+            object.__setattr__(self, "segment_lengths", tuple(self.segment_lengths))
+        if type(self.dilation_rates) is list:
+            object.__setattr__(self, "dilation_rates", tuple(self.dilation_rates))
+
+    def validated(self) -> AttentionCall:
+        """This call with its branch lists validated (:class:`~ds_ring.kernels.dilation.Lengths`, which nothing
+        validates again); itself when they are already. The section's call and a module's are validated when made,
+        a function's call when it is first prepared (once per key)."""
         segments, rates = check_branches(self.segment_lengths, self.dilation_rates)
-        object.__setattr__(self, "segment_lengths", segments)
-        object.__setattr__(self, "dilation_rates", rates)
+        if segments is self.segment_lengths and rates is self.dilation_rates:
+            return self
+        return dataclasses.replace(self, segment_lengths=segments, dilation_rates=rates)
 
     @classmethod
     def of(cls, options: Mapping[str, Any]) -> AttentionCall:
-        """The call made of the entries of ``options`` that are its fields (e.g. a public function's ``locals()``)."""
-        return cls(**{name: options[name] for name in FIELDS if name in options})
+        """The call made of the entries of ``options`` that are its fields (e.g. a public function's ``locals()``).
+        Runs on every call of the functions: the fields are set as ``__init__`` sets them, without its per-field
+        ``object.__setattr__`` (a third of this call's cost on the CPU)."""
+        call = object.__new__(cls)
+        if options.keys() >= _FIELD_SET:
+            call.__dict__.update(zip(FIELDS, _ALL_OPTIONS(options), strict=True))
+        else:
+            call.__dict__.update(_DEFAULTS, **{name: options[name] for name in FIELDS if name in options})
+        call.__post_init__()
+        return call
+
+    def key(self) -> tuple:
+        """Every field as a hashable value, in :data:`FIELDS` order (document boundaries as a tuple, the sinks as
+        their shape, dtype and device type): this call's part of the key of a prepared call. Runs on every call."""
+        values = _ALL_FIELDS(self)
+        if _DESCRIBED_VALUES(values) == _NONE:  # the common case: no scale, documents or sinks
+            return values
+        values = list(values)
+        for i in _DESCRIBED:
+            values[i] = _DESCRIBE[i](values[i])
+        return tuple(values)
 
     def described(self) -> dict[str, Any]:
-        """Every field as a hashable value (document boundaries as a tuple, the sinks as their shape, dtype and
-        device type): what keys a prepared call and, but for the fields marked not agreed, what its ranks agree on."""
-        values = ((name, describe, getattr(self, name)) for name, describe in _DESCRIBE)
-        return {name: describe(value) if describe else value for name, describe, value in values}
+        """:meth:`key` by field name: what, but for the fields marked not agreed, its ranks agree on."""
+        return dict(zip(FIELDS, self.key(), strict=True))
 
     def check_options(self, rows: int | None = None) -> None:
         """``ValueError`` for a window, a softcap or spans that no strategy can run: a window with branches or
@@ -220,7 +254,14 @@ class AttentionCall:
 
 FIELDS: tuple[str, ...] = tuple(f.name for f in fields(AttentionCall))
 """The options of an attention call, in declaration order."""
-_DESCRIBE = tuple((f.name, f.metadata.get("describe")) for f in fields(AttentionCall))
+_DESCRIBE = tuple(f.metadata.get("describe") for f in fields(AttentionCall))
+_DESCRIBED = tuple(i for i, describe in enumerate(_DESCRIBE) if describe is not None)
+_ALL_FIELDS = operator.attrgetter(*FIELDS)
+_ALL_OPTIONS = operator.itemgetter(*FIELDS)
+_FIELD_SET = frozenset(FIELDS)
+_DEFAULTS = {f.name: f.default for f in fields(AttentionCall)}
+_DESCRIBED_VALUES = operator.itemgetter(*_DESCRIBED)
+_NONE = (None,) * len(_DESCRIBED)
 NOT_AGREED: frozenset[str] = frozenset(f.name for f in fields(AttentionCall) if not f.metadata.get("agreed", True))
 """Fields each rank may set for itself (they key its cache but are not compared across ranks)."""
 

@@ -24,15 +24,15 @@ from dataclasses import dataclass
 import torch
 from torch.distributed import ProcessGroup
 
-from ds_ring.comm.groups import group_rank
+from ds_ring.comm.group_ranks import group_rank
 from ds_ring.hooks import current_labels, emit_attention, hooks_active, labelled
 from ds_ring.kernels.delta import OutputByDelta, row_delta
 from ds_ring.kernels.dilated import Options, new_accumulators, regions_backward, regions_backward_, regions_forward_
 from ds_ring.kernels.merge import accum_dtype
 from ds_ring.kernels.sinks import add_sinks_, sinks_grad
-from ds_ring.registry import Registry
 from ds_ring.strategies.blocks import LazyGrads, Shard, add_home_grads_, backward_own_, head_chunks, unpack_block
 from ds_ring.strategies.plan import ShardPlan, SpanPlan
+from ds_ring.strategies.registry import Registry
 
 __all__ = [
     "Exchange",

@@ -38,7 +38,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from ds_ring.comm.collectives import all_to_all
-from ds_ring.comm.groups import group_rank
+from ds_ring.comm.group_ranks import group_rank
 from ds_ring.hooks import current_labels, emit_attention, hooks_active, labelled
 from ds_ring.kernels.delta import OutputByDelta, row_delta
 from ds_ring.kernels.dilated import dilated_forward, plan_dilated

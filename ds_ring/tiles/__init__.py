@@ -10,7 +10,7 @@
 """
 
 from ds_ring.tiles.compute import tiled_loss, tiled_recompute
-from ds_ring.tiles.loss import tiled_cross_entropy_sum
+from ds_ring.tiles.cross_entropy import tiled_cross_entropy_sum
 from ds_ring.tiles.mlp import gated_mlp_parts, tiled_gated_mlp
 from ds_ring.tiles.offload import DiskStore, HostStore, make_store, offloaded_checkpoint
 

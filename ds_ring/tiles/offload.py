@@ -32,7 +32,7 @@ import torch
 import torch.utils.checkpoint
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ds_ring.comm.groups import group_rank
+from ds_ring.comm.group_ranks import group_rank
 from ds_ring.hooks import Event, emit, hooks_active
 
 _LIBC = ctypes.CDLL(None, use_errno=True)

@@ -16,8 +16,8 @@ from contextlib import contextmanager
 
 import torch
 
-from ds_ring.zero import is_zero3
-from ds_ring.zero_gathers import wait_for_every_gather
+from ds_ring.engine.gradient_scale import is_zero3
+from ds_ring.engine.zero_gathers import wait_for_every_gather
 
 __all__ = ["gathered"]
 
@@ -31,7 +31,7 @@ def gathered(params: Sequence[torch.nn.Parameter]) -> Iterator[None]:
         return
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters, ZeroParamStatus
 
-    wait_for_every_gather()  # DeepSpeed before 0.19.8 on CPU ranks: see ds_ring.zero_gathers
+    wait_for_every_gather()  # DeepSpeed before 0.19.8 on CPU ranks: see ds_ring.engine.zero_gathers
     # Available ones (persistent, or held by a module): whole already, and theirs to release.
     partitioned = [p for p in params if is_zero3(p) and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
     with GatheredParameters(partitioned):

@@ -33,7 +33,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,15 +40,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ds_ring.config import SECTION
 from ds_ring.integrations.hf.session import SequenceParallelSession
-from ds_ring.patches import Patch, set_attribute, undo_all
+from ds_ring.integrations.internal import SECTION, Patch, process, set_attribute, undo_all
 
-__all__ = ["AccelerateHandle", "apply_to_accelerate", "applied_handle", "check_hooked_libraries", "TESTED"]
+__all__ = ["AccelerateHandle", "apply_to_accelerate", "check_hooked_libraries", "TESTED"]
 
 ULYSSES_MODULE = "deepspeed.runtime.sequence_parallel.ulysses_sp"
 LOSS_MODULE = "transformers.trainer"
 LOSS_NAME = "deepspeed_sp_compute_loss"
+
+LIBRARIES = ("deepspeed", "deepspeed", "transformers", "accelerate")
+"""Whose object each replacement of :func:`apply_to_accelerate` changes (:mod:`ds_ring.engine.patches` checks the
+release)."""
 
 TESTED = {"accelerate": ("1.12.0", "1.15.0"), "transformers": ("5.0.0", "5.24.0")}
 """The releases the hook is declared for: setup.cfg's lowest and the newest pinned (launch/oldest-constraints.txt,
@@ -74,6 +76,8 @@ class AccelerateHandle:
         if self.session is not None:
             self.session.close()
             self.session = None
+        if process().patches.get(HOOK) is self:
+            del process().patches[HOOK]
 
     def __enter__(self) -> AccelerateHandle:
         return self
@@ -82,13 +86,8 @@ class AccelerateHandle:
         self.undo()
 
 
-_MARK = "_ds_ring_accelerate_handle"  # the applied handle, kept on DeepSpeed's ulysses module while applied
-
-
-def applied_handle() -> AccelerateHandle | None:
-    """The handle of the applied hook (``None``: not applied)."""
-    module = sys.modules.get(ULYSSES_MODULE)
-    return None if module is None else getattr(module, _MARK, None)
+HOOK = "accelerate sequence parallelism"
+"""The name the process's :class:`~ds_ring.comm.job.Job` keeps the applied hook's handle under."""
 
 
 def apply_to_accelerate() -> AccelerateHandle:
@@ -104,7 +103,7 @@ def apply_to_accelerate() -> AccelerateHandle:
         RuntimeError: accelerate or transformers no longer look the hooked names up where this hook replaces them
             (:func:`check_hooked_libraries`), naming the library, its version and the tested range.
     """
-    if (applied := applied_handle()) is not None:
+    if (applied := process().patches.get(HOOK)) is not None:
         return applied
     check_hooked_libraries()
     handle = AccelerateHandle()
@@ -120,10 +119,9 @@ def apply_to_accelerate() -> AccelerateHandle:
         (trainer, LOSS_NAME, _compute_loss(handle, originals[2])),
         (PartialState, "_prepare_backend", _prepare_backend(originals[3])),
     )
-    libraries = ("deepspeed", "deepspeed", "transformers", "accelerate")
-    for (owner, name, replacement), library in zip(replacements, libraries, strict=True):
+    for (owner, name, replacement), library in zip(replacements, LIBRARIES, strict=True):
         handle.replaced.append(set_attribute(owner, name, replacement, library=library))
-    handle.replaced.append(set_attribute(ulysses, _MARK, handle, library="deepspeed"))
+    process().patches[HOOK] = handle
     return handle
 
 
@@ -338,7 +336,7 @@ def _compute_loss(handle: AccelerateHandle, original: Callable[..., Any]) -> Cal
     data-parallel replicas (the engine averages over them). Each rank's gradient is its tokens' share, scaled for the
     engine (the session's gradient scale); ``return_outputs`` as transformers'.
     """
-    from ds_ring.comm.collectives import all_reduce
+    from ds_ring.integrations.internal import all_reduce
 
     def deepspeed_sp_compute_loss(accelerator: Any, model: Any, inputs: dict[str, Any], return_outputs: bool,
                                   pc: Any) -> Any:  # fmt: skip

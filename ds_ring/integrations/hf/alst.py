@@ -29,12 +29,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ds_ring.config import SECTION, DsConfig, read_ds_config, read_section
 from ds_ring.integrations.hf.batches import gather_batches, shard_batch
 from ds_ring.integrations.hf.documents import DOCUMENTS_KEY
 from ds_ring.integrations.hf.registration import register_with_transformers
 from ds_ring.integrations.hf.session import SequenceParallelSession, installed_sessions, require_session
-from ds_ring.parallel.topology import Topology
+from ds_ring.integrations.internal import SECTION, DsConfig, Topology, read_ds_config, read_section
 
 __all__ = ["UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter"]
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ds_ring.tiles.compute import tiled_loss, tiled_recompute
+from ds_ring.integrations.internal import tiled_loss, tiled_recompute
 
 __all__ = ["TiledMLP", "TiledFusedLogitsLoss", "sequence_tiled_compute"]
 

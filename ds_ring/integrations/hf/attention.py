@@ -19,16 +19,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from ds_ring.calls import attend, topology_placement
-from ds_ring.comm.agree import agree
-from ds_ring.config import SECTION, RingAttentionConfig
 from ds_ring.integrations.hf.audit import CallAudit, ModelWatch
 from ds_ring.integrations.hf.compiled import Site, attention_handle, compiled_attention
 from ds_ring.integrations.hf.documents import DOCUMENTS_KEY, Documents, document_positions
 from ds_ring.integrations.hf.masks import Blocks, MaskSpec, check_mask_tensor
-from ds_ring.parallel.order import shard_sequence
-from ds_ring.parallel.topology import Topology
-from ds_ring.zero import parameter_gradient_scale
+from ds_ring.integrations.internal import (
+    SECTION,
+    RingAttentionConfig,
+    Topology,
+    agree,
+    attend,
+    parameter_gradient_scale,
+    shard_sequence,
+    topology_placement,
+)
 
 __all__ = ["SequenceParallelAttention", "Site"]
 
@@ -71,9 +75,9 @@ class SequenceParallelAttention:
         self.disable_in_eval = disable_in_eval
         self.zero_optimization = zero_optimization
         self.gradient_scale: int | None = None
-        """What ds_ring's losses scale each rank's gradient share by for the engine of the model that calls
-        this (:func:`ds_ring.zero.parameter_gradient_scale`), read off the first module's parameters at its first
-        call; the session's :attr:`~ds_ring.integrations.hf.session.SequenceParallelSession.gradient_scale`."""
+        """What ds_ring's losses scale each rank's gradient share by for the engine of the model that calls this
+        (:func:`ds_ring.engine.gradient_scale.parameter_gradient_scale`), read off the first module's parameters at its
+        first call; the session's :attr:`~ds_ring.integrations.hf.session.SequenceParallelSession.gradient_scale`."""
         self.session: Any = None
         """The :class:`~ds_ring.integrations.hf.session.SequenceParallelSession` this belongs to (what
         ``installed_sessions`` finds through transformers' registry)."""

@@ -14,9 +14,6 @@ from typing import Any
 
 import torch
 
-from ds_ring.comm.agree import agree
-from ds_ring.comm.collectives import all_gather
-from ds_ring.comm.spans import group_members
 from ds_ring.integrations.hf.documents import (
     DOCUMENTS_KEY,
     IGNORE_INDEX,
@@ -26,9 +23,8 @@ from ds_ring.integrations.hf.documents import (
     shift_labels,
 )
 from ds_ring.integrations.hf.session import SequenceParallelSession, require_session
-from ds_ring.parallel.order import order_chunks as layout_chunks
-from ds_ring.parallel.order import shard_sequence
-from ds_ring.parallel.topology import Topology
+from ds_ring.integrations.internal import Topology, agree, all_gather, group_members, shard_sequence
+from ds_ring.integrations.internal import order_chunks as layout_chunks
 
 __all__ = ["shard_batch", "agree_on_batch", "gather_batches", "SequenceParallelDataLoader"]
 

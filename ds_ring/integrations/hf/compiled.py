@@ -8,7 +8,8 @@ Its backward, ``ds_ring::hf_attention_backward``, runs the same call again with 
 (one more attention forward per layer, its communication included; nothing but the inputs is kept between them).
 
 The call site's settings (module and config names, the mask the model asked for, ``scaling``, ``softcap``) are
-constants of the traced call: they reach the op as one ``int`` handle (:mod:`ds_ring.opaque`), made while tracing.
+constants of the traced call: they reach the op as one ``int`` handle (:mod:`ds_ring.integrations.hf.opaque`),
+made while tracing.
 The documents of a packed batch reach it as the batch's ``cu_seq_lens_q`` tensor when it has one (a batch of other
 documents runs the same graph), else as Python ints (constants: each set of documents compiles its own graph).
 """
@@ -23,7 +24,7 @@ import torch
 
 from ds_ring.integrations.hf.documents import DOCUMENTS_KEY, Documents
 from ds_ring.integrations.hf.masks import MaskSpec
-from ds_ring.opaque import autograd_inside, lookup, register
+from ds_ring.integrations.hf.opaque import autograd_inside, lookup, register
 
 __all__ = ["Site", "compiled_attention", "attention_handle"]
 

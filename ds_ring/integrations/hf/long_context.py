@@ -24,7 +24,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ds_ring.config import SECTION, LongContextConfig
 from ds_ring.integrations.hf.compat import (
     activation_checkpointing_disable,
     activation_checkpointing_enable,
@@ -32,10 +31,21 @@ from ds_ring.integrations.hf.compat import (
     is_activation_checkpointing,
 )
 from ds_ring.integrations.hf.documents import IGNORE_INDEX
-from ds_ring.loss import sequence_parallel_mean
-from ds_ring.parallel.topology import Topology
-from ds_ring.patches import Patch, keep_attribute, set_attribute, undo_all
-from ds_ring.tiles import gated_mlp_parts, make_store, offloaded_checkpoint, tiled_cross_entropy_sum, tiled_gated_mlp
+from ds_ring.integrations.internal import (
+    SECTION,
+    LongContextConfig,
+    Patch,
+    Topology,
+    gated_mlp_parts,
+    keep_attribute,
+    make_store,
+    offloaded_checkpoint,
+    sequence_parallel_mean,
+    set_attribute,
+    tiled_cross_entropy_sum,
+    tiled_gated_mlp,
+    undo_all,
+)
 
 __all__ = ["check_long_context", "apply_long_context"]
 

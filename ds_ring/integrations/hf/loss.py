@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ds_ring.integrations.hf.session import SequenceParallelSession, require_session
-from ds_ring.loss import sequence_parallel_cross_entropy
+from ds_ring.integrations.internal import sequence_parallel_cross_entropy
 
 __all__ = ["causal_lm_loss", "shard_loss"]
 
@@ -45,7 +45,7 @@ def causal_lm_loss(session: SequenceParallelSession, logits: torch.Tensor, shift
         that ``deepspeed.initialize(..., mpu=topology)`` made ZeRO-3 (DeepSpeed ALST's order) divides by every
         rank on its default reduce-scatter path; the share is then scaled by the sequence-parallel degree
         (the session's :attr:`~ds_ring.integrations.hf.session.SequenceParallelSession.gradient_scale`, read off the
-        model's parameters by its attention: :mod:`ds_ring.zero`), so training is the same.
+        model's parameters by its attention: :mod:`ds_ring.engine.gradient_scale`), so training is the same.
 
     Raises:
         TypeError: ``session`` is not a session (e.g. the Topology of older releases), naming the fix.

@@ -1,13 +1,13 @@
 """Preemption for the Trainer: on SIGTERM / SIGUSR1 the ranks stop after the same step and transformers saves it.
 
-The callback polls :meth:`ds_ring.preemption.Preemption.stop_requested` at the end of every optimizer step;
+The callback polls :meth:`ds_ring.engine.preemption.Preemption.stop_requested` at the end of every optimizer step;
 once true it asks the Trainer for a save (its own ``checkpoint-<step>``, through transformers' save path) and
 for the end of training, so ``trainer.train()`` returns and the script exits 0. ``resume_from_checkpoint=True``
 then continues from it.
 
 The Trainer cannot abandon a step in flight (transformers' checkpoint is written with collectives, and its
 engine's update is not fenced: docs/elastic.md), so a step longer than the grace period is named once in a
-warning (:meth:`ds_ring.preemption.Preemption.stop_requested`).
+warning (:meth:`ds_ring.engine.preemption.Preemption.stop_requested`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from ds_ring.preemption import Preemption
+from ds_ring.integrations.internal import Preemption
 
 __all__ = ["StopOnPreemption"]
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ds_ring.patches import Patch, set_item, undo_all
+from ds_ring.integrations.internal import Patch, set_item, undo_all
 
 __all__ = ["Mixer", "Probe", "probe_sequence_mixers", "PROBE_TOKENS"]
 

@@ -28,14 +28,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from ds_ring.comm.groups import group_rank, group_size
 from ds_ring.integrations.hf.documents import DOCUMENTS_KEY
 from ds_ring.integrations.hf.watch import ForwardWatch
-from ds_ring.parallel.topology import Topology
-from ds_ring.patches import Patch, set_attribute, undo_all
-from ds_ring.recurrent.mixers import delta_rule_scan, selective_scan, ssd_scan
-from ds_ring.recurrent.pieces import ShardPieces, shard_pieces
-from ds_ring.recurrent.scan import causal_conv
+from ds_ring.integrations.internal import (
+    Patch,
+    ShardPieces,
+    Topology,
+    causal_conv,
+    delta_rule_scan,
+    group_rank,
+    group_size,
+    selective_scan,
+    set_attribute,
+    shard_pieces,
+    ssd_scan,
+    undo_all,
+)
 
 __all__ = ["FAMILIES", "supported_mixer", "sequence_parallel_mixers", "install_recurrent"]
 
@@ -288,8 +296,7 @@ def _lightning(module: nn.Module, forward: Callable[..., Any], shards: _Shards) 
             return forward(hidden_states, *args, cache=cache, **kwargs)
         if cache is not None:
             raise _refuse_state("MiniMax's lightning attention given a cache")
-        from ds_ring.recurrent.exchange import tie
-        from ds_ring.recurrent.scan import carry_states
+        from ds_ring.integrations.internal import carry_states, tie
 
         batch = hidden_states.shape[0]
         pieces = shards.pieces(hidden_states.shape[1])
@@ -340,7 +347,7 @@ def _mlstm(module: nn.Module, forward: Callable[..., Any], shards: _Shards) -> C
             return forward(query, key, value, igate, fgate, *given, return_last_states=return_last_states, mode=mode)
         if any(state is not None and bool(state.ne(0).any()) for state in given):  # a cache's zeros: a fresh start
             raise _refuse_state("xLSTM's mLSTM layer given a state")
-        from ds_ring.recurrent.exchange import gather_summaries, tie
+        from ds_ring.integrations.internal import gather_summaries, tie
 
         pieces = shards.pieces(query.shape[2])
         size, kernel = pieces.chunks[0].end - pieces.chunks[0].begin, module.config.chunk_size

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ds_ring.config import SECTION, DsConfig, RingAttentionConfig, read_section
 from ds_ring.integrations.hf.attention import SequenceParallelAttention
 from ds_ring.integrations.hf.audit import (
     CallAudit,
@@ -35,8 +34,15 @@ from ds_ring.integrations.hf.probe import Probe
 from ds_ring.integrations.hf.recurrent import install_recurrent, sequence_parallel_mixers
 from ds_ring.integrations.hf.session import SequenceParallelSession, installed_sessions
 from ds_ring.integrations.hf.vision import find_language_model, vision_language, whole_image_mask
-from ds_ring.parallel.topology import Topology
-from ds_ring.patches import Patch, set_item
+from ds_ring.integrations.internal import (
+    SECTION,
+    DsConfig,
+    Patch,
+    RingAttentionConfig,
+    Topology,
+    read_section,
+    set_item,
+)
 
 __all__ = [
     "register_with_transformers",
@@ -97,8 +103,8 @@ def register_with_transformers(
         config: the whole ds_config (JSON/YAML path or dict, or the :class:`~ds_ring.config.DsConfig`
             :func:`~ds_ring.config.read_section` read) the engine is built with; its ``ring_attention`` section
             chooses strategy, communication, layout, segment_lengths, dilation_rates and degrees, and its
-            ``zero_optimization`` how the engine reduces gradients (:mod:`ds_ring.zero`). ``None``: dense ring
-            attention over every rank, DeepSpeed's ZeRO defaults. A ds_config without the section (or with
+            ``zero_optimization`` how the engine reduces gradients (:mod:`ds_ring.engine.gradient_scale`). ``None``:
+            dense ring attention over every rank, DeepSpeed's ZeRO defaults. A ds_config without the section (or with
             ``enabled: false``) registers nothing and gives a data-parallel-only topology.
         topology: the process groups to use (e.g. ``engine.mpu`` after ``ds_ring.initialize``); its
             degrees must be the section's. ``None``: built from the section, starting
@@ -158,7 +164,7 @@ def register_with_transformers(
     if isinstance(model_name_or_path, torch.nn.Module):
         check_long_context(model_name_or_path, section.long_context)
     if topology is None and not dist.is_initialized():
-        from ds_ring.engine import init_distributed
+        from ds_ring.integrations.internal import init_distributed
 
         init_distributed(section.timeout_s)
     world_size = topology.world_size if topology is not None else dist.get_world_size()

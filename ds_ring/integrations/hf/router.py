@@ -14,9 +14,8 @@ from typing import Any
 
 import torch
 
-from ds_ring.comm.collectives import all_reduce
 from ds_ring.integrations.hf.session import SequenceParallelSession, require_session
-from ds_ring.parallel.topology import Topology, sequence_group
+from ds_ring.integrations.internal import Topology, all_reduce, sequence_group
 
 __all__ = ["router_aux_loss", "add_router_aux_loss"]
 

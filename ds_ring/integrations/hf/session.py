@@ -17,10 +17,9 @@ from typing import Any
 
 from torch import nn
 
-from ds_ring.config import RingAttentionConfig
 from ds_ring.integrations.hf.attention import SequenceParallelAttention
 from ds_ring.integrations.hf.long_context import apply_long_context, check_long_context
-from ds_ring.parallel.topology import Topology
+from ds_ring.integrations.internal import RingAttentionConfig, Topology
 
 __all__ = ["SequenceParallelSession", "installed_sessions", "require_session"]
 
@@ -55,8 +54,8 @@ class SequenceParallelSession:
     @property
     def gradient_scale(self) -> int:
         """The factor ds_ring's losses put on each rank's gradient share for this model's engine: what
-        :func:`ds_ring.zero.parameter_gradient_scale` read off the model's parameters at its first attention call (1
-        before any call, and without sequence-parallel attention)."""
+        :func:`ds_ring.engine.gradient_scale.parameter_gradient_scale` read off the model's parameters at its first
+        attention call (1 before any call, and without sequence-parallel attention)."""
         scale = None if self.attention is None else self.attention.gradient_scale
         return 1 if scale is None else scale
 

@@ -10,7 +10,7 @@ What it changes in ``Trainer`` (and nothing else):
   the model (:meth:`~ds_ring.integrations.hf.session.SequenceParallelSession.apply_long_context`);
 - **the engine**: every ``deepspeed.initialize`` the Trainer (through accelerate) makes gets the topology as its
   ``mpu``, the batch size of the data-parallel replicas (not of every rank), ZeRO 3 on the all-reduce path and the
-  parameters marked as ``ds_ring.initialize`` marks them (:mod:`ds_ring.zero`);
+  parameters marked as ``ds_ring.initialize`` marks them (:mod:`ds_ring.engine.gradient_scale`);
 - **the data**: every rank of a sequence-parallel group gets the same batches (the samplers split over the
   ``D = world ÷ sequence-parallel`` data-parallel replicas), then this rank's shard (:func:`shard_batch`: packed
   batches from ``DataCollatorWithFlattening`` included); steps per epoch, the total batch size and the tokens
@@ -35,21 +35,27 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ds_ring.comm.collectives import all_gather
-from ds_ring.comm.spans import group_members
-from ds_ring.config import SECTION, DsConfig, RingAttentionConfig, read_ds_config, read_section
 from ds_ring.integrations.hf.batches import shard_batch
 from ds_ring.integrations.hf.compat import trainer_counts_tokens_in_hook
 from ds_ring.integrations.hf.loss import causal_lm_loss
 from ds_ring.integrations.hf.preemption import StopOnPreemption
 from ds_ring.integrations.hf.registration import register_with_transformers
 from ds_ring.integrations.hf.router import add_router_aux_loss
-from ds_ring.parallel.groups import control_world
-from ds_ring.parallel.order import gather_sequence
-from ds_ring.parallel.topology import Topology
-from ds_ring.patches import set_attribute
-from ds_ring.preemption import Preemption
-from ds_ring.zero import mark_parameters
+from ds_ring.integrations.internal import (
+    SECTION,
+    DsConfig,
+    Preemption,
+    RingAttentionConfig,
+    Topology,
+    all_gather,
+    control_world,
+    gather_sequence,
+    group_members,
+    mark_parameters,
+    read_ds_config,
+    read_section,
+    set_attribute,
+)
 
 __all__ = ["SequenceParallelTrainer"]
 
@@ -306,7 +312,7 @@ def _engine_over(topology: Topology, args: Any) -> Iterator[None]:
     """Every ``deepspeed.initialize`` inside gets ``mpu=topology`` and the ds_config ``ds_ring.initialize`` gives."""
     import deepspeed
 
-    from ds_ring.engine import deepspeed_config_for
+    from ds_ring.integrations.internal import deepspeed_config_for
 
     original = deepspeed.initialize
 

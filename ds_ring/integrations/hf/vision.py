@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ds_ring.integrations.hf.vision_split import FrameSplit, frame_encoders
-from ds_ring.parallel.order import shard_sequence
+from ds_ring.integrations.internal import shard_sequence
 
 __all__ = ["VisionLanguage", "find_language_model", "vision_language", "whole_image_mask"]
 

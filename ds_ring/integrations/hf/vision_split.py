@@ -28,8 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ds_ring.comm.collectives import all_gather, all_reduce
-from ds_ring.comm.spans import group_members
+from ds_ring.integrations.internal import all_gather, all_reduce, group_members
 
 __all__ = ["FrameSplit", "frame_encoders", "frame_plan"]
 

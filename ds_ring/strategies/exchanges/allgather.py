@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ds_ring.comm.collectives import all_gather, reduce_scatter
-from ds_ring.comm.groups import global_ranks
+from ds_ring.comm.group_ranks import global_ranks
 from ds_ring.strategies.blocks import (
     KV,
     LazyGrads,

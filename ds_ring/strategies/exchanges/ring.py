@@ -24,8 +24,8 @@ from collections.abc import Callable
 
 import torch
 
-from ds_ring.comm.groups import global_ranks
-from ds_ring.comm.ring import RingComm
+from ds_ring.comm.group_ranks import global_ranks
+from ds_ring.comm.ring_comm import RingComm
 from ds_ring.kernels.merge import accum_dtype
 from ds_ring.strategies.blocks import (
     KV,

@@ -14,7 +14,7 @@ record; its attention reads the scale off its parameters at the first forward (:
 before any gradient exists. This module is the only owner of the rule: every loss asks it (through the session of
 ``register_with_transformers``, or :func:`require_marked` for ds_ring's own modules) and nothing else computes it.
 ZeRO-3 parameters are recognised by their ``ds_id`` attribute; meeting one installs
-:func:`~ds_ring.zero_gathers.wait_for_every_gather` (the only DeepSpeed import here).
+:func:`~ds_ring.engine.zero_gathers.wait_for_every_gather` (the only DeepSpeed import here).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ds_ring.zero_gathers import wait_for_every_gather
+from ds_ring.engine.zero_gathers import wait_for_every_gather
 
 __all__ = [
     "gradient_scale", "engine_config", "mark_parameters", "parameter_gradient_scale", "require_marked", "is_zero3",
@@ -57,7 +57,7 @@ def engine_config(ds_config: Mapping[str, Any], sequence_parallel: int) -> dict[
 def mark_parameters(model: torch.nn.Module, ds_config: Mapping[str, Any], sequence_parallel: int) -> None:
     """Record on every parameter of ``model`` the gradient scale of the engine built with ``ds_config`` (what
     :func:`engine_config` gave DeepSpeed) over ``sequence_parallel`` ranks per sequence; and make that engine's
-    blocking ZeRO-3 gathers whole when they return (:func:`~ds_ring.zero_gathers.wait_for_every_gather`)."""
+    blocking ZeRO-3 gathers whole when they return (:func:`~ds_ring.engine.zero_gathers.wait_for_every_gather`)."""
     wait_for_every_gather()
     scale = gradient_scale(ds_config.get("zero_optimization"), sequence_parallel)
     for param in model.parameters():

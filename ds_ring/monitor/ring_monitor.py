@@ -24,9 +24,9 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.utils.hooks import RemovableHandle
 
-from ds_ring.comm.groups import group_rank
+from ds_ring.comm.group_ranks import group_rank
 from ds_ring.hooks import PHASES, HookHandle, peak_memory_bytes, pop_labels, push_labels, register_hook
-from ds_ring.monitor.collectives import NamedCollectives
+from ds_ring.monitor.deepspeed_collectives import NamedCollectives
 from ds_ring.monitor.guard import GUARD_MODES, NumericsGuard
 from ds_ring.monitor.layers import label_layers
 from ds_ring.monitor.metrics import EventWriter, MetricsReporter, rank_metrics
@@ -45,7 +45,7 @@ class RingMonitor:
         metrics: gather per-step metrics (:data:`ds_ring.monitor.metrics.METRICS`, min and max over
             ranks) in :meth:`end_step` and write them to ``writer`` from rank 0.
         watchdog: log communication errors where they happen, DeepSpeed's collectives included (their
-            failures renamed by :class:`~ds_ring.monitor.collectives.NamedCollectives`); ``step_timeout_s``:
+            failures renamed by :class:`~ds_ring.monitor.deepspeed_collectives.NamedCollectives`); ``step_timeout_s``:
             exit a process whose training step runs longer (``None``: no deadline).
         numerics_guard: ``"off"``, ``"warn"``, ``"raise"`` or ``"skip_step"``.
         model: its attention modules label events with their names (for messages).

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ds_ring.comm.errors import CommError
 from ds_ring.comm.gpu_timing import StreamTiming, mark
-from ds_ring.comm.groups import group_rank
+from ds_ring.comm.group_ranks import group_rank
 from ds_ring.comm.spans import group_members
 from ds_ring.comm.wait import Pending, failed, resolve_timeout, stream_ordered, wait_all
 from ds_ring.hooks import Event, emit, hooks_active

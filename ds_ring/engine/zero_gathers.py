@@ -12,8 +12,8 @@ forward, once in tens of ZeRO-3 runs, training silently wrong from there. DeepSp
 the method so that it gathers one parameter per call (each call waits on its only handle), in the same order on
 every rank. Nothing changes on an accelerator or on 0.19.8 and later. ds_ring installs it wherever it meets a
 ZeRO-3 parameter before a step (``ds_ring.initialize``, the attention modules' first forward, the tiles' gathers),
-through :mod:`ds_ring.patches`; :func:`stop_waiting_for_every_gather` (an engine's ``destroy()``) puts DeepSpeed's
-method back.
+through :mod:`ds_ring.engine.patches`; :func:`stop_waiting_for_every_gather` (an engine's ``destroy()``) puts
+DeepSpeed's method back.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from functools import cache, wraps
 from typing import Any
 
 from ds_ring.comm.job import process
-from ds_ring.patches import set_attribute
+from ds_ring.engine.patches import set_attribute
 
 __all__ = ["wait_for_every_gather", "waits_for_every_gather", "stop_waiting_for_every_gather"]
 

@@ -14,19 +14,19 @@ then fails to load it. Here:
 - :func:`load_checkpoint` resumes from the tag ``latest`` names only when its marker is there and
   every listed file has its recorded size.
 
-The marker also records the shape the checkpoint was written at (:class:`ds_ring.shape.TrainingShape`):
-ranks, data-parallel × sequence-parallel, ZeRO stage, global batch. :func:`load_checkpoint` resumes at
-any other shape it can (:func:`ds_ring.shape.how_to_load`): as it is, or through DeepSpeed's universal
-checkpoint, converted once when first needed (:mod:`ds_ring.universal`); a shape it cannot resume at is
-refused before anything loads, naming both shapes. A new global batch is logged: from then on the samples
-of a step differ from the ones the old shape would have drawn.
+The marker also records the shape the checkpoint was written at
+(:class:`ds_ring.engine.checkpoint_shape.TrainingShape`): ranks, data-parallel × sequence-parallel, ZeRO stage, global
+batch. :func:`load_checkpoint` resumes at any other shape it can (:func:`ds_ring.engine.checkpoint_shape.how_to_load`):
+as it is, or through DeepSpeed's universal checkpoint, converted once when first needed
+(:mod:`ds_ring.engine.universal`); a shape it cannot resume at is refused before anything loads, naming both shapes. A
+new global batch is logged: from then on the samples of a step differ from the ones the old shape would have drawn.
 
 Both are collectives: the ranks agree on the tag (``ds_ring.comm.agree``), so ranks that see
 different checkpoint directories fail together with each rank's view. Needs DeepSpeed's default
 (synchronous) checkpoint engine.
 
 :func:`save_rank_checkpoint` is the one save that is no collective, for a preemption that abandons the
-step in flight (:mod:`ds_ring.preemption`): each rank writes the files DeepSpeed's save would have it
+step in flight (:mod:`ds_ring.engine.preemption`): each rank writes the files DeepSpeed's save would have it
 write (DeepSpeed's per-rank writers, without its barriers and tag check), fsyncs them and records them
 in its own marker :data:`RANK_PART`; a rank that then finds every rank's marker of the same run (the
 preemption's token) writes :data:`COMPLETE` and ``latest`` exactly as :func:`save_checkpoint` does. Two
@@ -49,9 +49,9 @@ import torch
 import torch.distributed as dist
 
 from ds_ring.comm.agree import agree
+from ds_ring.engine.checkpoint_shape import TrainingShape, how_to_load
+from ds_ring.engine.universal import convert_to_universal
 from ds_ring.parallel.groups import control_world
-from ds_ring.shape import TrainingShape, how_to_load
-from ds_ring.universal import convert_to_universal
 
 __all__ = [
     "COMPLETE",
@@ -64,7 +64,7 @@ __all__ = [
     "checkpoint_files",
 ]
 
-logger = logging.getLogger("ds_ring.checkpoint")
+logger = logging.getLogger("ds_ring.engine.checkpoint")
 
 LATEST = "latest"
 COMPLETE = "ds_ring_complete.json"
@@ -125,7 +125,7 @@ def save_rank_checkpoint(
 ) -> bool:
     """This rank's part of checkpoint ``tag``, with no collective; publishes the tag once every rank's part is there.
 
-    For a preemption mid-step (``engine.preemption``'s :class:`~ds_ring.preemption.StepAbandoned`), while the
+    For a preemption mid-step (``engine.preemption``'s :class:`~ds_ring.engine.preemption.StepAbandoned`), while the
     peers may be anywhere in the step: before the optimizer update the engine's parameters and optimizer state
     are the last completed step's. ``token`` names the run (``engine.preemption.token``): parts of another
     run's save of the same tag are not counted. Nothing is written when ``latest`` already names ``tag``

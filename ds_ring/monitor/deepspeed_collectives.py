@@ -25,8 +25,8 @@ from ds_ring.comm.errors import CommError, CommTimeoutError
 from ds_ring.comm.hosts import hosts_of
 from ds_ring.comm.job import job
 from ds_ring.comm.wait import failed, resolve_timeout
+from ds_ring.engine.patches import Patch, set_attribute, undo_all
 from ds_ring.hooks import current_labels
-from ds_ring.patches import Patch, set_attribute, undo_all
 
 __all__ = ["NamedCollectives", "running_collective", "COLLECTIVES"]
 

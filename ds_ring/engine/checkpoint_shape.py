@@ -7,7 +7,7 @@ partitioning of the fp32 weights and optimizer state, over every rank:
 
 - same ZeRO stage and rank count, or stage 0 (optimizer state replicated): DeepSpeed loads it as it is;
 - between ZeRO stages 1-3 at another rank count or stage: through DeepSpeed's universal checkpoint
-  (:mod:`ds_ring.universal`), which re-partitions per parameter (the conversion is completed with the
+  (:mod:`ds_ring.engine.universal`), which re-partitions per parameter (the conversion is completed with the
   optimizer-state entries the loader of the other stage family reads);
 - stage 0 to ZeRO 1-3 or back: refused (the two keep the optimizer state in different files, and DeepSpeed
   converts only ZeRO checkpoints).

@@ -20,30 +20,44 @@ from typing import Any
 
 import torch
 
+from ds_ring.integrations.internal import process
+
 __all__ = ["register", "lookup", "autograd_inside"]
 
-_table: dict[int, Any] = {}
-_keys: dict[Any, int] = {}
-_counter = itertools.count(1)
 _lock = threading.Lock()
+
+
+class _Handles:
+    """The process's table of handles (owned by its :func:`~ds_ring.comm.job.process` job)."""
+
+    def __init__(self) -> None:
+        self.table: dict[int, Any] = {}
+        self.keys: dict[Any, int] = {}
+        self.counter = itertools.count(1)
+
+
+def _handles() -> _Handles:
+    owner = process()
+    return owner.owned(owner, "custom op handles", _Handles)
 
 
 def register(value: Any, key: Any = None) -> int:
     """The handle of ``value`` (kept for the life of the process); ``key``: a hashable that names it, so the
     same ``key`` gives the same handle (``None``: a new handle every call)."""
+    handles = _handles()
     with _lock:
-        if key is not None and key in _keys:
-            return _keys[key]
-        handle = next(_counter)
-        _table[handle] = value
+        if key is not None and key in handles.keys:
+            return handles.keys[key]
+        handle = next(handles.counter)
+        handles.table[handle] = value
         if key is not None:
-            _keys[key] = handle
+            handles.keys[key] = handle
         return handle
 
 
 def lookup(handle: int) -> Any:
     """What :func:`register` gave ``handle`` for."""
-    return _table[handle]
+    return _handles().table[handle]
 
 
 _AUTOGRAD = (

@@ -22,19 +22,19 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ds_ring.attention import MultiheadRingDilatedAttention, RingDilatedAttention
-from ds_ring.build_locks import clear_stale_build_locks
 from ds_ring.comm.backends import device_backend
 from ds_ring.comm.job import process
 from ds_ring.comm.wait import DEFAULT_TIMEOUT_S, process_group_timeout_s
 from ds_ring.config import SECTION, MonitoringConfig, PreemptionConfig, RingAttentionConfig, read_section
 from ds_ring.cpu_heap import configure_cpu_heap
-from ds_ring.launch_env import discover_launch_env
+from ds_ring.engine.build_locks import clear_stale_build_locks
+from ds_ring.engine.gradient_scale import engine_config, mark_parameters
+from ds_ring.engine.launch_env import discover_launch_env
+from ds_ring.engine.patches import Patch, set_attribute
+from ds_ring.engine.preemption import Preemption
+from ds_ring.engine.zero_gathers import stop_waiting_for_every_gather
 from ds_ring.monitor import RingMonitor, at_clean_exit, flush_writer
 from ds_ring.parallel.topology import Topology
-from ds_ring.patches import Patch, set_attribute
-from ds_ring.preemption import Preemption
-from ds_ring.zero import engine_config, mark_parameters
-from ds_ring.zero_gathers import stop_waiting_for_every_gather
 
 __all__ = [
     "initialize",
@@ -55,7 +55,7 @@ MONITOR_BACKENDS = ("csv_monitor", "tensorboard", "wandb", "comet")
 class EngineAttachments:
     """What ds_ring attaches to one engine (``engine.ds_ring_attachments``): its monitor, the exit flush of the
     engine's DeepSpeed monitor, its preemption handlers, and every attribute of the engine ds_ring sets
-    (``ring_monitor``, ``preemption``, the fenced ``step``, ``destroy``: :mod:`ds_ring.patches`). :meth:`close`
+    (``ring_monitor``, ``preemption``, the fenced ``step``, ``destroy``: :mod:`ds_ring.engine.patches`). :meth:`close`
     removes all of them and puts the engine's own attributes back; an engine that ``ds_ring.initialize`` built
     closes them in its ``destroy()``."""
 
@@ -159,7 +159,7 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     (twice ``timeout_s``, so NCCL's watchdog stays the backstop behind ds_ring's bounded waits). On NCCL the
     group is bound to this rank's GPU (``LOCAL_RANK``, :func:`local_cuda_device`) with ``device_id``: NCCL
     connects at start-up, and every group made from it later (:class:`ds_ring.Topology`'s) connects when made.
-    A lock left by a killed build of DeepSpeed's ops raises here, naming it (:mod:`ds_ring.build_locks`).
+    A lock left by a killed build of DeepSpeed's ops raises here, naming it (:mod:`ds_ring.engine.build_locks`).
     """
     if dist.is_initialized():
         return
@@ -210,9 +210,10 @@ def _check_heads(model: nn.Module, section: RingAttentionConfig, world_size: int
 
 
 def deepspeed_config_for(ds_config: Mapping[str, Any], topology: Topology) -> dict[str, Any]:
-    """The ds_config DeepSpeed gets with ``topology`` as its mpu: without the ``ring_attention`` section, and the
-    ZeRO reduction :func:`ds_ring.zero.engine_config` chooses. DeepSpeed partitions the parameters itself, over every
-    rank (the topology's ``get_data_parallel_group``), in the dtype the ds_config's ``bf16`` / ``fp16`` give."""
+    """The ds_config DeepSpeed gets with ``topology`` as its mpu: without the ``ring_attention`` section, and the ZeRO
+    reduction :func:`ds_ring.engine.gradient_scale.engine_config` chooses. DeepSpeed partitions the parameters itself,
+    over every rank (the topology's ``get_data_parallel_group``), in the dtype the ds_config's ``bf16`` / ``fp16``
+    give."""
     config = {key: value for key, value in ds_config.items() if key != SECTION}
     return engine_config(config, topology.get_sequence_parallel_world_size())
 
@@ -264,10 +265,10 @@ def attach_monitor(
 def attach_preemption(
     engine: Any, config: PreemptionConfig, *, timeout_s: float | None = None, group: ProcessGroup | None = None
 ) -> Preemption:
-    """Install the section's preemption handlers as ``engine.preemption`` (:class:`ds_ring.preemption.Preemption`;
-    the training loop polls ``engine.preemption.stop_requested(step)`` after every step); its all-reduce runs over
-    ``group`` (the topology's control group), bounded by ``timeout_s``. Those attached to this engine before are
-    removed (:class:`EngineAttachments`)."""
+    """Install the section's preemption handlers as ``engine.preemption``
+    (:class:`ds_ring.engine.preemption.Preemption`; the training loop polls ``engine.preemption.stop_requested(step)``
+    after every step); its all-reduce runs over ``group`` (the topology's control group), bounded by ``timeout_s``.
+    Those attached to this engine before are removed (:class:`EngineAttachments`)."""
     attachments = attachments_of(engine)
     if attachments.preemption is not None:
         attachments.preemption.close()
@@ -323,7 +324,7 @@ def initialize(
         ``engine.mpu`` is the :class:`ds_ring.Topology`, ``engine.ring_monitor`` the
         :class:`ds_ring.monitor.RingMonitor` of the section's ``monitoring`` (the training loop
         calls its ``begin_step`` / ``skip_step`` / ``end_step``) and ``engine.preemption`` the
-        :class:`ds_ring.preemption.Preemption` of its ``preemption`` entry (the loop polls its
+        :class:`ds_ring.engine.preemption.Preemption` of its ``preemption`` entry (the loop polls its
         ``stop_requested`` after every step, then saves and returns: docs/elastic.md).
 
     The section is read by :func:`ds_ring.config.read_section` (``enabled: false``: no sequence parallelism).

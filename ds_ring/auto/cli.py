@@ -1,11 +1,11 @@
-"""``python -m ds_ring.plan``: what ``strategy="auto"`` would choose, before any run (no distributed init).
+"""``python -m ds_ring.auto``: what ``strategy="auto"`` would choose, before any run (no distributed init).
 
 Prints the chosen option — strategy, layout, degrees (``ulysses × ring``), ring chunk — and every
 alternative with its predicted step time (compute + exposed communication) and memory per rank (bytes
 and q-shards), the refused ones with the strategy's reason::
 
-    python -m ds_ring.plan --config ds_config.json --seq 131072 --heads 32 --kv-heads 8 --head-dim 128 --world 8
-    python -m ds_ring.plan --seq 65536 --heads 8 --head-dim 64 --world 4 --dtype float32 --device cpu
+    python -m ds_ring.auto --config ds_config.json --seq 131072 --heads 32 --kv-heads 8 --head-dim 128 --world 8
+    python -m ds_ring.auto --seq 65536 --heads 8 --head-dim 64 --world 4 --dtype float32 --device cpu
 
 The ``ring_attention`` section of ``--config`` supplies the branches, causal, window, layout and
 communication (``--layout any`` / no ``ulysses_degree`` in the section: every layout / factorisation is
@@ -79,7 +79,7 @@ def _link(args: argparse.Namespace) -> Link:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ds_ring.plan", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m ds_ring.auto", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--config", help="ds_config (JSON or YAML) whose ring_attention section to read")
     p.add_argument("--seq", type=int, required=True, help="global sequence length (tokens)")

@@ -61,7 +61,7 @@ GRACE_EXPIRED = 124
 NOTICE = ".ds_ring_abandoned.{token}"
 """File in the save directory by which the first rank to abandon a step tells its peers (JSON: step, rank)."""
 
-logger = logging.getLogger("ds_ring.preemption")
+logger = logging.getLogger("ds_ring.engine.preemption")
 _Handler = Callable[[int, FrameType | None], Any] | int | None
 
 
@@ -105,7 +105,9 @@ class Preemption:
         self._timer: threading.Timer | None = None
         self._recheck: threading.Timer | None = None
         self._rechecking = False
-        self.token = "local"  # the same on every rank of one run (ds_ring.engine.attach_preemption agrees on it)
+        self.token = (
+            "local"  # the same on every rank of one run (ds_ring.engine.initialize.attach_preemption agrees on it)
+        )
         self.abandoned: StepAbandoned | None = None
         self._step: int | None = None  # the step in flight (step_in_flight), 1-based
         self._phase: str | None = None  # "step", "gate", "update", "done" while a step is in flight
