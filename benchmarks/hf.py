@@ -298,7 +298,7 @@ BENCHMARK = Benchmark(
 COMPILE_LABELS = {"one process": "no sequence parallelism (1 process)", "ring": "ds_ring ring (zigzag)",
                   "ulysses": "ds_ring Ulysses"}  # fmt: skip
 COMPILE = Benchmark(
-    name="compiled", module="benchmarks.hf --compiled",
+    name="compiled", module="benchmarks.hf",
     title="HF Llama training step, eager vs torch.compile (inductor): ds_ring p = 2 vs one process",
     plan=plan_compiled, build=build_compiled, report=report_compiled,
     label=lambda case: COMPILE_LABELS[case.impl.removesuffix(" compiled")] + (" compiled" * case.impl.endswith("d")),

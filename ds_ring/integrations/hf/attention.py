@@ -145,7 +145,7 @@ class SequenceParallelAttention:
         self._refuse_features(module, dropout, softcap, spec, kwargs)
         if self.gradient_scale is None:
             self._read_gradient_scale(module)
-        site = Site(type(module).__name__, type(getattr(module, "config", module)).__name__, spec, sliding_window)
+        site = Site(type(module).__name__, _config_name(module), spec, sliding_window)
         if torch.compiler.is_compiling():  # one custom op the compiler holds whole (integrations/hf/compiled.py)
             return compiled_attention(self, site, query, key, value, attention_mask, scaling, softcap, kwargs), None
         return self.attend(site, query, key, value, attention_mask, scaling, softcap, kwargs), None
@@ -213,7 +213,6 @@ class SequenceParallelAttention:
     def _refuse_features(
         self, module: nn.Module, dropout: float, softcap: float | None, spec: MaskSpec | None, kwargs: dict
     ) -> None:
-        name = type(getattr(module, "config", module)).__name__
         if spec is not None and spec.unsupported is not None:
             raise ValueError(
                 f"{type(module).__name__} is given a mask with {spec.unsupported}, which ds_ring's attention does "
@@ -222,8 +221,8 @@ class SequenceParallelAttention:
             )
         if dropout:
             raise ValueError(
-                f"{name}.attention_dropout = {dropout} in training: ds_ring's attention has no dropout; set "
-                f"attention_dropout=0.0"
+                f"{_config_name(module)}.attention_dropout = {dropout} in training: ds_ring's attention has no "
+                f"dropout; set attention_dropout=0.0"
             )
         causal = spec.causal if spec is not None else kwargs.get("is_causal", getattr(module, "is_causal", True))
         if causal != self.section.causal:
@@ -352,6 +351,14 @@ class SequenceParallelAttention:
                 f"positions of its tokens (expected {_show(expected)}, got {_show(position_ids[0])}); call the "
                 f"model with position_ids from ds_ring.integrations.hf.shard_batch"
             )
+
+
+def _config_name(module: nn.Module) -> str:
+    """The class name of ``module``'s config, for errors (under ``torch.compile``: ``<module class>.config``, since
+    torch 2.6's compiler cannot take the ``type()`` of a transformers config)."""
+    if torch.compiler.is_compiling():
+        return f"{type(module).__name__}.config"
+    return type(getattr(module, "config", module)).__name__
 
 
 _SAME_SEQUENCE = (

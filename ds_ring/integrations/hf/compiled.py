@@ -10,8 +10,8 @@ Its backward, ``ds_ring::hf_attention_backward``, runs the same call again with 
 The call site's settings (module and config names, the mask the model asked for, ``scaling``, ``softcap``) are
 constants of the traced call: they reach the op as one ``int`` handle (:mod:`ds_ring.integrations.hf.opaque`),
 made while tracing.
-The documents of a packed batch reach it as the batch's ``cu_seq_lens_q`` tensor when it has one (a batch of other
-documents runs the same graph), else as Python ints (constants: each set of documents compiles its own graph).
+The documents of a packed batch reach it as the batch's ``cu_seq_lens_q`` tensor when it has one, else as Python ints
+(constants of the graph). A batch of other documents may still compile a new graph (docs/hf.md).
 """
 
 from __future__ import annotations
