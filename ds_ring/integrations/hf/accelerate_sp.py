@@ -31,6 +31,7 @@ an enabled section (one hook, version-checked by :func:`check_hooked_libraries`,
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -53,9 +54,11 @@ LIBRARIES = ("deepspeed", "deepspeed", "transformers", "accelerate")
 """Whose object each replacement of :func:`apply_to_accelerate` changes (:mod:`ds_ring.engine.patches` checks the
 release)."""
 
-TESTED = {"accelerate": ("1.12.0", "1.15.0"), "transformers": ("5.0.0", "5.24.0")}
-"""The releases the hook is declared for: setup.cfg's lowest and the newest pinned (launch/oldest-constraints.txt,
-launch/newest-constraints.txt; CI's launch/oldest.sh runs the tests on the lowest)."""
+TESTED = {"accelerate": ("1.15.0", "1.15.0"), "transformers": ("5.24.0", "5.24.0")}
+"""The releases the hook was tested on (the newest pinned, launch/newest-constraints.txt, and the main venv). The
+lowest declared releases cannot run accelerate's sequence parallelism at all: DeepSpeed 0.16 has no ALST module, and
+transformers 5.0 computes the loss in a ``Trainer`` method (``_deepspeed_sp_compute_loss``), not the module function
+the hook replaces; :func:`check_hooked_libraries` refuses both, naming the library."""
 
 
 @dataclass
@@ -134,6 +137,7 @@ def check_hooked_libraries() -> None:
     ``PartialState.__init__`` chooses its backend with ``self._prepare_backend(cpu, sagemaker_dp, backend)``.
     """
     import accelerate
+    import deepspeed
     import transformers
     from accelerate import Accelerator
     from accelerate.state import PartialState
@@ -148,6 +152,12 @@ def check_hooked_libraries() -> None:
                 f"that range, or ds_ring's SequenceParallelTrainer"
             )
 
+    if importlib.util.find_spec(ULYSSES_MODULE.rsplit(".", 1)[0]) is None:
+        raise RuntimeError(
+            f"ds_ring.integrations.hf.apply_to_accelerate: DeepSpeed {deepspeed.__version__} has no ALST "
+            f"({ULYSSES_MODULE}), which accelerate's sequence parallelism imports; install a DeepSpeed release with "
+            f"it (tested: 0.19.8), or use ds_ring's SequenceParallelTrainer"
+        )
     prepare, adapter = (
         inspect.getsource(Accelerator._prepare_deepspeed),
         inspect.getsource(Accelerator.deepspeed_ulysses_dl_adapter),
