@@ -11,8 +11,8 @@ from ds_ring.config import RingAttentionConfig
 CONFIGS = Path(__file__).resolve().parents[1] / "ds_configs"
 WORLD = {"cpu_default.json": 2, "ring_zero2.json": 4, "allgather_zero1.json": 4, "ulysses_zero3.json": 4,
          "hybrid.json": 8, "hf_ring.json": 2, "hf_ulysses.json": 2, "hf_trainer.json": 2,
-         "hf_long_context.json": 2, "hf_long_context_world.json": 4, "sft_ring.json": 2,
-         "sft_hybrid.json": 4}  # fmt: skip
+         "hf_long_context.json": 2, "hf_long_context_world.json": 4,
+         "sft_ring.json": 2, "sft_hybrid.json": 2}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.json")))
