@@ -113,10 +113,12 @@ def _compiled_cases(rank: int, world: int, cases: list, backend: str) -> list[st
     return log.failures
 
 
+@pytest.mark.heavy  # ~37 min at load 25-70: by hand (docs/testing.md)
 def test_compiled_model_equals_eager_without_graph_breaks_on_4_ranks():
     assert_no_failures(run_distributed(_compiled_cases, 4, timeout=1800, cases=CASES_4, backend="aot_eager"))
 
 
+@pytest.mark.heavy  # ~27 min at load 25-70: by hand
 def test_inductor_on_2_ranks():
     cases = [("llama", {"strategy": "ring"}, True), ("llama", {"strategy": "ulysses"}, False)]
     assert_no_failures(run_distributed(_compiled_cases, 2, timeout=1800, cases=cases, backend="inductor"))

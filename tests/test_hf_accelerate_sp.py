@@ -103,11 +103,17 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # Each trainer under each launcher runs both strategies, one with the whole model, one with a LoRA adapter.
+# CI runs two of them (TRL's packed SFT under accelerate launch, the Trainer under torchrun, both with LoRA); the rest
+# are `heavy` (by hand: each case is two launches, ~1-3 min on 2 cores).
+IN_CI = {("accelerate", "sft", "ring", True), ("torchrun", "trainer", "hybrid", True)}
 CASES = [
-    (launcher, trainer, strategy, lora)
-    for launcher in ("accelerate", "torchrun")
-    for trainer in ("trainer", "sft")
-    for strategy, lora in (("ring", launcher == "accelerate"), ("hybrid", launcher == "torchrun"))
+    pytest.param(*case, marks=() if case in IN_CI else pytest.mark.heavy)
+    for case in (
+        (launcher, trainer, strategy, lora)
+        for launcher in ("accelerate", "torchrun")
+        for trainer in ("trainer", "sft")
+        for strategy, lora in (("ring", launcher == "accelerate"), ("hybrid", launcher == "torchrun"))
+    )
 ]
 
 
@@ -140,6 +146,7 @@ def _without_section(tmp: Path) -> Path:
     return path
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(300)
 def test_without_a_section_the_run_is_alsts_unchanged(shared: Path) -> None:
     port = free_port()
@@ -182,6 +189,7 @@ def test_gradient_accumulation_normalised_like_one_process(shared: Path) -> None
     _assert_equal(_params(shared / "accumulated.pt"), want)
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("stage", [0, 1, 3])
 def test_lora_at_every_zero_stage(shared: Path, stage: int) -> None:

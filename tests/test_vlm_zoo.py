@@ -46,6 +46,7 @@ def test_representative_vision_language_families_equal_the_whole_model_or_are_re
 
 
 @pytest.mark.zoo
+@pytest.mark.heavy  # ~32 min at load 60-78: by hand; the representative families run in the default suite
 @pytest.mark.timeout(7200)
 def test_every_vision_language_family_and_the_table_is_this_run():
     start = time.perf_counter()
