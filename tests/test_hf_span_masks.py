@@ -83,6 +83,30 @@ def test_other_ors_are_refused_by_name(function, named):
     assert spec.unsupported is not None and named in spec.unsupported, spec
 
 
+def test_a_spec_handed_on_is_returned_as_is(monkeypatch):
+    """PaliGemma builds its prefix mask, then hands it to its Gemma, which builds a mask again from the one it is
+    given: transformers returns a built 4-D mask as is, and ds_ring's spec alike (the prefix kept, not dropped)."""
+    from transformers import GemmaConfig
+
+    from ds_ring.integrations.hf.registration import _no_mask
+
+    monkeypatch.setitem(mu.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, "ds_ring_spec_test", _no_mask)
+    config = GemmaConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, head_dim=8)
+    config._attn_implementation = "ds_ring_spec_test"
+    embeds, positions = torch.zeros(1, 16, 16), torch.arange(1, 17)[None]
+    prefix = torch.where(torch.arange(16) < 6, 0, -1)[None]
+    built = mu.create_causal_mask(
+        config=config, inputs_embeds=embeds, attention_mask=None, cache=None, position_ids=positions,
+        block_sequence_ids=prefix,
+    )  # fmt: skip
+    assert built == MaskSpec(causal=True, window=None, blocks=Blocks((((0, 6),),), 16))
+    assert built.shape == (1, 1, 16, 16)
+    again = mu.create_causal_mask(
+        config=config, inputs_embeds=embeds[:, :8], attention_mask=built, cache=None, position_ids=positions[:, :8]
+    )
+    assert again is built
+
+
 def gemma3_vlm(sliding_window: int = 4 * SEQ) -> torch.nn.Module:
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
 

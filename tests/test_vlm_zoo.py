@@ -22,8 +22,9 @@ from tests.zoo import without_run_time
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "vlm_zoo.md"
 
-REPRESENTATIVE = ["qwen3_vl", "idefics3", "gemma3"]
-"""MRoPE with deepstack, a pixel-shuffle connector over images per row, and a family refused for its image mask."""
+REPRESENTATIVE = ["qwen3_vl", "idefics3", "gemma3", "paligemma"]
+"""MRoPE with deepstack, a pixel-shuffle connector over images per row, Gemma 3's bidirectional image spans, and
+PaliGemma's prefix (its mask handed on to its Gemma, positions counted from 1)."""
 
 
 def _problems(outcomes: list) -> list[str]:

@@ -129,11 +129,9 @@ RECIPES: dict[str, Recipe] = {
 """Families run here, and how."""
 
 EXPECTED_REFUSALS: dict[str, str] = {
-    "gemma3": r"is given a mask with an OR of masks",  # its images' bidirectional spans (issue 45, masks)
-    "paligemma": r"uses its attention mask as a tensor",  # its prefix-LM mask, built on the mask (issue 45, masks)
     "got_ocr2": r"does not match the model's config._attn_implementation 'eager'",  # its SAM encoder has no sdpa
 }
-"""Family → the refusal it gets until the masks it needs are computed (the kernels' bidirectional spans)."""
+"""Family → the refusal it gets (Gemma 3's image spans and PaliGemma's prefix are computed: issue 45)."""
 
 
 def families() -> list[str]:

@@ -336,20 +336,30 @@ class SequenceParallelAttention:
             )
 
     def _check_positions(self, position_ids: torch.Tensor, bounds: tuple[int, ...]) -> None:
-        """The model's RoPE used ``position_ids``: they must be this rank's tokens' positions in their documents.
+        """The model's RoPE used ``position_ids``: they must be this rank's tokens' positions in their documents, plus
+        one offset that every rank of the group has (PaliGemma counts from 1; RoPE sees only differences).
 
-        A model called without them makes ``arange(s/p)`` on every rank, right for rank 0 only. Checked on the
-        first call of each shape and documents (a host read), not after.
+        A model called without them makes ``arange(s/p)`` on every rank, right for rank 0 only: the ranks' offsets
+        differ, and every rank raises. Checked on the first call of each shape and documents (a host read and one
+        small exchange), not after.
         """
         tokens = shard_sequence(
             torch.arange(bounds[-1]), self.topology.sequence_parallel_group, layout=self.section.layout, dim=0
         )
         expected = document_positions(bounds, tokens).to(position_ids.device)
-        if not bool((position_ids == expected).all()):
+        offsets = (position_ids - expected).flatten()
+        offset = int(offsets[0]) if bool((offsets == offsets[0]).all()) else None
+        agree(
+            {"position_ids minus the positions of the rank's tokens": "not one offset" if offset is None else offset},
+            group=self.topology.control_group(self.topology.sequence_parallel_group), op="hf_positions",
+            timeout_s=self.topology.timeout_s, fix=_POSITIONS_FIX,
+        )  # fmt: skip
+        if offset is None:
+            got = position_ids.reshape(-1, position_ids.shape[-1])[0]
             raise ValueError(
                 f"position_ids on sequence-parallel rank {self.topology.get_sequence_parallel_rank()} are not the "
-                f"positions of its tokens (expected {_show(expected)}, got {_show(position_ids[0])}); call the "
-                f"model with position_ids from ds_ring.integrations.hf.shard_batch"
+                f"positions of its tokens plus one offset (expected {_show(expected)}, got {_show(got)}); "
+                f"{_POSITIONS_FIX}"
             )
 
 
@@ -360,6 +370,8 @@ def _config_name(module: nn.Module) -> str:
         return f"{type(module).__name__}.config"
     return type(getattr(module, "config", module)).__name__
 
+
+_POSITIONS_FIX = "call the model with position_ids from ds_ring.integrations.hf.shard_batch"
 
 _SAME_SEQUENCE = (
     "the ranks of a sequence-parallel group hold shards of one shared sequence and must pass its documents "

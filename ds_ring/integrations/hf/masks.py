@@ -76,6 +76,11 @@ class MaskSpec:
     unsupported: str | None = None
     blocks: Blocks | None = None
     """Spans of tokens that see each other fully inside the causal mask (image tokens, a prefix); ``None``: none."""
+    shape: tuple[int, int, int, int] | None = dataclasses.field(default=None, compare=False)
+    """``(batch, 1, queries, keys)`` of the mask tensor the spec stands for, as the mask interface was asked for it."""
+    ndim = 4
+    """A built mask, as transformers' mask builders see it: a model that hands the mask on to a model that builds it
+    again (PaliGemma to its Gemma) gets it back as is, as it gets a 4-D mask tensor back."""
 
     def __bool__(self) -> bool:  # a model testing ``if attention_mask:`` sees a mask
         return True

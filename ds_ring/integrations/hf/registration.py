@@ -8,6 +8,7 @@ model's config and before any communication, what the attention cannot compute.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -348,14 +349,21 @@ def _no_mask(
     Under ``torch.compile`` the mask function cannot be read (the compiler cannot read the closures of functions
     made while it traces): the shard's boolean mask ``[b, 1, s/p, s/p]`` is built as ``sdpa`` builds it, and the
     attention checks it as any mask tensor a model built itself, on the first call of each shape (refused if it says
-    more than causal, the window and the documents)."""
+    more than causal, the window and the documents).
+
+    A :class:`~ds_ring.integrations.hf.masks.MaskSpec` given as ``attention_mask`` is a mask built before, handed on
+    (PaliGemma's prefix-LM mask, given to its Gemma, which builds its mask again): returned as is, as transformers
+    returns a 4-D mask tensor."""
+    if isinstance(attention_mask, MaskSpec):
+        return attention_mask
     if torch.compiler.is_compiling():  # padding included: the attention's check refuses it
         from transformers.masking_utils import sdpa_mask
 
         kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
         return sdpa_mask(attention_mask=attention_mask, mask_function=mask_function, **kwargs)
     refuse_padding(attention_mask)
-    return mask_spec(mask_function)
+    shape = (kwargs["batch_size"], 1, kwargs["q_length"], kwargs["kv_length"]) if "kv_length" in kwargs else None
+    return dataclasses.replace(mask_spec(mask_function), shape=shape)
 
 
 def _refuse_vision_by_config(model_name_or_path: Any, config: Any, enabled: bool) -> None:
