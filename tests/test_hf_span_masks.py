@@ -26,6 +26,12 @@ from ds_ring.integrations.hf.masks import Blocks, MaskSpec, mask_spec
 from tests.dist import CaseLog, assert_no_failures, run_distributed
 from tests.hf_cases import Result, assert_same, ds_config, shifted, topology_for
 
+# transformers before blockwise_overlay (5.0, the lowest declared) builds Gemma 3's image mask from its own closure,
+# which ds_ring refuses by name as an unknown OR: there is nothing of this module to run
+pytestmark = pytest.mark.skipif(
+    not hasattr(mu, "blockwise_overlay"), reason="transformers without masking_utils.blockwise_overlay"
+)
+
 SEQ, VOCAB = 32, 128
 
 
