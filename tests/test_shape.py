@@ -47,3 +47,30 @@ def test_refusals_name_both_shapes_and_the_fix(
     message = str(refused.value)
     assert f"written at ({saved}) and cannot be resumed at ({current})" in message
     assert why in message and fix in message
+
+
+@pytest.mark.parametrize(("version", "bf16", "fp16", "refused"), [
+    ("0.16.0", True, False, True), ("0.16.0", False, True, True), ("0.16.0", False, False, False),
+    ("0.19.8", True, False, False),
+])  # fmt: skip
+def test_half_precision_universal_resume_refused_below_the_tested_deepspeed(
+    monkeypatch: pytest.MonkeyPatch, version: str, bf16: bool, fp16: bool, refused: bool
+) -> None:
+    import deepspeed
+
+    from ds_ring.engine import checkpoint
+
+    class Engine:
+        def bfloat16_enabled(self) -> bool:
+            return bf16
+
+        def fp16_enabled(self) -> bool:
+            return fp16
+
+    monkeypatch.setattr(deepspeed, "__version__", version)
+    saved, current = TrainingShape(4, 4, 1, 2, 8), TrainingShape(2, 2, 1, 2, 8)
+    if refused:
+        with pytest.raises(ValueError, match="deepspeed>=0.19.8"):
+            checkpoint._refuse_half_precision_universal(Engine(), saved, current)
+    else:
+        checkpoint._refuse_half_precision_universal(Engine(), saved, current)

@@ -267,6 +267,7 @@ def load_checkpoint(engine: Any, save_dir: str | os.PathLike) -> Resumed | None:
     loaded_as = "native" if saved is None else how_to_load(saved, current)
     source, convert_s = tag, 0.0
     if loaded_as == "universal":
+        _refuse_half_precision_universal(engine, saved, current)
         source, convert_s = convert_to_universal(save_dir, tag, group=_agreement(engine)["group"])
     started = time.perf_counter()
     path, client_state = _load(engine, save_dir, source, universal=loaded_as == "universal")
@@ -293,6 +294,26 @@ def _load(engine: Any, save_dir: Path, tag: str, *, universal: bool) -> tuple[st
 def _saved_shape(directory: Path) -> TrainingShape | None:
     recorded = json.loads((directory / COMPLETE).read_text()).get("shape")
     return TrainingShape.from_dict(recorded) if recorded else None
+
+
+UNIVERSAL_HALF_PRECISION = "0.19.8"
+"""The lowest DeepSpeed on which a half-precision resume through the universal checkpoint was shown to equal the
+uninterrupted run (tests/test_resume_on_another_shape.py); on 0.16.0 the ZeRO 2 resume (4 -> 2 ranks, bf16 and fp16)
+read its fp32 master weights back as values of ~1e-5 instead of the weights."""
+
+
+def _refuse_half_precision_universal(engine: Any, saved: TrainingShape, current: TrainingShape) -> None:
+    import deepspeed
+    from packaging.version import Version
+
+    half = engine.bfloat16_enabled() or engine.fp16_enabled()
+    if half and Version(deepspeed.__version__.split("+")[0]) < Version(UNIVERSAL_HALF_PRECISION):
+        raise ValueError(
+            f"ds_ring: resuming a {'bf16' if engine.bfloat16_enabled() else 'fp16'} checkpoint written at ({saved}) "
+            f"at ({current}) goes through DeepSpeed's universal checkpoint, which resumed wrong on DeepSpeed below "
+            f"{UNIVERSAL_HALF_PRECISION} in ds_ring's tests (DeepSpeed {deepspeed.__version__} is installed); "
+            f"install deepspeed>={UNIVERSAL_HALF_PRECISION}, or resume at the shape it was written at"
+        )
 
 
 def _log_reshape(resumed: Resumed) -> None:
