@@ -20,10 +20,8 @@ def interleaved_rank(rank: int, world: int, cases: list[Case], rounds: int, time
     this process, warmed up once each, then ``rounds`` rounds of one fwd+bwd call per case, the order reversed every
     other round, all ranks starting each call together. Returns every case's slowest-rank seconds per round and
     ``auto``'s pick: slow drifts of a shared machine hit every strategy alike, where separate launches do not."""
-    import time
 
     import torch
-    import torch.distributed as dist
 
     from ds_ring.auto import strategy as auto
 
@@ -34,17 +32,7 @@ def interleaved_rank(rank: int, world: int, cases: list[Case], rounds: int, time
                      for h in (first.heads, kv, kv, first.heads))  # fmt: skip
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     calls = {case.impl: strategies.build(case, rank, timeout_s) for case in cases}
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for r in range(rounds + 1):  # round 0 warms every case up
-        for name in list(calls) if r % 2 == 0 else list(calls)[::-1]:
-            q.grad = k.grad = v.grad = None
-            dist.barrier()
-            start = time.perf_counter()
-            calls[name](q, k, v, None, None).backward(dout)
-            took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            dist.all_reduce(took, op=dist.ReduceOp.MAX)
-            if r:
-                times[name].append(float(took))
+    times = strategies.interleaved_rounds(calls, (q, k, v, dout), rounds)
     chosen = auto.decisions()[-1] if "auto" in calls else None
     pick = None if chosen is None else {
         "pick": chosen.strategy, "pick_label": chosen.label, "predicted_s": chosen.time_s, "link": vars(chosen.link),

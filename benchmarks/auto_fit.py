@@ -76,10 +76,8 @@ def strategies_of(world: int, seq: int, heads: int, kv_heads: int) -> list[str]:
 def _point_rank(rank: int, world: int, cases: list[Case], rounds: int, probes: int, timeout_s: float) -> dict:
     """Rank function of one timing point: the strategies' slowest-rank seconds per round, the agreed probes taken
     before each round (with the load average), and the oversubscription the topology records."""
-    import time
 
     import torch
-    import torch.distributed as dist
 
     from benchmarks import strategies
     from ds_ring.auto.probe import agree_link, measure_link
@@ -91,24 +89,16 @@ def _point_rank(rank: int, world: int, cases: list[Case], rounds: int, probes: i
     q, k, v, dout = (torch.randn(1, rows, h, first.head_dim, generator=gen) for h in (first.heads, kv, kv, first.heads))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     calls = {case.impl: strategies.build(case, rank, timeout_s) for case in cases}
-    times: dict[str, list[float]] = {name: [] for name in calls}
     links, loads = [], []
     cpu = torch.device("cpu")
-    for r in range(rounds + 1):  # round 0 warms every case up
-        if r:
-            loads.append(float(Path("/proc/loadavg").read_text().split()[0]))
-            for _ in range(probes):
-                link = agree_link(measure_link(None, cpu, timeout_s), None, timeout_s)
-                links.append({key: getattr(link, key) for key in LINK_KEYS})
-        for name in list(calls) if r % 2 == 0 else list(calls)[::-1]:
-            q.grad = k.grad = v.grad = None
-            dist.barrier()
-            start = time.perf_counter()
-            calls[name](q, k, v, None, None).backward(dout)
-            took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            dist.all_reduce(took, op=dist.ReduceOp.MAX)
-            if r:
-                times[name].append(float(took))
+
+    def probe() -> None:  # before each timed round: the probes auto's first call runs, under the same load
+        loads.append(float(Path("/proc/loadavg").read_text().split()[0]))
+        for _ in range(probes):
+            link = agree_link(measure_link(None, cpu, timeout_s), None, timeout_s)
+            links.append({key: getattr(link, key) for key in LINK_KEYS})
+
+    times = strategies.interleaved_rounds(calls, (q, k, v, dout), rounds, before_round=probe)
     return {"times_s": times, "links": links, "loads": loads, "oversubscription": cores.oversubscription(range(world))}
 
 

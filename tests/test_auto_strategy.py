@@ -143,3 +143,13 @@ def test_config_accepts_auto():
         RingAttentionConfig(strategy="auto", layout="zigzag", segment_lengths=[8, 64], dilation_rates=[1, 2]).check(
             world_size=4, num_heads=6, num_kv_heads=2, seq_len=64
         )
+
+
+def test_the_old_command_name_still_runs_and_names_the_new_one():
+    import subprocess
+    import sys
+
+    args = ["--seq", "8192", "--heads", "8", "--head-dim", "64", "--world", "2", "--json"]
+    done = subprocess.run([sys.executable, "-m", "ds_ring.plan", *args], capture_output=True, text=True, check=True)
+    assert json.loads(done.stdout)["options"]
+    assert "python -m ds_ring.auto" in done.stderr

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from ds_ring.testing import Progress
-from tests.trainer_runs import BIN, ROOT, TRAIN, free_port, launched, reap, torchrun_reaped
+from tests.trainer_runs import BIN, ROOT, TRAIN, free_port, launched, processes_with, reap, torchrun_reaped
 
 STEPS, STALLED_STEP, GRACE_S = 6, 3, 2.0
 FAULT = f"sleep:rank=1:step={STALLED_STEP}:seconds=60"
@@ -66,19 +66,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.T
 
 def _running(run: Path, workers_only: bool = False) -> list[int]:
     """Processes whose command line names ``run`` (the launcher and its workers, or only the workers)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            zombie = "(zombie)" in (entry / "status").read_text()
-        except OSError:
-            continue
-        launcher = "bin/torchrun" in cmdline
-        if str(run) in cmdline and not zombie and int(entry.name) != os.getpid() and not (workers_only and launcher):
-            found.append(int(entry.name))
-    return found
+    return [pid for pid, cmdline in processes_with(str(run)) if not (workers_only and "bin/torchrun" in cmdline)]
 
 
 def _stalled(logs: list[Path]) -> bool:

@@ -142,9 +142,8 @@ def run_torchrun(
     return run_command(command, port, log, timeout, **env)
 
 
-def reap(marker: str) -> list[str]:
-    """SIGKILL processes still running whose command line holds ``marker`` (the test's unique tmp
-    dir: only processes the test started); returns their command lines (a test asserts none)."""
+def processes_with(marker: str) -> list[tuple[int, str]]:
+    """``(pid, command line)`` of the live processes (not zombies, not this one) whose command line holds ``marker``."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -155,9 +154,18 @@ def reap(marker: str) -> list[str]:
         except OSError:
             continue
         if marker in cmdline and not zombie:
-            found.append(cmdline)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(entry.name), signal.SIGKILL)
+            found.append((int(entry.name), cmdline))
+    return found
+
+
+def reap(marker: str) -> list[str]:
+    """SIGKILL processes still running whose command line holds ``marker`` (the test's unique tmp
+    dir: only processes the test started); returns their command lines (a test asserts none)."""
+    found = []
+    for pid, cmdline in processes_with(marker):
+        found.append(cmdline)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     return found
 
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.zoo import TOLERANCE, Float64Throughout, Outcome, _failed, _logits, worst_error
+from tests.zoo import TOLERANCE, Float64Throughout, Outcome, _failed, _logits, trained_on_shards, worst_error
 
 SEQ, BATCH, VOCAB, IMAGES_PER_ROW = 64, 2, 128, 2
 IMAGE, VIDEO, START, END = 5, 6, 3, 4
@@ -247,25 +247,12 @@ def sequence_parallel(
     divide_vision: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The registered model on :func:`shard_batch`'s batch: the loss and every gradient summed over the group."""
-    from ds_ring.integrations.hf import causal_lm_loss, register_with_transformers, shard_batch
+    from ds_ring.integrations.hf import register_with_transformers
 
     model.set_attn_implementation("sdpa")
     config = {"train_micro_batch_size_per_gpu": BATCH, "ring_attention": {"timeout_s": 60, **section}}
     session = register_with_transformers(model, config=config, topology=topology, divide_vision=divide_vision)
-    try:
-        sharded = shard_batch(session, full)
-        model.zero_grad()
-        logits = _logits(model(**{k: v for k, v in sharded.items() if k != "shift_labels"}))
-        loss = causal_lm_loss(session, logits, sharded["shift_labels"])
-        loss.backward()
-    finally:
-        session.close()
-        model.set_attn_implementation("eager")
-    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach() for n, p in model.named_parameters()}
-    flat = torch.cat([g.flatten() for g in grads.values()])
-    dist.all_reduce(flat, group=topology.sequence_parallel_group)
-    summed = dict(zip(grads, flat.split([g.numel() for g in grads.values()]), strict=True))
-    return loss.detach(), {n: summed[n].view_as(g) for n, g in grads.items()}
+    return trained_on_shards(model, session, full, topology)
 
 
 def check(family: str, strategies: list[str], topologies: dict[str, Any]) -> list[Outcome]:

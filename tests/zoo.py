@@ -329,7 +329,7 @@ def sequence_parallel(
     """The registered model on this rank's shard: the loss and every gradient summed over the group."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from ds_ring.integrations.hf import causal_lm_loss, register_with_transformers, shard_batch
+    from ds_ring.integrations.hf import register_with_transformers
     from ds_ring.integrations.hf.registration import OWN_NAME
 
     if OWN_NAME not in ALL_ATTENTION_FUNCTIONS:  # the entry exists before a model may select it
@@ -339,6 +339,16 @@ def sequence_parallel(
     session = register_with_transformers(
         model, core_attn_implementation=implementation, config=config, topology=topology
     )
+    return trained_on_shards(model, session, full, topology)
+
+
+def trained_on_shards(
+    model: torch.nn.Module, session: Any, full: dict[str, torch.Tensor], topology: Any
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One step of the registered ``model`` on :func:`shard_batch`'s shard of ``full`` (the session closed and eager
+    attention set back after it): the loss and every gradient summed over the group."""
+    from ds_ring.integrations.hf import causal_lm_loss, shard_batch
+
     try:
         sharded = shard_batch(session, full)
         model.zero_grad()
