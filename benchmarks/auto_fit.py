@@ -153,12 +153,16 @@ def fit_time(points: list[dict]) -> tuple[float, float]:
     return round(best[0], 3), round(best[1], 3)
 
 
-def measure_memory(world: int, heads: int, kv_heads: int, lengths: tuple[int, int], timeout_s: float) -> list[dict]:
-    """Every strategy's measured slope at one (ranks, heads, lengths)."""
+def measure_memory(
+    world: int, heads: int, kv_heads: int, lengths: tuple[int, int], timeout_s: float, only: set[str] | None = None
+) -> list[dict]:
+    """Every strategy's measured slope at one (ranks, heads, lengths) (``only``: those named ``strategy@ranks``)."""
     from benchmarks import memory
 
     rows = []
     for name in strategies_of(world, lengths[1] * world, heads, kv_heads):
+        if only is not None and f"{name}@{world}" not in only:
+            continue
         call = memory.Call(name, COMMUNICATION[name], tokens_per_rank=lengths, mmap_threshold=65536, heads=heads,
                            kv_heads=kv_heads)  # fmt: skip
         got = memory.measure(call, world, "cpu", timeout_s)
@@ -318,6 +322,8 @@ def main() -> None:
     parser.add_argument("--report", action="store_true", help="measured / predicted with the model's constants")
     parser.add_argument("--timeout-s", type=float, default=900)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--only", nargs="+", metavar="STRATEGY@RANKS",
+                        help="with --memory: measure these rows only (ring@2 hybrid@4), keep the others")  # fmt: skip
     args = parser.parse_args()
     path = args.out / "auto_fit.json"
     results = json.loads(path.read_text()) if path.exists() else {}
@@ -336,9 +342,11 @@ def main() -> None:
             write_json(path, results)
     if args.grid and args.memory:
         grid = results.setdefault(args.grid, {})
-        grid["memory"] = []
+        only = None if args.only is None else set(args.only)
+        kept = [r for r in grid.get("memory", []) if only is not None and f"{r['strategy']}@{r['ranks']}" not in only]
+        grid["memory"] = kept
         for world, heads, kv, lengths in GRIDS[args.grid]["memory"]:
-            grid["memory"] += measure_memory(world, heads, kv, lengths, args.timeout_s)
+            grid["memory"] += measure_memory(world, heads, kv, lengths, args.timeout_s, only)
             write_json(path, results)
     if args.fit:
         results["coefficients"] = coefficients(results)

@@ -267,9 +267,18 @@ def new_grad_block(span: SpanPlan, member: int, shard: Shard) -> torch.Tensor:
     return torch.zeros(numel, dtype=accum_dtype(shard.q.dtype), device=shard.q.device)
 
 
-def _expand(x: torch.Tensor, span: SpanPlan, g: int) -> torch.Tensor:
-    expand = span.travel[g].expand
-    return x if expand is None else x.index_select(2, expand)
+def _head_calls(q_heads: slice, kv_heads: slice | torch.Tensor) -> list[tuple[slice, slice]]:
+    """``(query heads, their K/V heads)`` of each kernel call of a head group, both as slices (views, no copy).
+
+    ``kv_heads`` a slice: one K/V head per query head, all in one call. An index tensor (GQA: each query head's K/V
+    head): one call per query head with its one K/V head. The kernels want as many K/V heads as query heads, and
+    expanding K/V to every query head would copy them (and make their gradient pieces) once per query head: 2.3x
+    the K/V-sized memory a ring or all-gather call predicts at 8/2 heads (docs/auto.md "GQA memory").
+    """
+    if isinstance(kv_heads, slice):
+        return [(q_heads, kv_heads)]
+    first, rate = q_heads.start or 0, q_heads.step or 1
+    return [(slice(first + i * rate, first + i * rate + 1), slice(j, j + 1)) for i, j in enumerate(kv_heads.tolist())]
 
 
 def block_has_work(span: SpanPlan, member: int, opts: Options) -> bool:
@@ -288,17 +297,17 @@ def _pairs(span: SpanPlan, g: int, member: int, opts: Options) -> list[tuple[Run
     return pieces(span.queries[g], span.held[member][g], opts.causal, opts.window)
 
 
-def _visits(
-    span: SpanPlan, member: int, kv: list[KV], opts: Options
-) -> Iterator[tuple[int, slice, torch.Tensor, torch.Tensor, Run, Run]]:
-    """``(group, its query heads, K, V expanded to them, query run, key run)`` for every piece between the
-    shard's queries and another member's block."""
+def _visits(span: SpanPlan, member: int, opts: Options) -> Iterator[tuple[int, slice, slice, Run, Run]]:
+    """``(group, query heads, their heads in the group's travelled K/V, query run, key run)`` for every kernel call
+    between the shard's queries and another member's block (:func:`_head_calls`)."""
     for g, group in enumerate(span.groups):
         work = _pairs(span, g, member, opts)
         if work:
-            kg, vg = (_expand(x, span, g) for x in kv[g])
+            expand = span.travel[g].expand
+            calls = _head_calls(group.q_heads, slice(None) if expand is None else expand)
             for a, b, _ in work:
-                yield g, group.q_heads, kg, vg, a, b
+                for h, kvh in calls:
+                    yield g, h, kvh, a, b
 
 
 def _piece(query: Run, key: Run, diagonal: bool, opts: Options) -> Piece:
@@ -322,9 +331,10 @@ def _cuts(query: Run, key: Run, keys: slice, diagonal: bool, opts: Options) -> I
 def forward_block_(span: SpanPlan, member: int, kv: list[KV], shard: Shard, opts: Options) -> None:
     """Merge attention of the shard's queries over another member's block into its ``out``/``lse`` (in place)."""
     q, out, lse = shard.q, shard.out, shard.lse
-    for _, h, kg, vg, a, b in _visits(span, member, kv, opts):
+    for g, h, kvh, a, b in _visits(span, member, opts):
+        kg, vg = kv[g]
         for qs, ks, piece in _cuts(a, b, b.packed, False, opts):
-            attend_into(q[:, qs, h], kg[:, ks], vg[:, ks], out[:, qs, h], lse[:, qs, h], piece)
+            attend_into(q[:, qs, h], kg[:, ks, kvh], vg[:, ks, kvh], out[:, qs, h], lse[:, qs, h], piece)
 
 
 def backward_block_(
@@ -339,20 +349,15 @@ def backward_block_(
 ) -> None:
     """Accumulate the gradient of another member's block into ``dq`` (of ``q [B, L, H, D]``) and its ``dkv`` views."""
     q, out, lse = shard.q, shard.out, shard.lse
-    for g, h, kg, vg, a, b in _visits(span, member, kv, opts):
+    for g, h, kvh, a, b in _visits(span, member, opts):
+        (kg, vg), (dkg, dvg) = kv[g], dkv[g]
         for qs, ks, piece in _cuts(a, b, b.packed, False, opts):
             dq_piece, dk_piece, dv_piece = attend_backward(
-                dout[:, qs, h], q[:, qs, h], kg[:, ks], vg[:, ks], out[:, qs, h], lse[:, qs, h], piece
+                dout[:, qs, h], q[:, qs, h], kg[:, ks, kvh], vg[:, ks, kvh], out[:, qs, h], lse[:, qs, h], piece
             )
             add_dq_(dq, qs, h, dq_piece)
-            dkg, dvg = dkv[g]
-            expand = span.travel[g].expand
-            if expand is None:
-                dkg[:, ks] += dk_piece
-                dvg[:, ks] += dv_piece
-            else:
-                dkg[:, ks].index_add_(2, expand, dk_piece.to(dkg.dtype))
-                dvg[:, ks].index_add_(2, expand, dv_piece.to(dvg.dtype))
+            dkg[:, ks, kvh] += dk_piece
+            dvg[:, ks, kvh] += dv_piece
             del dq_piece, dk_piece, dv_piece  # this call's pieces go before the next call's exist
 
 
@@ -360,13 +365,11 @@ def forward_own_(span: SpanPlan, shard: Shard, opts: Options) -> None:
     """Merge attention among this rank's own runs into the shard's ``out``/``lse`` (in place)."""
     q, k, v, out, lse = shard.q, shard.k, shard.v, shard.out, shard.lse
     for g, group in enumerate(span.groups):
-        h, kv_heads = group.q_heads, group.kv_heads
+        calls = _head_calls(group.q_heads, group.kv_heads)
         for a, b, diagonal in _pairs(span, g, span.index, opts):
-            for qs, ks, piece in _cuts(a, b, b.rows, diagonal, opts):
-                attend_into(
-                    q[:, qs, h], select_heads(k[:, ks], kv_heads), select_heads(v[:, ks], kv_heads), out[:, qs, h],
-                    lse[:, qs, h], piece,
-                )  # fmt: skip
+            for h, kvh in calls:
+                for qs, ks, piece in _cuts(a, b, b.rows, diagonal, opts):
+                    attend_into(q[:, qs, h], k[:, ks, kvh], v[:, ks, kvh], out[:, qs, h], lse[:, qs, h], piece)
 
 
 def backward_own_(
@@ -384,17 +387,17 @@ def backward_own_(
     if span.ahead:  # an ahead plan's own runs are its forward twin's
         return
     for g, group in enumerate(span.groups):
-        h, kv_heads, own = group.q_heads, group.kv_heads, _tiled(span.queries[g], overwrite.BLOCK_ROWS)
+        calls, own = _head_calls(group.q_heads, group.kv_heads), _tiled(span.queries[g], overwrite.BLOCK_ROWS)
         for a, b, diagonal in pieces(own, own, opts.causal, opts.window, span.spans):
-            for qs, ks, piece in _cuts(a, b, b.rows, diagonal, opts):
-                dq_piece, dk_piece, dv_piece = attend_backward(
-                    dout[:, qs, h], q[:, qs, h], select_heads(k[:, ks], kv_heads), select_heads(v[:, ks], kv_heads),
-                    out[:, qs, h], lse[:, qs, h], piece,
-                )  # fmt: skip
-                add_dq_(dq, qs, h, dq_piece)
-                add_heads_(dk[:, ks], kv_heads, dk_piece)
-                add_heads_(dv[:, ks], kv_heads, dv_piece)
-                del dq_piece, dk_piece, dv_piece  # this call's pieces go before the next call's exist
+            for h, kvh in calls:
+                for qs, ks, piece in _cuts(a, b, b.rows, diagonal, opts):
+                    dq_piece, dk_piece, dv_piece = attend_backward(
+                        dout[:, qs, h], q[:, qs, h], k[:, ks, kvh], v[:, ks, kvh], out[:, qs, h], lse[:, qs, h], piece
+                    )
+                    add_dq_(dq, qs, h, dq_piece)
+                    dk[:, ks, kvh] += dk_piece
+                    dv[:, ks, kvh] += dv_piece
+                    del dq_piece, dk_piece, dv_piece  # this call's pieces go before the next call's exist
 
 
 def _tiled(held: Held, most: int) -> Held:
