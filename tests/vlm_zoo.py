@@ -29,7 +29,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.zoo import TOLERANCE, Float64Throughout, Outcome, _failed, _logits, trained_on_shards, worst_error
+from tests.zoo import (
+    TOLERANCE,
+    Float64Throughout,
+    Outcome,
+    _logits,
+    outcomes_against,
+    trained_on_shards,
+)
 
 SEQ, BATCH, VOCAB, IMAGES_PER_ROW = 64, 2, 128, 2
 IMAGE, VIDEO, START, END = 5, 6, 3, 4
@@ -266,20 +273,11 @@ def check(family: str, strategies: list[str], topologies: dict[str, Any]) -> lis
     except Exception as err:  # noqa: BLE001 - no reference: listed, after ds_ring had its say
         loss = grads = None
         missing = f"{type(err).__name__}: {str(err)[:100]}"
-    outcomes = []
-    for strategy in strategies:
-        try:
-            with Float64Throughout():
-                got_loss, got_grads = sequence_parallel(model, full, STRATEGIES[strategy], topologies[strategy])
-        except Exception as err:  # noqa: BLE001 - refused, or an outcome to report
-            outcomes.append(_failed(family, strategy, err, missing))
-            continue
-        if missing is not None:
-            outcomes.append(Outcome(family, strategy, "no reference", missing))
-            continue
-        error = worst_error(got_loss, got_grads, loss, grads)
-        outcomes.append(Outcome(family, strategy, "equal" if error.value <= TOLERANCE else "wrong", str(error)))
-    return outcomes
+
+    def step(strategy: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return sequence_parallel(model, full, STRATEGIES[strategy], topologies[strategy])
+
+    return outcomes_against(family, strategies, step, (loss, grads, missing))
 
 
 def run_family(rank: int, world: int, family: str, strategies: list[str]) -> list[Outcome]:

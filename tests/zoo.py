@@ -24,7 +24,7 @@ import re
 import time
 import traceback
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -444,13 +444,31 @@ def check(family: str, strategies: list[str], topologies: dict[str, Any]) -> lis
     full = batch()
     model = build(family)
     with Float64Throughout():
-        loss, grads, missing = _reference_or_why(model, full)
+        expected = _reference_or_why(model, full)
     bound, why_looser = LOOSER.get(family, (TOLERANCE, ""))
+
+    def step(strategy: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return sequence_parallel(model, full, STRATEGIES[strategy], topologies[strategy])
+
+    return outcomes_against(family, strategies, step, expected, bound, why_looser)
+
+
+def outcomes_against(
+    family: str,
+    strategies: list[str],
+    step: Callable[[str], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    expected: tuple[Any, Any, str | None],
+    bound: float = TOLERANCE,
+    why_looser: str = "",
+) -> list[Outcome]:
+    """``step(strategy)`` (the loss and summed gradients, in float64 throughout) for each of ``strategies``, against
+    ``expected`` = the whole model's loss, gradients and why there is none (``None``: there is)."""
+    loss, grads, missing = expected
     outcomes = []
     for strategy in strategies:
         try:
             with Float64Throughout():
-                got_loss, got_grads = sequence_parallel(model, full, STRATEGIES[strategy], topologies[strategy])
+                got_loss, got_grads = step(strategy)
         except Exception as err:  # noqa: BLE001 - refused, or an outcome to report
             outcomes.append(_failed(family, strategy, err, missing))
             continue
