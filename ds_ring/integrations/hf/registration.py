@@ -362,7 +362,8 @@ def _no_mask(
         kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
         return sdpa_mask(attention_mask=attention_mask, mask_function=mask_function, **kwargs)
     refuse_padding(attention_mask)
-    shape = (kwargs["batch_size"], 1, kwargs["q_length"], kwargs["kv_length"]) if "kv_length" in kwargs else None
+    known = {"batch_size", "q_length", "kv_length"} <= kwargs.keys()  # transformers 5.0 passes no q_length
+    shape = (kwargs["batch_size"], 1, kwargs["q_length"], kwargs["kv_length"]) if known else None
     return dataclasses.replace(mask_spec(mask_function), shape=shape)
 
 
