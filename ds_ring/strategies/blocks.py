@@ -348,17 +348,34 @@ def backward_block_(
     opts: Options,
 ) -> None:
     """Accumulate the gradient of another member's block into ``dq`` (of ``q [B, L, H, D]``) and its ``dkv`` views."""
-    q, out, lse = shard.q, shard.out, shard.lse
     for g, h, kvh, a, b in _visits(span, member, opts):
         (kg, vg), (dkg, dvg) = kv[g], dkv[g]
         for qs, ks, piece in _cuts(a, b, b.packed, False, opts):
-            dq_piece, dk_piece, dv_piece = attend_backward(
-                dout[:, qs, h], q[:, qs, h], kg[:, ks, kvh], vg[:, ks, kvh], out[:, qs, h], lse[:, qs, h], piece
-            )
-            add_dq_(dq, qs, h, dq_piece)
-            dkg[:, ks, kvh] += dk_piece
-            dvg[:, ks, kvh] += dv_piece
-            del dq_piece, dk_piece, dv_piece  # this call's pieces go before the next call's exist
+            _backward_piece(shard, dout, (kg, vg), (dq, dkg, dvg), qs, ks, h, kvh, piece)
+
+
+def _backward_piece(
+    shard: Shard,
+    dout: torch.Tensor,
+    kv: tuple,
+    grads: tuple,
+    qs: slice,
+    ks: slice,
+    h: object,
+    kvh: object,
+    piece: object,
+) -> None:
+    """One kernel call's gradients: ``dq`` (lazy) of query rows ``qs`` / heads ``h``, and ``dk``, ``dv`` of key rows
+    ``ks`` / K/V heads ``kvh`` (``grads = (dq, dk, dv)``, ``kv = (k, v)``), accumulated in place."""
+    q, out, lse = shard.q, shard.out, shard.lse
+    (k, v), (dq, dk, dv) = kv, grads
+    dq_piece, dk_piece, dv_piece = attend_backward(
+        dout[:, qs, h], q[:, qs, h], k[:, ks, kvh], v[:, ks, kvh], out[:, qs, h], lse[:, qs, h], piece
+    )
+    add_dq_(dq, qs, h, dq_piece)
+    dk[:, ks, kvh] += dk_piece
+    dv[:, ks, kvh] += dv_piece
+    del dq_piece, dk_piece, dv_piece  # this call's pieces go before the next call's exist
 
 
 def forward_own_(span: SpanPlan, shard: Shard, opts: Options) -> None:
@@ -383,7 +400,7 @@ def backward_own_(
 ) -> None:
     """Accumulate the gradients among this rank's own runs straight into ``dq`` (of ``q``), ``dk``, ``dv``, in calls
     of at most :data:`~ds_ring.kernels.overwrite.BLOCK_ROWS` rows a side (:func:`_tiled`)."""
-    q, k, v, out, lse = shard.q, shard.k, shard.v, shard.out, shard.lse
+    k, v = shard.k, shard.v
     if span.ahead:  # an ahead plan's own runs are its forward twin's
         return
     for g, group in enumerate(span.groups):
@@ -391,13 +408,7 @@ def backward_own_(
         for a, b, diagonal in pieces(own, own, opts.causal, opts.window, span.spans):
             for h, kvh in calls:
                 for qs, ks, piece in _cuts(a, b, b.rows, diagonal, opts):
-                    dq_piece, dk_piece, dv_piece = attend_backward(
-                        dout[:, qs, h], q[:, qs, h], k[:, ks, kvh], v[:, ks, kvh], out[:, qs, h], lse[:, qs, h], piece
-                    )
-                    add_dq_(dq, qs, h, dq_piece)
-                    dk[:, ks, kvh] += dk_piece
-                    dv[:, ks, kvh] += dv_piece
-                    del dq_piece, dk_piece, dv_piece  # this call's pieces go before the next call's exist
+                    _backward_piece(shard, dout, (k, v), (dq, dk, dv), qs, ks, h, kvh, piece)
 
 
 def _tiled(held: Held, most: int) -> Held:
