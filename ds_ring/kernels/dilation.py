@@ -70,13 +70,15 @@ class HeadGroup:
     """Query heads ``first, first + rate, ...`` (local indices) that keep positions ``≡ offset (mod rate)``.
 
     ``kv_index`` maps each of those query heads to its K/V head (GQA); ``None`` when the K/V heads
-    are the query heads themselves, so the same strided slice selects them.
+    are the query heads themselves, so the same strided slice selects them. ``kv_list`` is the same map as host
+    ints: per-head kernel calls slice by it, so no call reads the device tensor back.
     """
 
     offset: int
     first: int
     rate: int
     kv_index: torch.Tensor | None
+    kv_list: tuple[int, ...] | None = None
 
     @property
     def q_heads(self) -> slice:
@@ -213,10 +215,11 @@ def head_groups(
         first = (offset - head_offset) % rate
         if first >= num_heads:
             continue
-        kv_index = None
+        kv_index = kv_list = None
         if per_kv != 1:
-            kv_index = torch.arange(first, num_heads, rate, device=device) // per_kv
-        groups.append(HeadGroup(offset, first, rate, kv_index))
+            kv_list = tuple(h // per_kv for h in range(first, num_heads, rate))
+            kv_index = torch.tensor(kv_list, dtype=torch.long, device=device)
+        groups.append(HeadGroup(offset, first, rate, kv_index, kv_list))
     return groups
 
 

@@ -28,7 +28,7 @@ import torch
 
 from ds_ring.kernels import overwrite
 from ds_ring.kernels.dilated import Options, attend_backward, attend_into, span_cuts
-from ds_ring.kernels.dilation import add_heads_, head_groups, select_heads
+from ds_ring.kernels.dilation import HeadGroup, add_heads_, head_groups, select_heads
 from ds_ring.kernels.merge import accum_dtype
 from ds_ring.kernels.piece import Piece
 from ds_ring.strategies.plan import Held, Run, SpanPlan, Travel, pieces
@@ -130,7 +130,7 @@ def head_chunks(span: SpanPlan, shard: Shard) -> list[tuple[SpanPlan, slice, sli
     if group.kv_index is None:
         travel = Travel(group.q_heads, None, 1)
     else:  # GQA: the chunk's one K/V head serves its per_kv query heads
-        travel = Travel(torch.zeros(1, dtype=torch.long, device=q.device), group.kv_index, 1)
+        travel = Travel(torch.zeros(1, dtype=torch.long, device=q.device), group.kv_list, 1)
     chunk = dataclasses.replace(span, groups=(group,), travel=(travel,))
     return [(chunk, slice(h * per_kv, (h + 1) * per_kv), slice(h, h + 1)) for h in range(kv_heads)]
 
@@ -267,10 +267,10 @@ def new_grad_block(span: SpanPlan, member: int, shard: Shard) -> torch.Tensor:
     return torch.zeros(numel, dtype=accum_dtype(shard.q.dtype), device=shard.q.device)
 
 
-def _head_calls(q_heads: slice, kv_heads: slice | torch.Tensor) -> list[tuple[slice, slice]]:
+def _head_calls(q_heads: slice, kv_heads: slice | tuple[int, ...] | None) -> list[tuple[slice, slice]]:
     """``(query heads, their K/V heads)`` of each kernel call of a head group, both as slices (views, no copy).
 
-    ``kv_heads`` a slice: one K/V head per query head, all in one call. An index tensor (GQA: each query head's K/V
+    ``kv_heads`` a slice: one K/V head per query head, all in one call. Host ints (GQA: each query head's K/V
     head): one call per query head with its one K/V head. The kernels want as many K/V heads as query heads, and
     expanding K/V to every query head would copy them (and make their gradient pieces) once per query head: 2.3x
     the K/V-sized memory a ring or all-gather call predicts at 8/2 heads (docs/auto.md "GQA memory").
@@ -278,7 +278,12 @@ def _head_calls(q_heads: slice, kv_heads: slice | torch.Tensor) -> list[tuple[sl
     if isinstance(kv_heads, slice):
         return [(q_heads, kv_heads)]
     first, rate = q_heads.start or 0, q_heads.step or 1
-    return [(slice(first + i * rate, first + i * rate + 1), slice(j, j + 1)) for i, j in enumerate(kv_heads.tolist())]
+    return [(slice(first + i * rate, first + i * rate + 1), slice(j, j + 1)) for i, j in enumerate(kv_heads)]
+
+
+def _own_heads(group: HeadGroup) -> slice | tuple[int, ...]:
+    """The K/V heads of a group's query heads in the shard's own K/V: its strided slice, or its GQA map."""
+    return group.q_heads if group.kv_list is None else group.kv_list
 
 
 def block_has_work(span: SpanPlan, member: int, opts: Options) -> bool:
@@ -382,7 +387,7 @@ def forward_own_(span: SpanPlan, shard: Shard, opts: Options) -> None:
     """Merge attention among this rank's own runs into the shard's ``out``/``lse`` (in place)."""
     q, k, v, out, lse = shard.q, shard.k, shard.v, shard.out, shard.lse
     for g, group in enumerate(span.groups):
-        calls = _head_calls(group.q_heads, group.kv_heads)
+        calls = _head_calls(group.q_heads, _own_heads(group))
         for a, b, diagonal in _pairs(span, g, span.index, opts):
             for h, kvh in calls:
                 for qs, ks, piece in _cuts(a, b, b.rows, diagonal, opts):
@@ -404,7 +409,7 @@ def backward_own_(
     if span.ahead:  # an ahead plan's own runs are its forward twin's
         return
     for g, group in enumerate(span.groups):
-        calls, own = _head_calls(group.q_heads, group.kv_heads), _tiled(span.queries[g], overwrite.BLOCK_ROWS)
+        calls, own = _head_calls(group.q_heads, _own_heads(group)), _tiled(span.queries[g], overwrite.BLOCK_ROWS)
         for a, b, diagonal in pieces(own, own, opts.causal, opts.window, span.spans):
             for h, kvh in calls:
                 for qs, ks, piece in _cuts(a, b, b.rows, diagonal, opts):

@@ -73,11 +73,11 @@ class Travel:
     """The K/V heads that travel for a head group, and how to expand them to its query heads (GQA).
 
     ``select`` indexes the K/V heads (a strided slice without GQA); ``expand`` maps each query head
-    of the group to a travelled head (``None``: one travelled head per query head, in order).
+    of the group to a travelled head (``None``: one travelled head per query head, in order), as host ints.
     """
 
     select: slice | torch.Tensor
-    expand: torch.Tensor | None
+    expand: tuple[int, ...] | None
     num_heads: int
 
 
@@ -143,10 +143,12 @@ class _Piece:
 def _travel(group: HeadGroup, num_heads: int) -> Travel:
     if group.kv_index is None:
         return Travel(group.q_heads, None, len(range(group.first, num_heads, group.rate)))
-    unique = torch.unique(group.kv_index)
-    if unique.numel() == group.kv_index.numel():
-        return Travel(group.kv_index, None, unique.numel())
-    return Travel(unique, torch.searchsorted(unique, group.kv_index), unique.numel())
+    kv = group.kv_list
+    unique = sorted(set(kv))
+    if len(unique) == len(kv):
+        return Travel(group.kv_index, None, len(unique))
+    select = torch.tensor(unique, dtype=torch.long, device=group.kv_index.device)
+    return Travel(select, tuple(unique.index(j) for j in kv), len(unique))
 
 
 def _sequence_pieces(local_len: int, world_size: int, zigzag: bool) -> list[_Piece]:
