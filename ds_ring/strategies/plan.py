@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import bisect
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
@@ -251,6 +251,27 @@ def _within_reach(key: Run, queries: list[Run], window: int | None) -> Run:
     return Run(slice(start, start + last - first), slice(0, last - first), key.segment, first)
 
 
+def _blocks(
+    runs: list[list[list[Run]]], needed: Callable[[int, int, Run], tuple[Run | None, list[int]]]
+) -> tuple[tuple[tuple[Held, ...], ...], int]:
+    """What each member's block holds, per head group (``runs[i][g]``: member ``i``'s key runs in group ``g``), and
+    the hops to the farthest reader: ``needed(i, g, key)`` gives the part of ``key`` that other members read and
+    which members read it (none: ``key`` stays home)."""
+    n, hops, held = len(runs), 0, []
+    for i in range(n):
+        sent = []
+        for g in range(len(runs[i])):
+            parts = []
+            for key in runs[i][g]:
+                part, users = needed(i, g, key)
+                if users:
+                    parts.append(part)
+                    hops = max([hops] + [(j - i) % n for j in users])
+            sent.append(_packed(parts))
+        held.append(tuple(sent))
+    return tuple(held), hops
+
+
 def _span(
     branch: Branch,
     members: list[int],
@@ -266,23 +287,16 @@ def _span(
     hops reach the farthest such member (with ``spans``: as causal attention; the look-ahead is
     :func:`_ahead_span`'s)."""
     runs = [[_runs(portions.get(m, []), g) for g in groups] for m in members]
-    n, hops = len(members), 0
-    held = []
-    for i in range(n):
-        sent = []
-        for g in range(len(groups)):
-            needed = []
-            for key in runs[i][g]:
-                readers = {j: [q for q in runs[j][g] if _meets(q, key, causal, window)] for j in range(n) if j != i}
-                users = [j for j, queries in readers.items() if queries]
-                if users:
-                    needed.append(_within_reach(key, [q for j in users for q in readers[j]], window))
-                    hops = max([hops] + [(j - i) % n for j in users])
-            sent.append(_packed(needed))
-        held.append(tuple(sent))
+
+    def needed(i: int, g: int, key: Run) -> tuple[Run | None, list[int]]:
+        readers = {j: [q for q in runs[j][g] if _meets(q, key, causal, window)] for j in range(len(runs)) if j != i}
+        users = [j for j, queries in readers.items() if queries]
+        return (_within_reach(key, [q for j in users for q in readers[j]], window) if users else None), users
+
+    held, hops = _blocks(runs, needed)
     index = members.index(rank)
     queries = tuple(_packed(r) for r in runs[index])
-    return SpanPlan(branch, tuple(members), index, tuple(groups), tuple(travel), tuple(held), queries, hops, spans)
+    return SpanPlan(branch, tuple(members), index, tuple(groups), tuple(travel), held, queries, hops, spans)
 
 
 def _ahead_span(
@@ -299,28 +313,21 @@ def _ahead_span(
     of an earlier member's query run into it."""
     order = sorted(members, reverse=True)
     runs = [[_runs(portions.get(m, []), g) for g in groups] for m in order]
-    n, hops, held = len(order), 0, []
-    for i in range(n):
-        sent = []
-        for g in range(len(groups)):
-            needed = []
-            for key in runs[i][g]:
-                readers = [(j, q) for j in range(n) if j != i for q in runs[j][g] if _ahead(q, key, spans)]
-                if readers:
-                    last = min(key.position + key.count, max(_reach(q, spans) for _, q in readers) + 1)
-                    rows = last - key.position
-                    start = key.rows.start
-                    needed.append(Run(slice(start, start + rows), slice(0, rows), key.segment, key.position))
-                    hops = max([hops] + [(j - i) % n for j, _ in readers])
-            sent.append(_packed(needed))
-        held.append(tuple(sent))
+
+    def needed(i: int, g: int, key: Run) -> tuple[Run | None, list[int]]:
+        readers = [(j, q) for j in range(len(runs)) if j != i for q in runs[j][g] if _ahead(q, key, spans)]
+        if not readers:
+            return None, []
+        rows = min(key.position + key.count, max(_reach(q, spans) for _, q in readers) + 1) - key.position
+        start = key.rows.start
+        return Run(slice(start, start + rows), slice(0, rows), key.segment, key.position), [j for j, _ in readers]
+
+    held, hops = _blocks(runs, needed)
     if not hops:
         return None
     index = order.index(rank)
     queries = tuple(_packed(r) for r in runs[index])
-    return SpanPlan(
-        branch, tuple(order), index, tuple(groups), tuple(travel), tuple(held), queries, hops, spans, ahead=True
-    )
+    return SpanPlan(branch, tuple(order), index, tuple(groups), tuple(travel), held, queries, hops, spans, ahead=True)
 
 
 def _branch_specs(seq_len: int, segment_lengths: Sequence[int] | None, dilation_rates: Sequence[int] | None):
