@@ -319,6 +319,16 @@ class Strategy(ABC):
         raise NotImplementedError(f"strategy {self.name!r} has no memory model")
 
 
+def check_missing_dimension(strategy: str, dimension: str, field: str, degree: int | None) -> None:
+    """For :meth:`Strategy.check_degrees`: ``ValueError`` unless ``degree`` (the ds_config's ``field``) is unset or 1,
+    since ``strategy`` has no ``dimension`` (``"Ulysses"``, ``"ring"``) to give it."""
+    if degree not in (None, 1):
+        raise ValueError(
+            f"{field} is {degree} but strategy {strategy!r} has no {dimension} dimension; set {field} to 1 (or remove "
+            "it), or use strategy 'hybrid'"
+        )
+
+
 def register_strategy(strategy: Strategy) -> None:
     """Make ``strategy`` selectable as ``strategy=strategy.name`` (in calls and in the ds_config)."""
     PLUGINS.strategies.register(strategy.name, strategy)
