@@ -189,6 +189,17 @@ def assert_same(got: Result, expected: Result, *, rtol: float = 1e-7, atol: floa
         torch.testing.assert_close(got.grads[name], grad, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
 
 
+STRATEGIES = {"ring": {"strategy": "ring"}, "ring zigzag": {"strategy": "ring", "layout": "zigzag"},
+              "ulysses": {"strategy": "ulysses"}}  # fmt: skip
+"""The ``ring_attention`` sections a model's features are checked under on every world size."""
+
+
+def strategies_for(world: int) -> dict[str, dict[str, Any]]:
+    """:data:`STRATEGIES`, and on 4 ranks the 2×2 hybrid too."""
+    hybrid = {"hybrid 2x2": {"strategy": "hybrid", "ulysses_degree": 2, "ring_degree": 2}}
+    return {**STRATEGIES, **(hybrid if world == 4 else {})}
+
+
 def topology_for(section: dict[str, Any], world: int, cache: dict[tuple[int, ...], ds_ring.Topology]):
     """The topology of ``section`` at ``world`` ranks, one per set of degrees (every rank in the same order)."""
     degrees = ds_ring.load_config(ds_config(**section)).degrees(world)

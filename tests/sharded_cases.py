@@ -175,6 +175,16 @@ def strategy_rank(rank: int, world: int, ulysses: int, ring: int, cases: list[di
     return failures
 
 
+def assert_refused_on_one_rank(kwargs: dict[str, Any], message: str) -> None:
+    """``dilated_attention`` and ``ring_dilated_attention`` without a process group (one rank) both refuse a causal
+    call on ``[1, 16, 4, 8]`` tensors with ``kwargs`` (which may set ``causal``): a ``ValueError`` matching
+    ``message``."""
+    q = torch.randn(1, 16, 4, 8)
+    for attention in (ds_ring.dilated_attention, ds_ring.ring_dilated_attention):
+        with pytest.raises(ValueError, match=message):
+            attention(q, q, q, **{"causal": True, **kwargs})
+
+
 def seeded(cases: Iterable[dict[str, Any]], **common: Any) -> list[dict[str, Any]]:
     """``cases`` with the ``common`` fields added and ``seed`` set to each case's position (own inputs per case)."""
     return [{**case, **common, "seed": seed} for seed, case in enumerate(cases)]

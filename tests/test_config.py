@@ -129,8 +129,9 @@ def test_segments_may_cross_shards():
 def test_communication_accepts_a_registered_exchange(monkeypatch):
     """A new exchange is one module plus one register_exchange line: the ds_config can then select it."""
     from ds_ring.strategies import sharded
+    from ds_ring.strategies.registry import PLUGINS
 
-    monkeypatch.setitem(sharded._REGISTRY.entries, "ring_copy", sharded.get_exchange("ring"))
+    monkeypatch.setitem(PLUGINS.exchanges.entries, "ring_copy", sharded.get_exchange("ring"))
     assert RingAttentionConfig(communication="ring_copy").communication == "ring_copy"
 
 

@@ -24,7 +24,7 @@ import ds_ring
 from ds_ring.integrations.hf import causal_lm_loss, register_with_transformers, shard_batch
 from ds_ring.integrations.hf.masks import Blocks, MaskSpec, mask_spec
 from tests.dist import CaseLog, assert_no_failures, run_distributed
-from tests.hf_cases import Result, assert_same, ds_config, shifted, topology_for
+from tests.hf_cases import STRATEGIES, Result, assert_same, ds_config, shifted, strategies_for, topology_for
 
 # transformers before blockwise_overlay (5.0, the lowest declared) builds Gemma 3's image mask from its own closure,
 # which ds_ring refuses by name as an unknown OR: there is nothing of this module to run
@@ -168,11 +168,6 @@ def _sharded(model: torch.nn.Module, batch: dict[str, torch.Tensor], session, **
     return Result(gathered, loss.detach(), grads)
 
 
-STRATEGIES = {"ring": {"strategy": "ring"}, "ring zigzag": {"strategy": "ring", "layout": "zigzag"},
-              "ulysses": {"strategy": "ulysses"}}  # fmt: skip
-HYBRID = {"hybrid 2x2": {"strategy": "hybrid", "ulysses_degree": 2, "ring_degree": 2}}
-
-
 def _rank(rank: int, world: int) -> list[str]:
     log, topologies = CaseLog(), {}
     batch = vlm_batch()
@@ -202,7 +197,7 @@ def _compare(
 ) -> None:
     """The model on every strategy against itself whole (``window``: its sliding window, for the case's name)."""
     expected = _whole(model, batch)
-    for strategy, section in {**STRATEGIES, **(HYBRID if world == 4 else {})}.items():
+    for strategy, section in strategies_for(world).items():
         with log.case(f"gemma3 images, sliding window {window}, {strategy}"):
             topology = topology_for(section, world, topologies)
             session = register_with_transformers(

@@ -16,7 +16,16 @@ import torch
 
 from ds_ring.integrations.hf import register_with_transformers
 from tests.dist import CaseLog, assert_no_failures, run_distributed
-from tests.hf_cases import VOCAB, assert_same, ds_config, full_batch, sequence_parallel, topology_for, whole_model
+from tests.hf_cases import (
+    VOCAB,
+    assert_same,
+    ds_config,
+    full_batch,
+    sequence_parallel,
+    strategies_for,
+    topology_for,
+    whole_model,
+)
 
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
                num_key_value_heads=4, max_position_embeddings=256, use_cache=False)  # fmt: skip
@@ -67,15 +76,12 @@ MODELS = {
     "gpt_oss": (gpt_oss, "eager", "ds_ring", {}),
     "mistral": (mistral, "sdpa", "sdpa", {}),
 }
-STRATEGIES = {"ring": {"strategy": "ring"}, "ring zigzag": {"strategy": "ring", "layout": "zigzag"},
-              "ulysses": {"strategy": "ulysses"}}  # fmt: skip
-HYBRID = {"hybrid 2x2": {"strategy": "hybrid", "ulysses_degree": 2, "ring_degree": 2}}
 
 
 def _rank(rank: int, world: int) -> list[str]:
     log, topologies = CaseLog(), {}
     batch = full_batch()
-    strategies = {**STRATEGIES, **(HYBRID if world == 4 else {})}
+    strategies = strategies_for(world)
     for name, (build, reference_implementation, implementation, tolerance) in MODELS.items():
         model = build(reference_implementation)
         expected = whole_model(model, batch, reference_implementation)

@@ -13,14 +13,12 @@ sequence-parallel, and one per refusal); ``pytest -m zoo`` (run by ``.ci/run``) 
 
 from __future__ import annotations
 
-import difflib
 import re
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.zoo import STRATEGIES, families, run, table, without_run_time
+from tests.zoo import STRATEGIES, Outcome, assert_every_family, assert_expected, families, run, table
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "model_zoo.md"
 """The committed table, which a run of every family must reproduce."""
@@ -127,40 +125,24 @@ def _mixer_of_an_older_release(outcome) -> bool:
     return not recurrent_supported() and bool(re.search(REASONS["sequence mixer"], outcome.detail))
 
 
-def _problems(outcomes: list) -> list[str]:
-    """Every outcome other than equal or the refusal :data:`EXPECTED_REFUSALS` names for its family."""
-    problems = []
-    for outcome in outcomes:
-        expected = EXPECTED_REFUSALS.get(outcome.family)
-        if expected is None and outcome.status == "refused" and _mixer_of_an_older_release(outcome):
-            expected = "sequence mixer"
-        if expected is None and outcome.status == "refused" and _own_attention_code(outcome.family):
-            expected = "own attention code"
-        where = f"{outcome.family} ({outcome.strategy}): {outcome.status}: {outcome.detail}"
-        if expected is None and outcome.status != "equal":
-            problems.append(f"{where} (expected equal)")
-        elif expected is not None and not (
-            outcome.status == "refused" and re.search(REASONS[expected], outcome.detail)
-        ):
-            problems.append(f"{where} (expected refused: {expected})")
-    return problems
+def _expected(outcome: Outcome) -> str | None:
+    """The reason (a regular expression) :data:`EXPECTED_REFUSALS` names for the outcome's family, or the reason a
+    refusal is right in this transformers release; ``None``: equal expected."""
+    expected = EXPECTED_REFUSALS.get(outcome.family)
+    if expected is None and outcome.status == "refused" and _mixer_of_an_older_release(outcome):
+        expected = "sequence mixer"
+    if expected is None and outcome.status == "refused" and _own_attention_code(outcome.family):
+        expected = "own attention code"
+    return None if expected is None else REASONS[expected]
 
 
 @pytest.mark.timeout(3600)
 def test_representative_families_equal_the_whole_model_or_are_refused_for_their_reason():
     outcomes, not_built = run(REPRESENTATIVE, list(STRATEGIES))
-    problems = _problems(outcomes) + [f"{name}: not built: {why}" for name, why in not_built.items()]
-    assert not problems, f"{len(problems)} families off:\n" + "\n".join(problems)
+    assert_expected(outcomes, _expected, not_built, "not built")
 
 
 @pytest.mark.zoo
 @pytest.mark.timeout(5400)
 def test_every_family_equals_the_whole_model_or_is_refused_and_the_table_is_this_run():
-    start = time.perf_counter()
-    outcomes, not_built = run(families(), list(STRATEGIES))
-    problems = _problems(outcomes)
-    assert not problems, f"{len(problems)} families off:\n" + "\n".join(problems)
-    fresh = without_run_time(table(outcomes, not_built, time.perf_counter() - start))
-    committed = without_run_time(PAGE.read_text())
-    diff = "".join(difflib.unified_diff(committed.splitlines(True), fresh.splitlines(True), "committed", "this run"))
-    assert not diff, f"{PAGE} differs from this run; regenerate it with `python -m tests.zoo`:\n{diff}"
+    assert_every_family(run, families(), list(STRATEGIES), _expected, table, PAGE, "tests.zoo")

@@ -19,8 +19,7 @@ MUTATORS = frozenset(
 EXPECTED = {
     "ds_ring/comm/job.py": {"_JOBS"},  # the jobs of this process (one per default process group)
     "ds_ring/hooks.py": {"_HOOKS"},  # the registry of hooks
-    "ds_ring/strategies/base.py": {"_STRATEGIES"},  # the registry of strategies
-    "ds_ring/strategies/sharded.py": {"_REGISTRY"},  # the registry of K/V exchanges
+    "ds_ring/strategies/registry.py": {"PLUGINS"},  # the registry of plug-ins: strategies and K/V exchanges
 }
 
 
@@ -35,49 +34,84 @@ def _thread_local(value: ast.expr | None) -> bool:
     return isinstance(value, ast.Call) and ast.unparse(value.func) in ("threading.local", "local")
 
 
-def changed_at_run_time(source: str) -> set[str]:
-    """Module-level names that a function of ``source`` rebinds (``global``) or changes in place: assigns an item
-    or an attribute of, deletes one, or calls a mutating method (:data:`MUTATORS`) on (or on an attribute of).
-    A ``threading.local()`` is left out: each thread's own values, not the process's."""
-    tree = ast.parse(source)
+def _module_names(tree: ast.Module) -> set[str]:
+    """Names bound at module level by an assignment (a ``threading.local()`` left out)."""
     bound = [n for n in tree.body if isinstance(n, ast.Assign | ast.AnnAssign) and not _thread_local(n.value)]
-    top = {t.id for node in bound for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
-           if isinstance(t, ast.Name)}  # fmt: skip
-    found: set[str] = set()
+    return {t.id for node in bound for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            if isinstance(t, ast.Name)}  # fmt: skip
+
+
+def _writes(tree: ast.Module) -> tuple[set[str], set[str]]:
+    """``(rebound, changed)``: the names functions of ``tree`` rebind through ``global``, and the names whose
+    object they change in place (assign an item or attribute of, delete one, call a :data:`MUTATORS` method on),
+    each function's parameters left out."""
+    rebound_all: set[str] = set()
+    changed_all: set[str] = set()
     for fn in ast.walk(tree):
         if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
             continue
         args = fn.args
         local = {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]}
         rebound = {name for node in ast.walk(fn) if isinstance(node, ast.Global) for name in node.names}
+        changed: set[str | None] = set()
         for node in ast.walk(fn):
             if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign | ast.Delete):
                 targets = node.targets if isinstance(node, ast.Assign | ast.Delete) else [node.target]
                 for target in targets:
                     if isinstance(target, ast.Name) and target.id in rebound:
-                        found.add(target.id)
-                    elif isinstance(target, ast.Attribute | ast.Subscript) and (name := _root(target)) in top:
-                        found.add(name)
+                        rebound_all.add(target.id)
+                    elif isinstance(target, ast.Attribute | ast.Subscript):
+                        changed.add(_root(target))
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
-                found.add(_root(node.func.value)) if _root(node.func.value) in top else None
-        found -= local - rebound
-    return found
+                changed.add(_root(node.func.value))
+        changed_all |= {name for name in changed if name is not None} - (local - rebound)
+    return rebound_all, changed_all
+
+
+def changed_at_run_time(source: str) -> set[str]:
+    """Module-level names that a function of ``source`` rebinds (``global``) or changes in place: assigns an item
+    or an attribute of, deletes one, or calls a mutating method (:data:`MUTATORS`) on (or on an attribute of).
+    A ``threading.local()`` is left out: each thread's own values, not the process's."""
+    tree = ast.parse(source)
+    rebound, changed = _writes(tree)
+    return rebound | (changed & _module_names(tree))
+
+
+def _imported(tree: ast.Module) -> dict[str, tuple[str, str]]:
+    """``alias -> (module, name)`` for each ``from ds_ring.<module> import name [as alias]`` in ``tree``."""
+    found = [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 0]
+    return {alias.asname or alias.name: (node.module or "", alias.name)
+            for node in found if (node.module or "").startswith("ds_ring") for alias in node.names}  # fmt: skip
+
+
+def count_sources(sources: dict[str, str]) -> dict[str, set[str]]:
+    """Per module (dotted name -> source), the names :func:`changed_at_run_time` finds, plus the module-level
+    names of a module that another module changes in place through ``from <module> import name`` (counted
+    where they are defined). Not followed: re-exports, and writes through ``import <module>``'s attributes."""
+    trees = {module: ast.parse(source) for module, source in sources.items()}
+    found = {module: changed_at_run_time(source) for module, source in sources.items()}
+    for tree in trees.values():
+        changed = _writes(tree)[1]
+        for alias, (module, name) in _imported(tree).items():
+            if alias in changed and module in trees and name in _module_names(trees[module]):
+                found[module].add(name)
+    return {module: names for module, names in found.items() if names}
 
 
 def count(package: Path = PACKAGE) -> dict[str, set[str]]:
-    """Per file of ``package`` (relative to its parent), the names :func:`changed_at_run_time` finds."""
-    found = {}
+    """Per file of ``package`` (relative to its parent), the names :func:`count_sources` finds."""
+    paths = {}
     for path in sorted(package.rglob("*.py")):
-        names = changed_at_run_time(path.read_text())
-        if names:
-            found[str(path.relative_to(package.parent))] = names
-    return found
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    found = count_sources({module: path.read_text() for module, path in paths.items()})
+    return {str(paths[module].relative_to(package.parent)): names for module, names in found.items()}
 
 
 def test_module_state_is_the_registries_and_the_jobs() -> None:
     found = count()
     assert found == EXPECTED, f"module-level names changed at run time: {found}; give new state an owner (a Job)"
-    assert sum(map(len, found.values())) == 4
+    assert sum(map(len, found.values())) == 3
 
 
 def test_the_counter_sees_every_kind_of_change() -> None:
@@ -102,3 +136,13 @@ def f(x):
     local[x] = 1
 """
     assert changed_at_run_time(source) == {"_a", "_b", "_c", "_d", "_e"}
+
+
+def test_the_counter_sees_a_change_through_an_import() -> None:
+    sources = {
+        "ds_ring.table": "TABLE = Registry()\nNAMES = ()\n",
+        "ds_ring.user": (
+            "from ds_ring.table import NAMES, TABLE as t\ndef f(x):\n    t.register(x, x)\n    NAMES.index(x)"
+        ),
+    }
+    assert count_sources(sources) == {"ds_ring.table": {"TABLE"}}

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 
 from ds_ring.strategies import AttentionCall, Bound, Degrees, Shape, Strategy, Target, get_strategy, register_strategy
-from ds_ring.strategies.base import _STRATEGIES
 from ds_ring.strategies.cost import Cost, Link, Option, Problem
+from ds_ring.strategies.registry import PLUGINS
 from tests.dist import run_distributed
 from tests.sharded_cases import run_cases
 
@@ -50,7 +50,7 @@ def _register() -> None:
 def toy() -> Iterator[None]:
     _register()
     yield
-    _STRATEGIES.entries.pop(Toy.name)
+    PLUGINS.strategies.entries.pop(Toy.name)
 
 
 def test_a_ds_config_selects_it_with_its_own_rules(toy: None) -> None:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ds_ring.comm import gpu_timing, stream_watch, wait
 from ds_ring.comm import ring_comm as ring
+from ds_ring.comm.job import process
 from ds_ring.comm.ring_comm import RingComm
 from ds_ring.hooks import register_hook
 from ds_ring.monitor.timeline import StepTimeline
@@ -63,7 +64,7 @@ class FakeEvents(gpu_timing.CudaEvents):
 
 @pytest.fixture
 def fake_ring(monkeypatch):
-    monkeypatch.setattr(wait, "WATCH", stream_watch.StreamWatch(background=False))
+    monkeypatch.setattr(process(), "watch", stream_watch.StreamWatch(wait.failed, background=False))
     monkeypatch.setattr(ring, "group_rank", lambda group: 0)
     monkeypatch.setattr(ring, "group_members", lambda group: [0, 1])
     monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, group: SimpleNamespace(tensor=tensor))

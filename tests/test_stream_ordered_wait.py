@@ -11,6 +11,7 @@ import torch
 
 from ds_ring.comm import stream_watch, wait
 from ds_ring.comm.errors import CommTimeoutError
+from ds_ring.comm.job import process
 from ds_ring.comm.wait import Pending, stream_ordered, wait_all
 
 
@@ -31,8 +32,8 @@ class FakeWork:
 @pytest.fixture
 def watch(monkeypatch):
     """A watch without its polling thread, in place of the process's."""
-    fresh = stream_watch.StreamWatch(background=False)
-    monkeypatch.setattr(wait, "WATCH", fresh)
+    fresh = stream_watch.StreamWatch(wait.failed, background=False)
+    monkeypatch.setattr(process(), "watch", fresh)
     return fresh
 
 

@@ -10,15 +10,12 @@ runs every family and compares the table it writes with the committed ``docs/vlm
 
 from __future__ import annotations
 
-import difflib
-import re
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.vlm_zoo import EXPECTED_REFUSALS, STRATEGIES, families, run, table
-from tests.zoo import without_run_time
+from tests.zoo import Outcome, assert_every_family, assert_expected
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "vlm_zoo.md"
 
@@ -27,34 +24,18 @@ REPRESENTATIVE = ["qwen3_vl", "idefics3", "gemma3", "paligemma"]
 PaliGemma's prefix (its mask handed on to its Gemma, positions counted from 1)."""
 
 
-def _problems(outcomes: list) -> list[str]:
-    problems = []
-    for outcome in outcomes:
-        expected = EXPECTED_REFUSALS.get(outcome.family)
-        where = f"{outcome.family} ({outcome.strategy}): {outcome.status}: {outcome.detail}"
-        if expected is None and outcome.status != "equal":
-            problems.append(f"{where} (expected equal)")
-        elif expected is not None and not (outcome.status == "refused" and re.search(expected, outcome.detail)):
-            problems.append(f"{where} (expected refused: {expected})")
-    return problems
+def _expected(outcome: Outcome) -> str | None:
+    return EXPECTED_REFUSALS.get(outcome.family)
 
 
 @pytest.mark.timeout(3600)
 def test_representative_vision_language_families_equal_the_whole_model_or_are_refused():
     outcomes, skipped = run(REPRESENTATIVE, list(STRATEGIES))
-    problems = _problems(outcomes) + [f"{name}: not run: {why}" for name, why in skipped.items()]
-    assert not problems, f"{len(problems)} families off:\n" + "\n".join(problems)
+    assert_expected(outcomes, _expected, skipped, "not run")
 
 
 @pytest.mark.zoo
 @pytest.mark.heavy  # ~32 min at load 60-78: by hand; the representative families run in the default suite
 @pytest.mark.timeout(7200)
 def test_every_vision_language_family_and_the_table_is_this_run():
-    start = time.perf_counter()
-    outcomes, skipped = run(families(), list(STRATEGIES))
-    problems = _problems(outcomes)
-    assert not problems, f"{len(problems)} families off:\n" + "\n".join(problems)
-    fresh = without_run_time(table(outcomes, skipped, time.perf_counter() - start))
-    committed = without_run_time(PAGE.read_text())
-    diff = "".join(difflib.unified_diff(committed.splitlines(True), fresh.splitlines(True), "committed", "this run"))
-    assert not diff, f"{PAGE} differs from this run; regenerate it with `python -m tests.vlm_zoo`:\n{diff}"
+    assert_every_family(run, families(), list(STRATEGIES), _expected, table, PAGE, "tests.vlm_zoo")

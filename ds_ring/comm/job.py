@@ -1,16 +1,17 @@
 """The one owner of ds_ring's run-time state in a process: a :class:`Job` per job, instead of module globals.
 
 A *job* is what runs over one default process group (``torch.distributed``'s world): its :class:`Job` holds the
-facts its first :class:`~ds_ring.Topology` gathered (every rank's host and CPU place), the caches kept per owner
-(a topology's or a group's placement, a placement's prepared calls, the calls a group agreed on, probed links,
-control twins), ``strategy="auto"``'s decisions and the DeepSpeed collectives running. A process that has no
-process group (or has destroyed it) is its own job. What belongs to the process whatever job it runs — the
-interruptible waits' checks and helper thread, the CPU heap setting, the exit flushes, a patched library class — is
-held by
-:func:`process`'s job. A job's state goes with its process group: a new ``init_process_group`` starts a new
-job, and nothing of the previous one (hosts, prepared calls, agreed calls) is taken for it.
+facts its first :class:`~ds_ring.Topology` gathered (every rank's host and CPU place), the caches kept per owner (a
+topology's or a group's placement, a placement's prepared calls, the calls a group agreed on, probed links, control
+twins), ``strategy="auto"``'s decisions and the DeepSpeed collectives running. A process that has no process group
+(or has destroyed it) is its own job. What belongs to the process whatever job it runs — the interruptible waits'
+checks and helper thread, the stream-ordered waits' watchdog, the CPU heap setting, the exit flushes, a patched
+library class — is held by :func:`process`'s job. A job's state goes with its process group: a new
+``init_process_group`` starts a new job, and nothing of the previous one (hosts, prepared calls, agreed calls) is
+taken for it.
 
-:data:`_JOBS` is the one module-level name here that changes at run time (a registry, like the strategies').
+:data:`_JOBS` is the one module-level name here that changes at run time (a registry, like the plug-ins'
+:data:`~ds_ring.strategies.registry.PLUGINS`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ class Job:
         """Process: the open interruptible blocks' checks, innermost last (:func:`ds_ring.comm.wait.interruptible`)."""
         self.helper: Any = None
         """Process: the thread host waits run on inside an interruptible block (``None``: not started)."""
+        self.watch: Any = None
+        """Process: the stream-ordered waits' watchdog (:func:`ds_ring.comm.wait.watchdog`; ``None``: none yet)."""
         self.heap: Any = None
         """Process: the CPU heap setting in force (:mod:`ds_ring.cpu_heap`; ``None``: not configured yet)."""
         self.flushes: dict[int, Callable[[], Any]] = {}

@@ -1,15 +1,15 @@
 """The deadline of stream-ordered waits: a watchdog thread that names the rank, peer and step of a GPU
 transfer still incomplete ``timeout_s`` after it was waited on.
 
-On NCCL ``Work.wait()`` without a timeout makes the *current CUDA stream* wait for the work and returns at
-once: the host runs ahead and queues the next layer. Nothing then bounds the wait on the host, so every
-such work is handed to :data:`WATCH`, which checks ``work.is_completed()`` (a non-blocking query of the
-work's CUDA event) about every :data:`POLL_S` seconds. A work past its deadline becomes a
-:class:`~ds_ring.comm.errors.CommTimeoutError` naming the rank, the peer, the step and the op: announced at
-once to the hooks (a ``"comm_error"`` event, logged by ds_ring's watchdog hook) and by ``logging``, and
-raised on the training thread by its next ds_ring wait (:meth:`StreamWatch.raise_expired`). NCCL's own
-watchdog (the process group's timeout, twice ``timeout_s``: :func:`ds_ring.comm.wait.process_group_timeout_s`)
-stays the backstop that aborts the communicator and ends the process.
+On NCCL ``Work.wait()`` without a timeout makes the *current CUDA stream* wait for the work and returns at once: the
+host runs ahead and queues the next layer. Nothing then bounds the wait on the host, so every such work is handed to
+the process's :class:`StreamWatch` (:func:`ds_ring.comm.wait.watchdog`), which checks ``work.is_completed()`` (a
+non-blocking query of the work's CUDA event) about every :data:`POLL_S` seconds. A work past its deadline becomes a
+:class:`~ds_ring.comm.errors.CommTimeoutError` naming the rank, the peer, the step and the op: announced at once to
+the hooks (a ``"comm_error"`` event, logged by ds_ring's watchdog hook) and by ``logging``, and raised on the
+training thread by its next ds_ring wait (:meth:`StreamWatch.raise_expired`). NCCL's own watchdog (the process
+group's timeout, twice ``timeout_s``: :func:`ds_ring.comm.wait.process_group_timeout_s`) stays the backstop that
+aborts the communicator and ends the process.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from ds_ring.comm.errors import CommTimeoutError
 from ds_ring.comm.hosts import name_hosts
 
-__all__ = ["StreamWatch", "WATCH", "POLL_S"]
+__all__ = ["StreamWatch", "POLL_S"]
 
 POLL_S = 1.0
 """Seconds between two checks of the watched works (a deadline is noticed at most this late)."""
@@ -112,7 +112,3 @@ class StreamWatch:
         while True:
             time.sleep(POLL_S)
             self.poll()
-
-
-WATCH = StreamWatch()
-"""The process's watch (:func:`ds_ring.comm.wait.wait_all` sets its ``announce``)."""

@@ -56,12 +56,13 @@ from ds_ring.comm.backends import device_backend
 from ds_ring.comm.errors import CommError, CommTimeoutError
 from ds_ring.comm.hosts import name_hosts
 from ds_ring.comm.job import process
-from ds_ring.comm.stream_watch import WATCH
+from ds_ring.comm.stream_watch import StreamWatch
 from ds_ring.hooks import Event, current_labels, emit, hooks_active, pop_labels, push_labels
 
 __all__ = [
     "Pending",
     "wait_all",
+    "watchdog",
     "failed",
     "stream_ordered",
     "DEFAULT_TIMEOUT_S",
@@ -138,6 +139,17 @@ def stream_ordered(group: dist.ProcessGroup | None, device: torch.device) -> boo
     return device.type == "cuda" and device_backend(dist.get_backend(group), "cuda") == "nccl"
 
 
+def watchdog() -> StreamWatch:
+    """The process's watchdog of stream-ordered waits (held by :func:`~ds_ring.comm.job.process`'s job, made on
+    first use); it announces each expired work through :func:`failed`."""
+    owner = process()
+    if owner.watch is None:
+        with owner.lock:
+            if owner.watch is None:
+                owner.watch = StreamWatch(failed)
+    return owner.watch
+
+
 def wait_all(
     pending: Sequence[Pending], *, timeout_s: float, rank: int, op: str, step: int, in_stream: bool = False
 ) -> float:
@@ -151,14 +163,14 @@ def wait_all(
     :class:`CommError` when the backend reports a failure before it.
     """
     if in_stream:
-        WATCH.announce = failed
-        WATCH.raise_expired()
+        watch = watchdog()
+        watch.raise_expired()
         for item in pending:
             try:
                 item.work.wait()
             except RuntimeError as exc:
                 raise failed(CommError(rank, item.peer, step, op, f"waiting for {item.what}", str(exc))) from exc
-        WATCH.watch(pending, timeout_s=timeout_s, rank=rank, op=op, step=step)
+        watch.watch(pending, timeout_s=timeout_s, rank=rank, op=op, step=step)
         return 0.0
     if process().checks and threading.current_thread() is threading.main_thread():
         return _wait_in_helper(pending, timeout_s=timeout_s, rank=rank, op=op, step=step)

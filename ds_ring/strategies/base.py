@@ -39,7 +39,7 @@ from ds_ring.kernels.dilated import check_window_branches
 from ds_ring.kernels.dilation import check_branches, check_cu_seqlens, check_softcap
 from ds_ring.kernels.spans import check_span_options
 from ds_ring.strategies.cost import Cost, Link, Option, Problem
-from ds_ring.strategies.registry import Registry
+from ds_ring.strategies.registry import PLUGINS
 
 __all__ = [
     "AttentionCall",
@@ -319,19 +319,26 @@ class Strategy(ABC):
         raise NotImplementedError(f"strategy {self.name!r} has no memory model")
 
 
-_STRATEGIES: Registry[Strategy] = Registry("strategy")
+def check_missing_dimension(strategy: str, dimension: str, field: str, degree: int | None) -> None:
+    """For :meth:`Strategy.check_degrees`: ``ValueError`` unless ``degree`` (the ds_config's ``field``) is unset or 1,
+    since ``strategy`` has no ``dimension`` (``"Ulysses"``, ``"ring"``) to give it."""
+    if degree not in (None, 1):
+        raise ValueError(
+            f"{field} is {degree} but strategy {strategy!r} has no {dimension} dimension; set {field} to 1 (or remove "
+            "it), or use strategy 'hybrid'"
+        )
 
 
 def register_strategy(strategy: Strategy) -> None:
     """Make ``strategy`` selectable as ``strategy=strategy.name`` (in calls and in the ds_config)."""
-    _STRATEGIES.register(strategy.name, strategy)
+    PLUGINS.strategies.register(strategy.name, strategy)
 
 
 def get_strategy(name: str) -> Strategy:
     """The strategy registered as ``name``; ``ValueError`` listing the choices otherwise."""
-    return _STRATEGIES.get(name)
+    return PLUGINS.strategies.get(name)
 
 
 def strategy_names() -> tuple[str, ...]:
     """Names of the registered strategies, in registration order."""
-    return _STRATEGIES.names()
+    return PLUGINS.strategies.names()

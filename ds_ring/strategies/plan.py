@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import bisect
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
@@ -253,76 +253,90 @@ def _within_reach(key: Run, queries: list[Run], window: int | None) -> Run:
     return Run(slice(start, start + last - first), slice(0, last - first), key.segment, first)
 
 
-def _span(
-    branch: Branch,
-    members: list[int],
-    rank: int,
-    portions: dict[int, list[tuple[int, int, int, _Piece]]],
-    groups: list[HeadGroup],
-    travel: list[Travel],
-    causal: bool,
-    window: int | None,
-    spans: Spans | None = None,
-) -> SpanPlan:
+def _blocks(
+    runs: list[list[list[Run]]], needed: Callable[[int, int, Run], tuple[Run | None, list[int]]]
+) -> tuple[tuple[tuple[Held, ...], ...], int]:
+    """What each member's block holds, per head group (``runs[i][g]``: member ``i``'s key runs in group ``g``), and
+    the hops to the farthest reader: ``needed(i, g, key)`` gives the part of ``key`` that other members read and
+    which members read it (none: ``key`` stays home)."""
+    n, hops, held = len(runs), 0, []
+    for i in range(n):
+        sent = []
+        for g in range(len(runs[i])):
+            parts = []
+            for key in runs[i][g]:
+                part, users = needed(i, g, key)
+                if users:
+                    parts.append(part)
+                    hops = max([hops] + [(j - i) % n for j in users])
+            sent.append(_packed(parts))
+        held.append(tuple(sent))
+    return tuple(held), hops
+
+
+@dataclass(frozen=True)
+class _Linked:
+    """One branch's span as :func:`plan_shards` finds it: its members (rank order), each member's portions of the
+    spanning segments, this rank, and the head groups with how each travels."""
+
+    branch: Branch
+    members: list[int]
+    rank: int
+    portions: dict[int, list[tuple[int, int, int, _Piece]]]
+    groups: list[HeadGroup]
+    travel: list[Travel]
+
+    def runs(self, order: list[int]) -> list[list[list[Run]]]:
+        """``[i][g]``: the runs of head group ``g`` in the portions of member ``order[i]``."""
+        return [[_runs(self.portions.get(m, []), g) for g in self.groups] for m in order]
+
+    def plan(
+        self,
+        order: list[int],
+        runs: list[list[list[Run]]],
+        needed: Callable[[int, int, Run], tuple[Run | None, list[int]]],
+        spans: Spans | None,
+        ahead: bool = False,
+    ) -> SpanPlan:
+        """The plan of blocks travelling through the members in ``order`` (:func:`_blocks` with ``needed``)."""
+        held, hops = _blocks(runs, needed)
+        index = order.index(self.rank)
+        queries = tuple(_packed(r) for r in runs[index])
+        members, groups, travel = tuple(order), tuple(self.groups), tuple(self.travel)
+        return SpanPlan(self.branch, members, index, groups, travel, held, queries, hops, spans, ahead=ahead)
+
+
+def _span(linked: _Linked, causal: bool, window: int | None, spans: Spans | None = None) -> SpanPlan:
     """Each member's block holds only the runs (and with a window only the rows) another member attends to;
     hops reach the farthest such member (with ``spans``: as causal attention; the look-ahead is
     :func:`_ahead_span`'s)."""
-    runs = [[_runs(portions.get(m, []), g) for g in groups] for m in members]
-    n, hops = len(members), 0
-    held = []
-    for i in range(n):
-        sent = []
-        for g in range(len(groups)):
-            needed = []
-            for key in runs[i][g]:
-                readers = {j: [q for q in runs[j][g] if _meets(q, key, causal, window)] for j in range(n) if j != i}
-                users = [j for j, queries in readers.items() if queries]
-                if users:
-                    needed.append(_within_reach(key, [q for j in users for q in readers[j]], window))
-                    hops = max([hops] + [(j - i) % n for j in users])
-            sent.append(_packed(needed))
-        held.append(tuple(sent))
-    index = members.index(rank)
-    queries = tuple(_packed(r) for r in runs[index])
-    return SpanPlan(branch, tuple(members), index, tuple(groups), tuple(travel), tuple(held), queries, hops, spans)
+    runs = linked.runs(linked.members)
+
+    def needed(i: int, g: int, key: Run) -> tuple[Run | None, list[int]]:
+        readers = {j: [q for q in runs[j][g] if _meets(q, key, causal, window)] for j in range(len(runs)) if j != i}
+        users = [j for j, queries in readers.items() if queries]
+        return (_within_reach(key, [q for j in users for q in readers[j]], window) if users else None), users
+
+    return linked.plan(linked.members, runs, needed, spans)
 
 
-def _ahead_span(
-    branch: Branch,
-    members: list[int],
-    rank: int,
-    portions: dict[int, list[tuple[int, int, int, _Piece]]],
-    groups: list[HeadGroup],
-    travel: list[Travel],
-    spans: Spans,
-) -> SpanPlan | None:
+def _ahead_span(linked: _Linked, spans: Spans) -> SpanPlan | None:
     """The backward-travelling plan of a span's look-ahead rows (``None`` when no span reaches an earlier member):
     members in descending order; each block holds, of each key run, the rows from its start to the farthest reach
     of an earlier member's query run into it."""
-    order = sorted(members, reverse=True)
-    runs = [[_runs(portions.get(m, []), g) for g in groups] for m in order]
-    n, hops, held = len(order), 0, []
-    for i in range(n):
-        sent = []
-        for g in range(len(groups)):
-            needed = []
-            for key in runs[i][g]:
-                readers = [(j, q) for j in range(n) if j != i for q in runs[j][g] if _ahead(q, key, spans)]
-                if readers:
-                    last = min(key.position + key.count, max(_reach(q, spans) for _, q in readers) + 1)
-                    rows = last - key.position
-                    start = key.rows.start
-                    needed.append(Run(slice(start, start + rows), slice(0, rows), key.segment, key.position))
-                    hops = max([hops] + [(j - i) % n for j, _ in readers])
-            sent.append(_packed(needed))
-        held.append(tuple(sent))
-    if not hops:
-        return None
-    index = order.index(rank)
-    queries = tuple(_packed(r) for r in runs[index])
-    return SpanPlan(
-        branch, tuple(order), index, tuple(groups), tuple(travel), tuple(held), queries, hops, spans, ahead=True
-    )
+    order = sorted(linked.members, reverse=True)
+    runs = linked.runs(order)
+
+    def needed(i: int, g: int, key: Run) -> tuple[Run | None, list[int]]:
+        readers = [(j, q) for j in range(len(runs)) if j != i for q in runs[j][g] if _ahead(q, key, spans)]
+        if not readers:
+            return None, []
+        rows = min(key.position + key.count, max(_reach(q, spans) for _, q in readers) + 1) - key.position
+        start = key.rows.start
+        return Run(slice(start, start + rows), slice(0, rows), key.segment, key.position), [j for j, _ in readers]
+
+    plan = linked.plan(order, runs, needed, spans, ahead=True)
+    return plan if plan.hops else None
 
 
 def _branch_specs(seq_len: int, segment_lengths: Sequence[int] | None, dilation_rates: Sequence[int] | None):
@@ -421,10 +435,10 @@ def _plan(
         members, portions = span
         groups = head_groups(num_heads, num_kv_heads, r, head_offset, device)
         travel = [_travel(g, num_heads) for g in groups]
-        branch = Branch(min(w, seq_len), r)
-        plans.append(_span(branch, members, rank, portions, groups, travel, causal, window, spans))
+        linked = _Linked(Branch(min(w, seq_len), r), members, rank, portions, groups, travel)
+        plans.append(_span(linked, causal, window, spans))
         if spans:
-            ahead = _ahead_span(branch, members, rank, portions, groups, travel, spans)
+            ahead = _ahead_span(linked, spans)
             if ahead is not None:
                 plans.append(ahead)
     return ShardPlan(tuple(local), tuple(plans), seq_len)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 
 from ds_ring.kernels.dilated import Options
-from ds_ring.strategies.base import AttentionCall, Bound, Degrees, Shape, Strategy, Target
+from ds_ring.strategies.base import AttentionCall, Bound, Degrees, Shape, Strategy, Target, check_missing_dimension
 from ds_ring.strategies.cost import (
     Cost,
     Link,
@@ -86,11 +86,7 @@ class SequenceShards(Strategy):
         self.exchange = exchange
 
     def check_degrees(self, ulysses_degree: int | None, ring_degree: int | None) -> None:
-        if ulysses_degree not in (None, 1):
-            raise ValueError(
-                f"ulysses_degree is {ulysses_degree} but strategy {self.name!r} has no Ulysses dimension; set "
-                "ulysses_degree to 1 (or remove it), or use strategy 'hybrid'"
-            )
+        check_missing_dimension(self.name, "Ulysses", "ulysses_degree", ulysses_degree)
 
     def options(self, problem: Problem) -> list[Option]:
         """Every layout over the whole group (``1 × p``), on this strategy's exchange: the fixed one, else the call's

@@ -32,7 +32,7 @@ from ds_ring.kernels.merge import accum_dtype
 from ds_ring.kernels.sinks import add_sinks_, sinks_grad
 from ds_ring.strategies.blocks import LazyGrads, Shard, add_home_grads_, backward_own_, head_chunks, unpack_block
 from ds_ring.strategies.plan import ShardPlan, SpanPlan
-from ds_ring.strategies.registry import Registry
+from ds_ring.strategies.registry import PLUGINS
 
 __all__ = [
     "Exchange",
@@ -100,26 +100,23 @@ class Exchange(ABC):
         backward_own_(span, shard, dout, dq, dk, dv, opts)
 
 
-_REGISTRY: Registry[Exchange] = Registry("communication")
-
-
 def register_exchange(name: str, exchange: Exchange) -> None:
-    """Make ``exchange`` selectable as ``communication=name``."""
-    _REGISTRY.register(name, exchange)
+    """Make ``exchange`` selectable as ``communication=name`` (in the one registry of plug-ins)."""
+    PLUGINS.exchanges.register(name, exchange)
 
 
 def exchanges() -> tuple[str, ...]:
     """Names of the registered exchanges."""
-    return _REGISTRY.names()
+    return PLUGINS.exchanges.names()
 
 
 def get_exchange(name: str) -> Exchange:
     """The exchange registered as ``name``; ``ValueError`` listing the choices otherwise."""
-    return _REGISTRY.get(name)
+    return PLUGINS.exchanges.get(name)
 
 
 def _exchange_name(exchange: Exchange) -> str:
-    return _REGISTRY.name_of(exchange, type(exchange).__name__)
+    return PLUGINS.exchanges.name_of(exchange, type(exchange).__name__)
 
 
 def _attention_event(exchange: Exchange, direction: str, phase: str, started: float = 0.0, **extra) -> None:

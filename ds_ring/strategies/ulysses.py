@@ -45,7 +45,7 @@ from ds_ring.kernels.dilated import dilated_forward, plan_dilated
 from ds_ring.kernels.merge import accum_dtype
 from ds_ring.kernels.overwrite import BLOCK_ROWS, dilated_backward_over_inputs
 from ds_ring.parallel.order import ORDERS as LAYOUTS
-from ds_ring.strategies.base import AttentionCall, Bound, Degrees, Shape, Strategy, Target
+from ds_ring.strategies.base import AttentionCall, Bound, Degrees, Shape, Strategy, Target, check_missing_dimension
 from ds_ring.strategies.cost import Cost, Link, Option, Problem, branches, flops, kv_heads_sent, pairs
 
 __all__ = [
@@ -546,11 +546,7 @@ class Ulysses(Strategy):
         return None
 
     def check_degrees(self, ulysses_degree: int | None, ring_degree: int | None) -> None:
-        if ring_degree not in (None, 1):
-            raise ValueError(
-                f"ring_degree is {ring_degree} but strategy 'ulysses' has no ring dimension; set ring_degree to 1 "
-                "(or remove it), or use strategy 'hybrid'"
-            )
+        check_missing_dimension(self.name, "ring", "ring_degree", ring_degree)
 
     def options(self, problem: Problem) -> list[Option]:
         """Every layout, all-to-all over the whole group; none when the call names an exchange."""

@@ -93,19 +93,31 @@ def attention_handle(attention: Any) -> int:
     return register(weakref.ref(attention))
 
 
-def _run(
-    handle: int,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    sinks: torch.Tensor | None,
-    position_ids: torch.Tensor | None,
-    cu_seq_lens_q: torch.Tensor | None,
-    cu_seq_lens_k: torch.Tensor | None,
-    mask: torch.Tensor | None,
-    documents: list[int] | None,
-) -> torch.Tensor:
-    attention_handle_, site, scaling, softcap = lookup(handle)
+_ARGS = (
+    "Tensor query, Tensor key, Tensor value, Tensor? sinks, Tensor? position_ids, Tensor? cu_seq_lens_q, "
+    "Tensor? cu_seq_lens_k, Tensor? mask, int[]? documents, int handle"
+)  # spelled out: torch 2.6 cannot infer a schema from ``X | None`` annotations
+
+
+class _Inputs(NamedTuple):
+    """The inputs of ``ds_ring::hf_attention``, in its schema's order (:data:`_ARGS`): the shards, the batch's
+    tensors the attention reads (``sinks`` is the module's ``s_aux``), a mask tensor (``None``: the site's
+    :class:`MaskSpec`), documents as Python ints, and the call site's handle."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    sinks: torch.Tensor | None
+    position_ids: torch.Tensor | None
+    cu_seq_lens_q: torch.Tensor | None
+    cu_seq_lens_k: torch.Tensor | None
+    mask: torch.Tensor | None
+    documents: list[int] | None
+    handle: int
+
+
+def _run(inputs: _Inputs) -> torch.Tensor:
+    attention_handle_, site, scaling, softcap = lookup(inputs.handle)
     attention = lookup(attention_handle_)()
     if attention is None:
         raise ValueError(
@@ -113,35 +125,21 @@ def _run(
             "model again after register_with_transformers (torch._dynamo.reset() drops the old graphs)"
         )
     kwargs: dict[str, Any] = {
-        "position_ids": position_ids, "cu_seq_lens_q": cu_seq_lens_q, "cu_seq_lens_k": cu_seq_lens_k, "s_aux": sinks,
+        "position_ids": inputs.position_ids, "cu_seq_lens_q": inputs.cu_seq_lens_q,
+        "cu_seq_lens_k": inputs.cu_seq_lens_k, "s_aux": inputs.sinks,
     }  # fmt: skip
     kwargs = {name: x for name, x in kwargs.items() if x is not None}
-    if documents is not None:
-        kwargs[DOCUMENTS_KEY] = Documents(tuple(documents))
-    return attention.attend(site, query, key, value, site.spec if mask is None else mask, scaling, softcap, kwargs)
-
-
-_ARGS = (
-    "Tensor query, Tensor key, Tensor value, Tensor? sinks, Tensor? position_ids, Tensor? cu_seq_lens_q, "
-    "Tensor? cu_seq_lens_k, Tensor? mask, int[]? documents, int handle"
-)  # spelled out: torch 2.6 cannot infer a schema from ``X | None`` annotations
+    if inputs.documents is not None:
+        kwargs[DOCUMENTS_KEY] = Documents(tuple(inputs.documents))
+    mask = site.spec if inputs.mask is None else inputs.mask
+    return attention.attend(site, inputs.query, inputs.key, inputs.value, mask, scaling, softcap, kwargs)
 
 
 @torch.library.custom_op("ds_ring::hf_attention", mutates_args=(), schema=f"({_ARGS}) -> Tensor")
-def _hf_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    sinks: torch.Tensor | None,
-    position_ids: torch.Tensor | None,
-    cu_seq_lens_q: torch.Tensor | None,
-    cu_seq_lens_k: torch.Tensor | None,
-    mask: torch.Tensor | None,
-    documents: list[int] | None,
-    handle: int,
-) -> torch.Tensor:
+def _hf_attention(*inputs: Any) -> torch.Tensor:
+    """The attention of :class:`_Inputs` ``inputs``, without autograd (its gradient: :func:`_hf_attention_backward`)."""
     with torch.no_grad():
-        out = _run(handle, query, key, value, sinks, position_ids, cu_seq_lens_q, cu_seq_lens_k, mask, documents)
+        out = _run(_Inputs(*inputs))
     return out.contiguous()
 
 
@@ -155,27 +153,18 @@ _BACKWARD_SCHEMA = f"(Tensor grad, {_ARGS}) -> Tensor[]"
 
 
 @torch.library.custom_op("ds_ring::hf_attention_backward", mutates_args=(), schema=_BACKWARD_SCHEMA)
-def _hf_attention_backward(
-    grad: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    sinks: torch.Tensor | None,
-    position_ids: torch.Tensor | None,
-    cu_seq_lens_q: torch.Tensor | None,
-    cu_seq_lens_k: torch.Tensor | None,
-    mask: torch.Tensor | None,
-    documents: list[int] | None,
-    handle: int,
-) -> list[torch.Tensor]:
-    inputs = [x for x in (query, key, value, sinks) if x is not None]
+def _hf_attention_backward(grad: torch.Tensor, *inputs: Any) -> list[torch.Tensor]:
+    """The gradients of ``query``, ``key``, ``value`` (and ``sinks`` when given) of :class:`_Inputs` ``inputs``: the
+    call run again with autograd and differentiated."""
+    given = _Inputs(*inputs)
+    tensors = [x for x in (given.query, given.key, given.value, given.sinks) if x is not None]
     with autograd_inside():
-        leaves = [x.detach().requires_grad_(True) for x in inputs]
-        out = _run(handle, *leaves[:3], leaves[3] if sinks is not None else None, position_ids, cu_seq_lens_q,
-                   cu_seq_lens_k, mask, documents)  # fmt: skip
+        leaves = [x.detach().requires_grad_(True) for x in tensors]
+        sinks = leaves[3] if given.sinks is not None else None
+        out = _run(given._replace(query=leaves[0], key=leaves[1], value=leaves[2], sinks=sinks))
         grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
     # the layout the fake promises: each gradient strided like its input
-    pairs = zip(inputs, grads, strict=True)
+    pairs = zip(tensors, grads, strict=True)
     return [torch.zeros_like(x) if g is None else torch.empty_like(x).copy_(g) for x, g in pairs]
 
 
@@ -185,16 +174,15 @@ def _hf_attention_backward_fake(grad, query, key, value, sinks, *_):
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    query, key, value, sinks, position_ids, cu_q, cu_k, mask, documents, handle = inputs
-    ctx.save_for_backward(query, key, value, sinks, position_ids, cu_q, cu_k, mask)
-    ctx.documents, ctx.handle = documents, handle
+    given = _Inputs(*inputs)
+    ctx.save_for_backward(*given[:8])  # the tensors
+    ctx.documents, ctx.handle = given.documents, given.handle
 
 
 def _backward(ctx: Any, grad: torch.Tensor) -> tuple:
-    query, key, value, sinks, position_ids, cu_q, cu_k, mask = ctx.saved_tensors
-    grads = torch.ops.ds_ring.hf_attention_backward(
-        grad, query, key, value, sinks, position_ids, cu_q, cu_k, mask, ctx.documents, ctx.handle
-    )
+    tensors = ctx.saved_tensors
+    grads = torch.ops.ds_ring.hf_attention_backward(grad, *tensors, ctx.documents, ctx.handle)
+    sinks = tensors[3]
     return grads[0], grads[1], grads[2], grads[3] if sinks is not None else None, *([None] * 6)
 
 
