@@ -218,12 +218,14 @@ def vision_language(
 def whole_image_mask(
     vision: VisionLanguage | None, original: Callable[..., Any] | None, own: Callable[..., Any]
 ) -> Callable[..., Any]:
-    """The mask function for the registry: ``original`` for a vision-side config, ``own`` otherwise."""
+    """The mask function for the registry: ``original`` for a vision-side config, and for every config while the
+    language model runs whole (eval mode under ``disable_in_eval``); ``own`` otherwise."""
     if vision is None or original is None:
         return own
 
     def mask(*args: Any, config: Any = None, **kwargs: Any) -> Any:
-        if vision.whole_mask(config):
+        whole = vision.disable_in_eval and not vision.language_model.training
+        if whole or vision.whole_mask(config):
             return original(*args, config=config, **kwargs)
         return own(*args, config=config, **kwargs)
 

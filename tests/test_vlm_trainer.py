@@ -1,0 +1,165 @@
+"""Vision-language models through the Trainer: ``SequenceParallelTrainer`` and ``apply_to_accelerate`` + ``Trainer``.
+
+On 2 gloo ranks (ring, ZeRO 2, SGD at a constant learning rate, no clipping, batches in order), tiny float64 models of
+the VLM zoo (:mod:`tests.vlm_zoo`: random weights, two images per row, one across the shard boundary) train 3
+optimizer steps from multimodal batches as the family's processor makes them; the parameters, the vision tower's
+included, equal those of one process training the whole model on the same batches:
+
+- Qwen2-VL (MRoPE ids from ``image_grid_thw``, ``mm_token_type_ids``; the vision encoder's frames divided) and
+  Gemma 3 (``token_type_ids``: bidirectional image spans), each under ``SequenceParallelTrainer`` (every rank of the
+  group loads the same batch) and under ``apply_to_accelerate()`` with transformers' ``Trainer`` and
+  ``ParallelismConfig(sp_size=2, sp_backend="deepspeed")`` (each rank loads its own batch, the group runs each);
+- a batch key the model does not take (a processor output the family has no input for) is refused by name.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+from tests.dist import CaseLog, assert_no_failures, run_distributed
+from tests.vlm_zoo import VOCAB, batch, build, reference
+from tests.zoo import Float64Throughout
+
+STEPS, LR = 3, 0.2
+FAMILIES = ("qwen2_vl", "gemma3")
+TOLERANCE = 1e-5
+"""Relative to each parameter's largest update: ZeRO 2 reduces the float64 model's gradients in float32 (DeepSpeed's
+reduce-scatter dtypes are fp16 / bf16 / fp32), so each update carries float32 rounding (measured: below 1e-6)."""
+
+
+def _ds_config() -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto", "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "ring_attention": {"strategy": "ring", "sequence_parallel_size": 2, "timeout_s": 120},
+    }  # fmt: skip
+
+
+def _batches(family: str, count: int) -> list[dict[str, torch.Tensor]]:
+    """``count`` full batches of the family (the zoo's, with other text tokens and images in each)."""
+    base = batch(family, build(family))
+    made = []
+    for step in range(count):
+        generator = torch.Generator().manual_seed(100 + step)
+        text = base["input_ids"] >= 8
+        tokens = torch.randint(8, VOCAB, base["input_ids"].shape, generator=generator)
+        full = {k: v.clone() for k, v in base.items()}
+        full["input_ids"] = torch.where(text, tokens, base["input_ids"])
+        full["labels"] = torch.where(text, tokens, base["labels"])
+        full["pixel_values"] = base["pixel_values"] + 0.5 * step
+        made.append(full)
+    return made
+
+
+def one_batch(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The collator: each dataset item is already a whole multimodal batch (as a processor makes it)."""
+    (item,) = items
+    return dict(item)
+
+
+def _one_process(family: str, batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+    """The whole model (``eager``) trained on ``batches`` in order by SGD: its parameters after."""
+    model = build(family)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    with Float64Throughout():
+        for full in batches:
+            reference(model, full)
+            optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _arguments(output: str, **extra: Any) -> Any:
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=output, per_device_train_batch_size=1, max_steps=STEPS, learning_rate=LR,
+        lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0, optim="sgd", deepspeed=_ds_config(),
+        report_to=[], save_strategy="no", remove_unused_columns=False, dataloader_drop_last=True, use_cpu=True,
+        **extra,
+    )  # fmt: skip
+
+
+def _in_order(base: type) -> type:
+    class InOrder(base):  # the reference's order (the Trainer shuffles by default)
+        def _get_train_sampler(self, *args: Any, **kwargs: Any) -> Any:
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    return InOrder
+
+
+def _trained(trainer: Any) -> list[torch.Tensor]:
+    with Float64Throughout():
+        trainer.train()
+    return [p.detach().clone() for p in trainer.model_wrapped.module.parameters()]
+
+
+def _sequence_parallel_trainer(family: str, batches: list[dict], output: str) -> list[torch.Tensor]:
+    from ds_ring.integrations.hf import SequenceParallelTrainer
+
+    model = build(family)
+    model.set_attn_implementation("sdpa")
+    trainer = _in_order(SequenceParallelTrainer)(model=model, args=_arguments(output), train_dataset=batches,
+                                                 data_collator=one_batch)  # fmt: skip
+    try:
+        return _trained(trainer)
+    finally:
+        trainer.close()
+
+
+def _accelerate_trainer(family: str, batches: list[dict], output: str) -> list[torch.Tensor]:
+    from accelerate.parallelism_config import ParallelismConfig
+    from transformers import Trainer
+
+    from ds_ring.integrations.hf import apply_to_accelerate
+
+    handle = apply_to_accelerate()
+    try:
+        model = build(family)
+        model.set_attn_implementation("sdpa")
+        args = _arguments(output, parallelism_config=ParallelismConfig(sp_size=2, sp_backend="deepspeed"))
+        trainer = _in_order(Trainer)(model=model, args=args, train_dataset=batches, data_collator=one_batch)
+        return _trained(trainer)
+    finally:
+        handle.undo()
+
+
+def _assert_parameters(got: list[torch.Tensor], want: list[torch.Tensor], initial: list[torch.Tensor]) -> None:
+    """Each parameter's update equals one process's to :data:`TOLERANCE` of that update's largest entry."""
+    assert len(got) == len(want)
+    for index, (a, b, start) in enumerate(zip(got, want, initial, strict=True)):
+        update = float((b - start).abs().max())
+        error = float((a - b).abs().max())
+        assert error <= TOLERANCE * update + 1e-15, (index, tuple(b.shape), error, update)
+    moved = [float((b - start).abs().max()) > 0 for b, start in zip(want, initial, strict=True)]
+    assert sum(moved) > len(moved) // 2, moved  # training moved the parameters: the comparison means something
+
+
+def _rank(rank: int, world: int) -> list[str]:
+    import transformers
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    transformers.logging.set_verbosity_error()
+    warnings.simplefilter("ignore")
+    log = CaseLog()
+    with tempfile.TemporaryDirectory() as output:
+        for family in FAMILIES:
+            batches = _batches(family, STEPS + 1)
+            want = _one_process(family, batches[:STEPS])
+            initial = [p.detach().clone() for p in build(family).parameters()]
+            for name, train in (("SequenceParallelTrainer", _sequence_parallel_trainer),
+                                ("apply_to_accelerate + Trainer", _accelerate_trainer)):  # fmt: skip
+                with log.case(f"{family}: {name}, 3 steps = one process"):
+                    _assert_parameters(train(family, batches, output), want, initial)
+    return log.failures
+
+
+@pytest.mark.timeout(600)
+def test_vlm_trains_through_the_trainer_like_one_process() -> None:
+    assert_no_failures(run_distributed(_rank, 2, timeout=560))
