@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 import warnings
 from typing import Any
 
@@ -64,7 +65,7 @@ def one_batch(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return dict(item)
 
 
-def _one_process(family: str, batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+def _one_process(family: str, batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The whole model (``eager``) trained on ``batches`` in order by SGD: its parameters after."""
     model = build(family)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
@@ -72,7 +73,7 @@ def _one_process(family: str, batches: list[dict[str, torch.Tensor]]) -> list[to
         for full in batches:
             reference(model, full)
             optimizer.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _arguments(output: str, **extra: Any) -> Any:
@@ -94,13 +95,13 @@ def _in_order(base: type) -> type:
     return InOrder
 
 
-def _trained(trainer: Any) -> list[torch.Tensor]:
+def _trained(trainer: Any) -> dict[str, torch.Tensor]:
     with Float64Throughout():
         trainer.train()
-    return [p.detach().clone() for p in trainer.model_wrapped.module.parameters()]
+    return {n: p.detach().clone() for n, p in trainer.model_wrapped.module.named_parameters()}
 
 
-def _sequence_parallel_trainer(family: str, batches: list[dict], output: str) -> list[torch.Tensor]:
+def _sequence_parallel_trainer(family: str, batches: list[dict], output: str) -> dict[str, torch.Tensor]:
     from ds_ring.integrations.hf import SequenceParallelTrainer
 
     model = build(family)
@@ -113,7 +114,7 @@ def _sequence_parallel_trainer(family: str, batches: list[dict], output: str) ->
         trainer.close()
 
 
-def _accelerate_trainer(family: str, batches: list[dict], output: str) -> list[torch.Tensor]:
+def _accelerate_trainer(family: str, batches: list[dict], output: str) -> dict[str, torch.Tensor]:
     from accelerate.parallelism_config import ParallelismConfig
     from transformers import Trainer
 
@@ -130,15 +131,39 @@ def _accelerate_trainer(family: str, batches: list[dict], output: str) -> list[t
         handle.undo()
 
 
-def _assert_parameters(got: list[torch.Tensor], want: list[torch.Tensor], initial: list[torch.Tensor]) -> None:
-    """Each parameter's update equals one process's to :data:`TOLERANCE` of that update's largest entry."""
-    assert len(got) == len(want)
-    for index, (a, b, start) in enumerate(zip(got, want, initial, strict=True)):
-        update = float((b - start).abs().max())
-        error = float((a - b).abs().max())
-        assert error <= TOLERANCE * update + 1e-15, (index, tuple(b.shape), error, update)
-    moved = [float((b - start).abs().max()) > 0 for b, start in zip(want, initial, strict=True)]
-    assert sum(moved) > len(moved) // 2, moved  # training moved the parameters: the comparison means something
+def _assert_parameters(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                       initial: dict[str, torch.Tensor]) -> float:  # fmt: skip
+    """Each parameter's update equals one process's to :data:`TOLERANCE` of that update's largest entry; the worst
+    such relative error."""
+    assert list(got) == list(want)
+    worst = 0.0
+    for name, expected in want.items():
+        update = float((expected - initial[name]).abs().max())
+        error = float((got[name] - expected).abs().max())
+        assert error <= TOLERANCE * update + 1e-15, (name, error, update)  # 1e-15: parameters that barely move
+        worst = max(worst, error / update if update > 1e-12 else 0.0)  # rounding-level updates: the floor above
+    moved = [name for name, expected in want.items() if bool((expected != initial[name]).any())]
+    assert len(moved) > len(want) // 2, moved  # training moved the parameters: the comparison means something
+    vision = [name for name in moved if "visual" in name or "vision_tower" in name]
+    assert len(vision) > 4, moved  # the vision tower's among them
+    return worst
+
+
+def _refuses_unknown_inputs(family: str, batches: list[dict], output: str) -> None:
+    """A key the model's forward does not take (Qwen's ``image_grid_thw`` given to Gemma 3): refused by name, on
+    the first step, before any exchange."""
+    from ds_ring.integrations.hf import SequenceParallelTrainer
+
+    model = build(family)
+    model.set_attn_implementation("sdpa")
+    extra = [{**b, "image_grid_thw": torch.tensor([[1, 4, 4]] * 4)} for b in batches]
+    trainer = _in_order(SequenceParallelTrainer)(model=model, args=_arguments(output), train_dataset=extra,
+                                                 data_collator=one_batch)  # fmt: skip
+    try:
+        with pytest.raises(ValueError, match="'image_grid_thw' is not an input of Gemma3ForConditionalGeneration"):
+            trainer.train()
+    finally:
+        trainer.close()
 
 
 def _rank(rank: int, world: int) -> list[str]:
@@ -151,12 +176,19 @@ def _rank(rank: int, world: int) -> list[str]:
     with tempfile.TemporaryDirectory() as output:
         for family in FAMILIES:
             batches = _batches(family, STEPS + 1)
+            start = time.perf_counter()
             want = _one_process(family, batches[:STEPS])
-            initial = [p.detach().clone() for p in build(family).parameters()]
+            initial = dict(build(family).named_parameters())
+            print(f"{family}: one process {time.perf_counter() - start:.1f} s")
             for name, train in (("SequenceParallelTrainer", _sequence_parallel_trainer),
                                 ("apply_to_accelerate + Trainer", _accelerate_trainer)):  # fmt: skip
                 with log.case(f"{family}: {name}, 3 steps = one process"):
-                    _assert_parameters(train(family, batches, output), want, initial)
+                    start = time.perf_counter()
+                    worst = _assert_parameters(train(family, batches, output), want, initial)
+                    seconds = time.perf_counter() - start
+                    print(f"{family}: {name}: worst update error {worst:.1e} relative, {seconds:.1f} s")
+        with log.case("gemma3: a key the model does not take is refused by name"):
+            _refuses_unknown_inputs("gemma3", _batches("gemma3", 1), output)
     return log.failures
 
 

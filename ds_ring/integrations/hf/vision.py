@@ -21,6 +21,7 @@ for its configs by the mask function it replaced (:meth:`VisionLanguage.whole_im
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -30,7 +31,7 @@ from torch import nn
 from ds_ring.integrations.hf.vision_split import FrameSplit, frame_encoders
 from ds_ring.integrations.internal import shard_sequence
 
-__all__ = ["VisionLanguage", "find_language_model", "vision_language", "whole_image_mask"]
+__all__ = ["VisionLanguage", "find_language_model", "model_inputs", "vision_language", "whole_image_mask"]
 
 
 def _is_composite(config: Any) -> bool:
@@ -85,6 +86,8 @@ class VisionLanguage:
         disable_in_eval: bool = False,
     ) -> None:
         self.model_class = type(model).__name__
+        self.inputs = model_inputs(model)
+        """What the model's ``forward`` names: the keys a batch may carry (the images, grids, token types)."""
         self.path = path
         self.language_model = language_model
         self.topology = topology
@@ -184,6 +187,15 @@ class VisionLanguage:
         local = shard_sequence(masks, group, layout=self.layout, dim=1)
         rows = shard_sequence(index, group, layout=self.layout, dim=1)[local]
         return [feature[rows.to(feature.device)] for feature in features]
+
+
+def model_inputs(model: nn.Module) -> frozenset[str]:
+    """The inputs ``model.forward`` names (PEFT's wrapper: its base model's), ``**kwargs`` left out: what a processor
+    makes for this family (``pixel_values``, ``image_grid_thw``, ``token_type_ids``, ...) is among them, and anything
+    else would land in ``**kwargs``, which these models pass on without reading."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    parameters = inspect.signature(base.forward).parameters.values()
+    return frozenset(p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
 
 
 def _mrope(config: Any) -> bool:
