@@ -30,8 +30,10 @@ from tests.zoo import Float64Throughout
 STEPS, LR = 3, 0.2
 FAMILIES = ("qwen2_vl", "gemma3")
 TOLERANCE = 1e-5
-"""Relative to each parameter's largest update: ZeRO 2 reduces the float64 model's gradients in float32 (DeepSpeed's
-reduce-scatter dtypes are fp16 / bf16 / fp32), so each update carries float32 rounding (measured: below 1e-6)."""
+"""Relative to each parameter's largest update: with sequence parallelism DeepSpeed's ZeRO 1/2 all-reduce the
+gradients in float32 (``stage_1_and_2``: ``communication_data_type = torch.float32`` when ``sequence_parallel_size >
+1``; ZeRO 0 refuses float64 gradients), so the float64 model's updates carry float32 rounding (measured: 7e-8 for
+Qwen2-VL, 2.4e-7 for Gemma 3); a gradient off by any share of a rank is off by far more."""
 
 
 def _ds_config() -> dict[str, Any]:
