@@ -82,10 +82,10 @@ def _arguments(output: str, **extra: Any) -> Any:
     from transformers import TrainingArguments
 
     return TrainingArguments(
-        output_dir=output, per_device_train_batch_size=1, max_steps=STEPS, learning_rate=LR,
-        lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0, optim="sgd", deepspeed=_ds_config(),
-        report_to=[], save_strategy="no", remove_unused_columns=False, dataloader_drop_last=True, use_cpu=True,
-        **extra,
+        output_dir=output, per_device_train_batch_size=1, per_device_eval_batch_size=1, max_steps=STEPS,
+        learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0, optim="sgd",
+        deepspeed=_ds_config(), report_to=[], save_strategy="no", remove_unused_columns=False,
+        dataloader_drop_last=True, use_cpu=True, **extra,
     )  # fmt: skip
 
 
@@ -97,13 +97,15 @@ def _in_order(base: type) -> type:
     return InOrder
 
 
-def _trained(trainer: Any) -> dict[str, torch.Tensor]:
+def _trained(trainer: Any, held_out: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], float]:
+    """The parameters after ``trainer.train()`` and ``evaluate()``'s loss on the ``held_out`` batches after it."""
     with Float64Throughout():
         trainer.train()
-    return {n: p.detach().clone() for n, p in trainer.model_wrapped.module.named_parameters()}
+        loss = trainer.evaluate(eval_dataset=held_out)["eval_loss"]
+    return {n: p.detach().clone() for n, p in trainer.model_wrapped.module.named_parameters()}, loss
 
 
-def _sequence_parallel_trainer(family: str, batches: list[dict], output: str) -> dict[str, torch.Tensor]:
+def _sequence_parallel_trainer(family: str, batches: list[dict], held_out: list, output: str) -> tuple[dict, float]:
     from ds_ring.integrations.hf import SequenceParallelTrainer
 
     model = build(family)
@@ -111,12 +113,14 @@ def _sequence_parallel_trainer(family: str, batches: list[dict], output: str) ->
     trainer = _in_order(SequenceParallelTrainer)(model=model, args=_arguments(output), train_dataset=batches,
                                                  data_collator=one_batch)  # fmt: skip
     try:
-        return _trained(trainer)
+        return _trained(trainer, held_out)
     finally:
         trainer.close()
 
 
-def _accelerate_trainer(family: str, batches: list[dict], output: str) -> dict[str, torch.Tensor]:
+def _accelerate_trainer(family: str, batches: list[dict], held_out: list, output: str) -> tuple[dict, float]:
+    """accelerate's sequence parallelism run by ds_ring (which registers with ``disable_in_eval=True``: ``evaluate``
+    runs the whole model with transformers' masks)."""
     from accelerate.parallelism_config import ParallelismConfig
     from transformers import Trainer
 
@@ -128,9 +132,20 @@ def _accelerate_trainer(family: str, batches: list[dict], output: str) -> dict[s
         model.set_attn_implementation("sdpa")
         args = _arguments(output, parallelism_config=ParallelismConfig(sp_size=2, sp_backend="deepspeed"))
         trainer = _in_order(Trainer)(model=model, args=args, train_dataset=batches, data_collator=one_batch)
-        return _trained(trainer)
+        return _trained(trainer, held_out)
     finally:
         handle.undo()
+
+
+def _held_out_loss(family: str, parameters: dict[str, torch.Tensor], held_out: list[dict[str, torch.Tensor]]) -> float:
+    """The mean over the ``held_out`` batches of the whole model's token-mean loss with ``parameters`` (one process's
+    after training): what the Trainer's ``eval_loss`` is."""
+    model = build(family)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():  # tied ones (Gemma 3's head) once
+            parameter.copy_(parameters[name])
+    with torch.no_grad(), Float64Throughout():
+        return sum(float(model(**full).loss) for full in held_out) / len(held_out)
 
 
 def _assert_parameters(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
@@ -177,20 +192,25 @@ def _rank(rank: int, world: int) -> list[str]:
     log = CaseLog()
     with tempfile.TemporaryDirectory() as output:
         for family in FAMILIES:
-            batches = _batches(family, STEPS + 1)
+            made = _batches(family, STEPS + 3)
+            batches, held_out = made[: STEPS + 1], made[STEPS + 1 :]
             start = time.perf_counter()
             want = _one_process(family, batches[:STEPS])
+            want_loss = _held_out_loss(family, want, held_out)
             initial = dict(build(family).named_parameters())
             print(f"{family}: one process {time.perf_counter() - start:.1f} s")
             for name, train in (("SequenceParallelTrainer", _sequence_parallel_trainer),
                                 ("apply_to_accelerate + Trainer", _accelerate_trainer)):  # fmt: skip
-                with log.case(f"{family}: {name}, 3 steps = one process"):
+                with log.case(f"{family}: {name}, 3 steps and evaluate() = one process"):
                     start = time.perf_counter()
-                    worst = _assert_parameters(train(family, batches, output), want, initial)
+                    got, loss = train(family, batches, held_out, output)
+                    worst = _assert_parameters(got, want, initial)
+                    assert abs(loss - want_loss) <= 1e-6 * abs(want_loss), (loss, want_loss)
                     seconds = time.perf_counter() - start
-                    print(f"{family}: {name}: worst update error {worst:.1e} relative, {seconds:.1f} s")
+                    print(f"{family}: {name}: worst update error {worst:.1e} relative, held-out loss {loss:.10f} "
+                          f"(one process {want_loss:.10f}), {seconds:.1f} s")  # fmt: skip
         with log.case("gemma3: a key the model does not take is refused by name"):
-            _refuses_unknown_inputs("gemma3", _batches("gemma3", 1), output)
+            _refuses_unknown_inputs("gemma3", _batches("gemma3", 2), output)
     return log.failures
 
 

@@ -104,7 +104,8 @@ class VisionLanguage:
         self.mrope = _mrope(text) or any(hasattr(m, "mrope_section") for m in language_model.modules())
         self._handle = language_model.register_forward_pre_hook(self._cut, with_kwargs=True)
         outside = [m for m in model.modules() if id(m) not in inside]
-        self.splits = [FrameSplit(encoder, topology) for encoder in frame_encoders(outside)] if divide else []
+        encoders = frame_encoders(outside) if divide else []
+        self.splits = [FrameSplit(encoder, topology, disable_in_eval=disable_in_eval) for encoder in encoders]
         """The vision encoders whose frames are divided over the ranks."""
 
     def remove(self) -> None:
