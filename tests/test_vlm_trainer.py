@@ -9,6 +9,9 @@ included, equal those of one process training the whole model on the same batche
   Gemma 3 (``token_type_ids``: bidirectional image spans), each under ``SequenceParallelTrainer`` (every rank of the
   group loads the same batch) and under ``apply_to_accelerate()`` with transformers' ``Trainer`` and
   ``ParallelismConfig(sp_size=2, sp_backend="deepspeed")`` (each rank loads its own batch, the group runs each);
+- ``evaluate()`` after training gives one process's held-out loss: sequence parallel under ``SequenceParallelTrainer``,
+  whole sequences, each rank its own batch, under accelerate's path (its registration's ``disable_in_eval``: the
+  vision encoder's frames are then not divided, transformers' masks built);
 - a batch key the model does not take (a processor output the family has no input for) is refused by name.
 """
 
