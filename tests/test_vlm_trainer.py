@@ -217,6 +217,7 @@ def _rank(rank: int, world: int) -> list[str]:
     return log.failures
 
 
+@pytest.mark.slow  # 84 s at a load of 13-15 (DeepSpeed's start on each rank): CI's second step
 @pytest.mark.timeout(600)
 def test_vlm_trains_through_the_trainer_like_one_process() -> None:
     assert_no_failures(run_distributed(_rank, 2, timeout=560))
