@@ -119,6 +119,8 @@ RECIPES: dict[str, Recipe] = {
                            mm_token_type_ids=True),
     "glm4v": Recipe(_patches(8, 24), {**_QWEN, "image_size": 16}, {"rope_parameters": MROPE},
                     top={"image_start_token_id": START, "image_end_token_id": END}, mm_token_type_ids=True),
+    "glm46v": Recipe(_patches(8, 24), {**_QWEN, "image_size": 16}, {"rope_parameters": MROPE},
+                     top={"image_start_token_id": START, "image_end_token_id": END}, mm_token_type_ids=True),
     "aya_vision": Recipe(_square(32), {"image_size": 32, "patch_size": 4}, top={"downsample_factor": 2}),
     "cohere2_vision": Recipe(_square(32), {"image_size": 32, "patch_size": 4}, top={"downsample_factor": 2}),
     "got_ocr2": Recipe(_square(32), {"image_size": 32, "patch_size": 4}),
