@@ -138,9 +138,10 @@ LOOSER: dict[str, tuple[float, str]] = {}
 class Float64Throughout(TorchFunctionMode):
     """While active, a float64 tensor is never rounded to float32: ``x.to(torch.float32)``, ``x.float()``,
     ``x.type(torch.float32)`` and a ``dtype=torch.float32`` argument (eager attention's softmax, RMSNorm, rotary
-    tables, routers, Mamba's scan) keep float64. Both the reference and ds_ring run under it: a difference of 1e-16
-    in an attention output would otherwise flip a float32 rounding (6e-8 relative), and eager's float32 softmax
-    alone is off by 1e-8."""
+    tables, routers, Mamba's scan) keep float64, and ``grid_sample`` of a float64 input samples at a float64 grid
+    (GLM-4V builds its grid in float32 from integer image sizes; ``grid_sample`` takes no mixed dtypes). Both the
+    reference and ds_ring run under it: a difference of 1e-16 in an attention output would otherwise flip a float32
+    rounding (6e-8 relative), and eager's float32 softmax alone is off by 1e-8."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
@@ -151,6 +152,8 @@ class Float64Throughout(TorchFunctionMode):
                 kwargs = {**kwargs, "dtype": torch.float64}
             if func in (torch.Tensor.to, torch.Tensor.type):
                 args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+            if func is F.grid_sample and args[1].dtype == torch.float32:  # GLM-4V's grid from integer sizes
+                args = (args[0], args[1].double(), *args[2:])
         return func(*args, **kwargs)
 
 

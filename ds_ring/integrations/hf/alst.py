@@ -162,6 +162,8 @@ class UlyssesSPDataLoaderAdapter:
     sequence-parallel rank order, this rank's shard of each (:func:`shard_batch`). A yielded batch has ALST's
     keys: ``input_ids``, global ``position_ids``, ``shift_labels``, and the batch's other entries; ``labels``
     and ``attention_mask`` are consumed. ``len()`` is ALST's: the loader's length times ``sp_world_size``.
+    A vision-language model's batch is yielded as :func:`shard_batch` makes it (the whole sequence and its images,
+    this rank's ``shift_labels`` and the documents: the model computes the shard's positions itself).
 
     The documents of the whole sequence (``position_ids`` restarting at 0 mark where each begins), which a
     shard alone cannot tell, are not a key of the batch: the adapter hands them to the registered attention
@@ -223,6 +225,9 @@ class UlyssesSPDataLoaderAdapter:
                 return
             for batch in gathered:
                 sharded = shard_batch(self.session, batch, check_same=False, pad_to_multiple=self.pad_to_multiple)
+                if self.session.vision is not None:  # the whole sequence: the model makes the shard's positions
+                    yield {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in sharded.items()}
+                    continue
                 documents = sharded.pop(DOCUMENTS_KEY)
                 del sharded["cu_seq_lens_q"], sharded["cu_seq_lens_k"]
                 out = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in sharded.items()}

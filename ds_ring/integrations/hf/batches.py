@@ -83,13 +83,16 @@ def shard_batch(
 
     Raises:
         TypeError: ``session`` is not a session (e.g. the Topology of older releases), naming the fix.
-        ValueError: ranks of the group holding different batches (on every rank, naming each rank's
+        ValueError: a vision-language batch with a key its model's ``forward`` does not take (naming it, before any
+            communication); ranks of the group holding different batches (on every rank, naming each rank's
             shapes or digest and the fix); no ``input_ids``, a mask with zeros, position ids that do not
             count up from 0 per document or rows packed differently, a tensor of another length, or a length
             that does not split into the layout's chunks (without ``pad_to_multiple``) — naming the multiple.
     """
     session = require_session(session, "shard_batch")
     section, topology = session.section, session.topology
+    if session.vision is not None:
+        _refuse_unknown_inputs(session, batch)
     if check_same:
         agree_on_batch(batch, topology, every_tensor=session.vision is not None)
     input_ids = batch.get("input_ids")
@@ -189,6 +192,19 @@ def _whole_sequence(
     }
 
 
+def _refuse_unknown_inputs(session: SequenceParallelSession, batch: Mapping[str, Any]) -> None:
+    """``ValueError`` naming each key of a vision-language batch that its model's ``forward`` does not take (and
+    :func:`shard_batch` does not consume): the model would accept it in ``**kwargs`` and train without it."""
+    vision = session.vision
+    unknown = sorted(key for key in batch if key not in vision.inputs and key not in _CONSUMED)
+    if unknown:
+        raise ValueError(
+            f"shard_batch: the batch's {', '.join(map(repr, unknown))} is not an input of {vision.model_class}.forward "
+            f"(it takes {', '.join(sorted(vision.inputs))}): the model would take it in **kwargs and train without "
+            f"it; drop it from the batch (the collator's output), or use the model class whose processor made it"
+        )
+
+
 _SAME_BATCH = (
     "every rank of a sequence-parallel group must load the same full batch and shard it: sample over the "
     "data-parallel replicas only (e.g. DistributedSampler(dataset, "
@@ -264,7 +280,8 @@ class SequenceParallelDataLoader:
     Every rank of a sequence-parallel group must load the same batches (checked on every batch:
     :func:`agree_on_batch`); ``len()`` is the wrapped loader's. To run sequence parallel over a loader
     whose ranks load different samples, use :class:`UlyssesSPDataLoaderAdapter`.
-    ``device``: where the sharded tensors go (``None``: where the loader put them).
+    ``device``: where the sharded tensors go (``None``: where the loader put them). ``pad_to_multiple`` and ``whole``:
+    as :func:`shard_batch` takes them (a vision-language model's batch needs neither: it reaches the model whole).
     """
 
     def __init__(
@@ -274,18 +291,20 @@ class SequenceParallelDataLoader:
         *,
         pad_to_multiple: bool = False,
         device: torch.device | str | None = None,
+        whole: tuple[str, ...] = (),
     ) -> None:
         self.dataloader = dataloader
         self.session = require_session(session, "SequenceParallelDataLoader")
         self.pad_to_multiple = pad_to_multiple
         self.device = device
+        self.whole = whole
 
     def __len__(self) -> int:
         return len(self.dataloader)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for batch in self.dataloader:
-            sharded = shard_batch(self.session, batch, pad_to_multiple=self.pad_to_multiple)
+            sharded = shard_batch(self.session, batch, pad_to_multiple=self.pad_to_multiple, whole=self.whole)
             if self.device is not None:
                 sharded = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in sharded.items()}
             yield sharded

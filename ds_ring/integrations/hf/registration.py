@@ -206,7 +206,11 @@ def register_with_transformers(
 
         replaced.append(set_item(LOSS_MAPPING, "ForCausalLM", shard_loss(LOSS_MAPPING["ForCausalLM"], session),
                                  library=LIB))  # fmt: skip
-    if not disable_in_eval and (own or core_attn_implementation in ALL_MASK_ATTENTION_FUNCTIONS):
+    # with disable_in_eval a text model keeps transformers' mask tensors (the attention checks them in training); a
+    # vision-language model's (image spans, a prefix: more than a tensor check allows) come from ds_ring in training
+    if (not disable_in_eval or vision is not None) and (
+        own or core_attn_implementation in ALL_MASK_ATTENTION_FUNCTIONS
+    ):
         masks = whole_image_mask(vision, ALL_MASK_ATTENTION_FUNCTIONS.get(core_attn_implementation), _no_mask)
         own_masks = ALL_MASK_ATTENTION_FUNCTIONS._local_mapping
         replaced.append(set_item(own_masks, core_attn_implementation, masks, library=LIB))

@@ -13,8 +13,9 @@ What it changes in ``Trainer`` (and nothing else):
   parameters marked as ``ds_ring.initialize`` marks them (:mod:`ds_ring.engine.gradient_scale`);
 - **the data**: every rank of a sequence-parallel group gets the same batches (the samplers split over the
   ``D = world ÷ sequence-parallel`` data-parallel replicas), then this rank's shard (:func:`shard_batch`: packed
-  batches from ``DataCollatorWithFlattening`` included); steps per epoch, the total batch size and the tokens
-  logged count each sequence once;
+  batches from ``DataCollatorWithFlattening`` included; a vision-language model's batch, its images and grids
+  included, reaches the model whole and is cut before its language model); steps per epoch, the total batch size and
+  the tokens logged count each sequence once;
 - **the loss**: :func:`causal_lm_loss` (ds_ring's contract: the group's mean, each rank's gradient its share), or the
   model's own ``.loss`` when ``long_context.tiled_loss`` computes it; gradient accumulation as the Trainer does it;
 - **evaluation and prediction**: sequence parallel, the loss the group's mean, logits gathered along the sequence

@@ -21,6 +21,7 @@ for its configs by the mask function it replaced (:meth:`VisionLanguage.whole_im
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -30,7 +31,7 @@ from torch import nn
 from ds_ring.integrations.hf.vision_split import FrameSplit, frame_encoders
 from ds_ring.integrations.internal import shard_sequence
 
-__all__ = ["VisionLanguage", "find_language_model", "vision_language", "whole_image_mask"]
+__all__ = ["VisionLanguage", "find_language_model", "model_inputs", "vision_language", "whole_image_mask"]
 
 
 def _is_composite(config: Any) -> bool:
@@ -85,6 +86,8 @@ class VisionLanguage:
         disable_in_eval: bool = False,
     ) -> None:
         self.model_class = type(model).__name__
+        self.inputs = model_inputs(model)
+        """What the model's ``forward`` names: the keys a batch may carry (the images, grids, token types)."""
         self.path = path
         self.language_model = language_model
         self.topology = topology
@@ -101,7 +104,8 @@ class VisionLanguage:
         self.mrope = _mrope(text) or any(hasattr(m, "mrope_section") for m in language_model.modules())
         self._handle = language_model.register_forward_pre_hook(self._cut, with_kwargs=True)
         outside = [m for m in model.modules() if id(m) not in inside]
-        self.splits = [FrameSplit(encoder, topology) for encoder in frame_encoders(outside)] if divide else []
+        encoders = frame_encoders(outside) if divide else []
+        self.splits = [FrameSplit(encoder, topology, disable_in_eval=disable_in_eval) for encoder in encoders]
         """The vision encoders whose frames are divided over the ranks."""
 
     def remove(self) -> None:
@@ -186,6 +190,15 @@ class VisionLanguage:
         return [feature[rows.to(feature.device)] for feature in features]
 
 
+def model_inputs(model: nn.Module) -> frozenset[str]:
+    """The inputs ``model.forward`` names (PEFT's wrapper: its base model's), ``**kwargs`` left out: what a processor
+    makes for this family (``pixel_values``, ``image_grid_thw``, ``token_type_ids``, ...) is among them, and anything
+    else would land in ``**kwargs``, which these models pass on without reading."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    parameters = inspect.signature(base.forward).parameters.values()
+    return frozenset(p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+
+
 def _mrope(config: Any) -> bool:
     """Whether a text config uses multimodal RoPE (MRoPE: 3-D position ids)."""
     for name in ("rope_parameters", "rope_scaling"):
@@ -218,12 +231,14 @@ def vision_language(
 def whole_image_mask(
     vision: VisionLanguage | None, original: Callable[..., Any] | None, own: Callable[..., Any]
 ) -> Callable[..., Any]:
-    """The mask function for the registry: ``original`` for a vision-side config, ``own`` otherwise."""
+    """The mask function for the registry: ``original`` for a vision-side config, and for every config while the
+    language model runs whole (eval mode under ``disable_in_eval``); ``own`` otherwise."""
     if vision is None or original is None:
         return own
 
     def mask(*args: Any, config: Any = None, **kwargs: Any) -> Any:
-        if vision.whole_mask(config):
+        whole = vision.disable_in_eval and not vision.language_model.training
+        if whole or vision.whole_mask(config):
             return original(*args, config=config, **kwargs)
         return own(*args, config=config, **kwargs)
 

@@ -111,11 +111,16 @@ class _GatherRows(torch.autograd.Function):
 
 
 class FrameSplit:
-    """Hooks dividing one Qwen-style vision encoder's calls over the sequence-parallel ranks (module docstring)."""
+    """Hooks dividing one Qwen-style vision encoder's calls over the sequence-parallel ranks (module docstring).
 
-    def __init__(self, encoder: nn.Module, topology: Any) -> None:
+    ``disable_in_eval``: in eval mode the encoder runs whole, undivided (each rank then evaluates its own samples, as
+    the registration's ``disable_in_eval`` runs the whole model: divided, the ranks would exchange rows of different
+    images)."""
+
+    def __init__(self, encoder: nn.Module, topology: Any, *, disable_in_eval: bool = False) -> None:
         self.encoder = encoder
         self.topology = topology
+        self.disable_in_eval = disable_in_eval
         self.merge = int(encoder.spatial_merge_size) ** 2
         self._plans: list[Plan | None] = []
         self._handles = [
@@ -134,7 +139,8 @@ class FrameSplit:
         grid = args[1] if len(args) > 1 else kwargs.pop("grid_thw")
         group = self.topology.sequence_parallel_group
         world = self.topology.get_sequence_parallel_world_size()
-        plan = frame_plan(grid, self.topology.get_sequence_parallel_rank(), world, self.merge) if world > 1 else None
+        divided = world > 1 and not (self.disable_in_eval and not self.encoder.training)
+        plan = frame_plan(grid, self.topology.get_sequence_parallel_rank(), world, self.merge) if divided else None
         self._plans.append(plan)
         if plan is None or group is None:
             return (pixels, grid, *args[2:]), kwargs
