@@ -10,8 +10,14 @@
 # launch/oldest.sh and launch/newest.sh call this with their name.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-NAME="${1:?usage: launch/versions.sh oldest|newest [test files...]}"
+NAME="${1:?usage: launch/versions.sh oldest|newest [--prepare | test files...]}"
 shift
+# --prepare: install, check the pins and build the ops, run no test (CI prepares both venvs while its second step runs)
+PREPARE=0
+if [ "${1:-}" = "--prepare" ]; then
+  PREPARE=1
+  shift
+fi
 CONSTRAINTS="launch/$NAME-constraints.txt"
 if [ ! -f "$CONSTRAINTS" ]; then
   echo "versions.sh: no $CONSTRAINTS (the names are: $(ls launch/*-constraints.txt | sed 's|launch/||; s|-constraints.txt||' | tr '\n' ' '))" >&2
@@ -59,4 +65,7 @@ fi
 # DeepSpeed's CPU ops are compiled per torch and DeepSpeed release: a cache of their own
 export TORCH_EXTENSIONS_DIR="$PWD/.torch_extensions-$NAME"
 "$VENV/bin/python" launch/build_ops.py
+if [ "$PREPARE" = 1 ]; then
+  exit 0
+fi
 "$VENV/bin/python" -m pytest -q -m "not zoo and not multihost and not slow and not heavy" "$@"  # the launcher jobs too
