@@ -3,10 +3,11 @@
 never the worst; the model within 15 % of the slope :func:`benchmarks.memory.measure` measures): ``docs/auto.md``."""
 
 import itertools
+import os
 import statistics
 from typing import Any
 
-from benchmarks import memory, strategies
+from benchmarks import auto_fit, strategies
 from benchmarks.common import Case, figure, fmt_seq
 from benchmarks.driver import Benchmark, Column, Session, main, markdown_table
 from benchmarks.hosts import HOST_RANKS, time_two_hosts
@@ -15,15 +16,19 @@ GRID_HEADS = ((8, 8), (8, 2))
 STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
 
 
-def interleaved_rank(rank: int, world: int, cases: list[Case], rounds: int, timeout_s: float) -> dict[str, Any]:
+def interleaved_rank(rank: int, world: int, cases: list[Case], rounds: int, timeout_s: float,
+                     probes: int = 0) -> dict[str, Any]:  # fmt: skip
     """Rank function: every case of one grid point (each strategy and ``auto``, same shapes) built side by side in
     this process, warmed up once each, then ``rounds`` rounds of one fwd+bwd call per case, the order reversed every
     other round, all ranks starting each call together. Returns every case's slowest-rank seconds per round and
-    ``auto``'s pick: slow drifts of a shared machine hit every strategy alike, where separate launches do not."""
-
+    ``auto``'s pick: slow drifts of a shared machine hit every strategy alike, where separate launches do not. With
+    ``probes`` (``benchmarks.auto_fit``): that many agreed probes and the load average before each round, and the
+    oversubscription the topology records."""
     import torch
 
+    from benchmarks.auto_fit import agreed_link
     from ds_ring.auto import strategy as auto
+    from ds_ring.comm import cores
 
     first = cases[0]
     gen = torch.Generator().manual_seed(1000 + rank)
@@ -32,7 +37,16 @@ def interleaved_rank(rank: int, world: int, cases: list[Case], rounds: int, time
                      for h in (first.heads, kv, kv, first.heads))  # fmt: skip
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     calls = {case.impl: strategies.build(case, rank, timeout_s) for case in cases}
-    times = strategies.interleaved_rounds(calls, (q, k, v, dout), rounds)
+    links, loads = [], []
+
+    def probe() -> None:  # the probes auto's first call runs, between the timed calls: under the same load
+        loads.append(os.getloadavg()[0])
+        links.extend(agreed_link(timeout_s) for _ in range(probes))
+
+    times = strategies.interleaved_rounds(calls, (q, k, v, dout), rounds, before_round=probe if probes else None)
+    if probes:
+        over = cores.oversubscription(range(world))
+        return {"times_s": times, "links": links, "loads": loads, "oversubscription": over}
     chosen = auto.decisions()[-1] if "auto" in calls else None
     pick = None if chosen is None else {
         "pick": chosen.strategy, "pick_label": chosen.label, "predicted_s": chosen.time_s, "link": vars(chosen.link),
@@ -94,22 +108,13 @@ def _verdict(point: dict[str, Any], times: dict[str, list[float]], choice: dict,
 
 
 def memory_check(args: Any) -> list[dict[str, Any]]:
-    """Measured slope (q-shards, :func:`benchmarks.memory.measure`) vs the model's, per strategy."""
-    from ds_ring.auto.model import Option, Problem, memory_q_shards
-
-    rows, world, lengths = [], args.memory_ranks, tuple(args.memory_lengths)
-    for name in STRATEGIES:
-        comm = {"ring": "ring", "allgather": "allgather", "hybrid": "ring"}.get(name)
-        call = memory.Call(name, comm, tokens_per_rank=lengths, mmap_threshold=65536)  # the RSS follows live tensors
-        measured = memory.measure(call, world, "cpu", args.timeout_s)["slope_q_shards"]
-        u = 2 if name == "hybrid" else (world if name == "ulysses" else 1)
-        problem = Problem(seq=lengths[1] * world, heads=memory.HEADS, kv_heads=memory.HEADS, head_dim=memory.HEAD_DIM,
-                          world=world, itemsize=4)  # fmt: skip
-        predicted = memory_q_shards(problem, Option(name, comm, "contiguous", u, world // u, lengths[1] * u))
-        rows.append({"strategy": name, "ranks": world, "tokens_per_rank": lengths, "measured_q_shards": measured,
-                     "predicted_q_shards": predicted, "error": predicted / measured - 1 if measured else None,
-                     "within_15pct": bool(measured) and abs(predicted / measured - 1) <= 0.15})  # fmt: skip
-        print(f"memory {name:9s} p={world}: measured {measured:5.2f} q-shards, predicted {predicted:5.2f}", flush=True)
+    """Measured slope (q-shards, :func:`benchmarks.auto_fit.measure_memory`) vs the model's, per strategy."""
+    lengths = tuple(args.memory_lengths)
+    rows = auto_fit.measure_memory(args.memory_ranks, 8, 8, lengths, args.timeout_s, list(STRATEGIES))
+    for row in rows:
+        measured, predicted = row["measured_q_shards"], auto_fit.predict_memory(row)
+        row.update(predicted_q_shards=predicted, error=predicted / measured - 1 if measured else None,
+                   within_15pct=bool(measured) and abs(predicted / measured - 1) <= 0.15)  # fmt: skip
     return rows
 
 
