@@ -7,10 +7,16 @@ import os
 import statistics
 from typing import Any
 
+import torch
+
 from benchmarks import auto_fit, strategies
-from benchmarks.common import Case, figure, fmt_seq
+from benchmarks.auto_fit import agreed_link
+from benchmarks.common import Case, figure, fmt_seq, qkv_dout
 from benchmarks.driver import Benchmark, Column, Session, main, markdown_table
 from benchmarks.hosts import HOST_RANKS, time_two_hosts
+from ds_ring import testing
+from ds_ring.auto import strategy as auto
+from ds_ring.comm import cores
 
 GRID_HEADS = ((8, 8), (8, 2))
 STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
@@ -24,18 +30,8 @@ def interleaved_rank(rank: int, world: int, cases: list[Case], rounds: int, time
     ``auto``'s pick: slow drifts of a shared machine hit every strategy alike, where separate launches do not. With
     ``probes`` (``benchmarks.auto_fit``): that many agreed probes and the load average before each round, and the
     oversubscription the topology records."""
-    import torch
-
-    from benchmarks.auto_fit import agreed_link
-    from ds_ring.auto import strategy as auto
-    from ds_ring.comm import cores
-
-    first = cases[0]
-    gen = torch.Generator().manual_seed(1000 + rank)
-    rows, kv = first.seq * first.data // world, first.kv_heads or first.heads
-    q, k, v, dout = (torch.randn(first.batch, rows, h, first.head_dim, generator=gen)
-                     for h in (first.heads, kv, kv, first.heads))  # fmt: skip
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    c, gen = cases[0], torch.Generator().manual_seed(1000 + rank)
+    q, k, v, dout = qkv_dout(gen, c.batch, c.seq * c.data // world, c.heads, c.kv_heads, c.head_dim)
     calls = {case.impl: strategies.build(case, rank, timeout_s) for case in cases}
     links, loads = [], []
 
@@ -64,8 +60,6 @@ def grid_cases(seq: int, world: int, data: int, heads: int, kv_heads: int, ulyss
 
 
 def plan(session: Session) -> None:
-    from ds_ring import testing
-
     args, timing = session.args, session.extra.setdefault("timing", [])
     # (ranks, data-parallel replicas): every world asked for, and 4 ranks as 2 replicas of 2 sequence-parallel ranks
     setups = [] if args.no_timing else [(w, 1) for w in args.worlds] + [(4, 2)] * (4 in args.worlds and args.data)

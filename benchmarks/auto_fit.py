@@ -18,8 +18,13 @@ import math
 import statistics
 from typing import Any
 
+import torch
+
+from benchmarks import memory
 from benchmarks.common import Case, read_json, script_args, ulysses_degree, write_json
 from benchmarks.driver import Column, markdown_table
+from ds_ring.auto.model import BUFFERS, Calibration, Link, Option, Problem, memory_q_shards, plan_options
+from ds_ring.auto.probe import agree_link, measure_link
 
 GRIDS: dict[str, dict[str, Any]] = {
     # the grid the model is fitted on (the grid docs/auto.md's timing table was tuned on)
@@ -45,8 +50,6 @@ BASELINE_BUFFERS = {"ring": 0.75, "ring_dilated": 0.9, "allgather": 0.45, "ulyss
 def problem(world: int, seq: int, heads: int, kv_heads: int, oversubscription: float = 1.0):
     """The :class:`~ds_ring.auto.model.Problem` of a grid point as ``auto`` sees it (fp32, causal, head dim 64,
     contiguous; degrees ``1 × p``, and ``2 × p/2`` when ``p`` is 4)."""
-    from ds_ring.auto.model import Problem
-
     degrees = ((1, world), (2, world // 2)) if world == 4 else ((1, world),)
     return Problem(seq=seq, heads=heads, kv_heads=kv_heads, head_dim=64, world=world, itemsize=4, causal=True,
                    layouts=("contiguous",), degrees=degrees, oversubscription=oversubscription)  # fmt: skip
@@ -54,18 +57,12 @@ def problem(world: int, seq: int, heads: int, kv_heads: int, oversubscription: f
 
 def strategies_of(world: int, seq: int, heads: int, kv_heads: int) -> list[str]:
     """The strategies the model accepts at a point (hybrid only as 2 × p/2 at 4 ranks)."""
-    from ds_ring.auto.model import Link, plan_options
-
     valid = {o.strategy for o in plan_options(problem(world, seq, heads, kv_heads), Link()) if o.error is None}
     return [s for s in STRATEGIES if s in valid and (s != "hybrid" or world == 4)]
 
 
 def agreed_link(timeout_s: float | None = None) -> dict[str, float]:
     """One probe of the world group as ``auto``'s first call runs it (``measure_link``, then ``agree_link``)."""
-    import torch
-
-    from ds_ring.auto.probe import agree_link, measure_link
-
     link = agree_link(measure_link(None, torch.device("cpu"), timeout_s), None, timeout_s)
     return {key: getattr(link, key) for key in LINK_KEYS}
 
@@ -88,8 +85,6 @@ def time_point(world: int, seq: int, heads: int, kv_heads: int, rounds: int, pro
 def predict_times(point: dict, calibration=None) -> dict[str, float]:
     """The model's seconds per strategy at ``point`` under its median raw link with ``calibration`` (``None``: the
     model's own for a CPU link), and under ``_pick`` the strategy it picks."""
-    from ds_ring.auto.model import Link, plan_options
-
     p = problem(point["ranks"], point["seq"], point["heads"], point["kv_heads"], point["oversubscription"])
     options = plan_options(p, Link(**point["link"], device="cpu"), calibration=calibration)
     out: dict[str, Any] = {"_pick": options[0].strategy}
@@ -111,8 +106,6 @@ def time_ratios(points: list[dict], calibration=None) -> list[float]:
 def fit_time(points: list[dict]) -> tuple[float, float]:
     """``(compute, comm)`` scales minimising the sum of squared log(measured / predicted) over every strategy of every
     point: a coarse log grid, then finer ones around the best so far."""
-    from ds_ring.auto.model import Calibration
-
     loss = lambda compute, comm: sum(math.log(r) ** 2 for r in time_ratios(points, Calibration(compute, comm)))
     best = (1.0, 1.0)
     for span, steps in ((4.0, 17), (0.5, 21), (0.05, 21)):  # log10 span around the best so far
@@ -125,8 +118,6 @@ def measure_memory(world: int, heads: int, kv_heads: int, lengths: tuple[int, in
                    names: list[str]) -> list[dict]:  # fmt: skip
     """The measured slope of each strategy in ``names`` at one (ranks, heads, lengths); 64 KiB mmap threshold in the
     ranks, so the RSS follows live tensors."""
-    from benchmarks import memory
-
     rows = []
     for name in names:
         call = memory.Call(name, COMMUNICATION[name], tokens_per_rank=lengths, mmap_threshold=65536, heads=heads,
@@ -142,19 +133,15 @@ def measure_memory(world: int, heads: int, kv_heads: int, lengths: tuple[int, in
 
 def predict_memory(row: dict, buffers: dict[str, float] | None = None) -> float:
     """The model's q-shards for a memory row (at its longer length), with ``buffers`` (``None``: the model's)."""
-    from ds_ring.auto import model
-
     world, length, name = row["ranks"], row["tokens_per_rank"][1], row["strategy"]
     u = ulysses_degree(name, world)
-    option = model.Option(name, COMMUNICATION[name], "contiguous", u, world // u, length * u)
-    return model.memory_q_shards(problem(world, length * world, row["heads"], row["kv_heads"]), option, buffers)
+    option = Option(name, COMMUNICATION[name], "contiguous", u, world // u, length * u)
+    return memory_q_shards(problem(world, length * world, row["heads"], row["kv_heads"]), option, buffers)
 
 
 def fit_memory(rows: list[dict]) -> dict[str, float]:
     """Each coefficient of :data:`~ds_ring.auto.model.BUFFERS` that the rows exercise, by least squares (the model
     is linear in each: prediction = base + x · coefficient)."""
-    from ds_ring.auto.model import BUFFERS
-
     fitted = dict(BUFFERS)  # Ulysses before hybrid: the hybrid's coefficient sits on top of the Ulysses one
     for strategy in STRATEGIES:
         key = "hybrid_ring" if strategy == "hybrid" else strategy
@@ -174,8 +161,6 @@ def median_abs_log(ratios: list[float]) -> float:
 def coefficients(results: dict) -> dict[str, Any]:
     """Fitted on the ``fit`` grid, then gated on the ``heldout`` grid: a fit is *used* (what the model carries) only
     where its median |log(measured / predicted)| on the held-out grid is below the baseline's, else the baseline."""
-    from ds_ring.auto.model import Calibration
-
     fit, held = results["fit"], results["heldout"]
     compute, comm = fit_time(fit["timing"])
     fitted = {"calibration_cpu": {"compute": compute, "comm": comm}, "buffers": fit_memory(fit["memory"])}
@@ -201,8 +186,6 @@ def spread(ratios: list[float]) -> dict[str, float]:
 def report(results: dict) -> dict[str, Any]:
     """Per grid: measured ÷ predicted (time of every strategy and of the model's pick; memory) with the model's own
     constants (and the time uncalibrated, for comparison), rows and median / range; printed as markdown tables."""
-    from ds_ring.auto.model import Calibration
-
     summary: dict[str, Any] = {}
     for grid in [g for g in results if g in GRIDS]:
         ratios: dict[str, list[float]] = {k: [] for k in ("time", "time_pick", "time_uncalibrated", "pick_over_best")}

@@ -1,8 +1,13 @@
 """Sequence-parallel strategies at p = 4: ring, all-gather, Ulysses, hybrid, DeepSpeed's Ulysses (SUITE.md)."""
 
 import functools
+import time
 from collections.abc import Callable
 
+import torch
+import torch.distributed as dist
+
+import ds_ring
 from benchmarks import dilated, peers
 from benchmarks.common import AttentionFn, Case
 from benchmarks.driver import Benchmark, Column, Session, find, main, markdown_table, plot_rows, ratio
@@ -28,11 +33,6 @@ def interleaved_rounds(
     """Round 0 warms every call up, then ``rounds`` rounds of one fwd+bwd per call (``tensors`` = q, k, v, dout), the
     order reversed every other round, all ranks starting each call together (``before_round`` first, if given).
     Returns each call's slowest-rank seconds per timed round."""
-    import time
-
-    import torch
-    import torch.distributed as dist
-
     q, k, v, dout = tensors
     times: dict[str, list[float]] = {name: [] for name in calls}
     for r in range(rounds + 1):
@@ -53,8 +53,6 @@ def interleaved_rounds(
 def build(case: Case, rank: int, timeout_s: float) -> AttentionFn:
     """ds_ring's strategy ``case.impl`` over ``case.ulysses`` × ``world / ulysses`` ranks, or a peer over that group;
     one-process cases (``case.group`` False): :func:`dilated.build`."""
-    import ds_ring
-
     if not case.group:
         return dilated.build(case, rank, timeout_s)
     if case.impl == "rap":
