@@ -5,9 +5,11 @@ never the worst; the model within 15 % of the slope :func:`benchmarks.memory.mea
 import itertools
 import os
 import statistics
+import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from benchmarks import auto_fit, strategies
 from benchmarks.auto_fit import agreed_link
@@ -25,21 +27,29 @@ STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
 def interleaved_rank(rank: int, world: int, cases: list[Case], rounds: int, timeout_s: float,
                      probes: int = 0) -> dict[str, Any]:  # fmt: skip
     """Rank function: every case of one grid point (each strategy and ``auto``, same shapes) built side by side in
-    this process, warmed up once each, then ``rounds`` rounds of one fwd+bwd call per case, the order reversed every
-    other round, all ranks starting each call together. Returns every case's slowest-rank seconds per round and
-    ``auto``'s pick: slow drifts of a shared machine hit every strategy alike, where separate launches do not. With
-    ``probes`` (``benchmarks.auto_fit``): that many agreed probes and the load average before each round, and the
-    oversubscription the topology records."""
+    this process, warmed up once each (round 0), then ``rounds`` rounds of one fwd+bwd call per case, the order
+    reversed every other round, all ranks starting each call together. Returns every case's slowest-rank seconds per
+    round and ``auto``'s pick: slow drifts of a shared machine hit every strategy alike, where separate launches do
+    not. With ``probes`` (``benchmarks.auto_fit``): that many agreed probes and the load average before each timed
+    round (what auto's first call runs, under the calls' load), and the oversubscription the topology records."""
     c, gen = cases[0], torch.Generator().manual_seed(1000 + rank)
     q, k, v, dout = qkv_dout(gen, c.batch, c.seq * c.data // world, c.heads, c.kv_heads, c.head_dim)
     calls = {case.impl: strategies.build(case, rank, timeout_s) for case in cases}
+    times: dict[str, list[float]] = {name: [] for name in calls}
     links, loads = [], []
-
-    def probe() -> None:  # the probes auto's first call runs, between the timed calls: under the same load
-        loads.append(os.getloadavg()[0])
-        links.extend(agreed_link(timeout_s) for _ in range(probes))
-
-    times = strategies.interleaved_rounds(calls, (q, k, v, dout), rounds, before_round=probe if probes else None)
+    for r in range(rounds + 1):
+        if r and probes:
+            loads.append(os.getloadavg()[0])
+            links.extend(agreed_link(timeout_s) for _ in range(probes))
+        for name in list(calls) if r % 2 == 0 else list(calls)[::-1]:
+            q.grad = k.grad = v.grad = None
+            dist.barrier()
+            start = time.perf_counter()
+            calls[name](q, k, v, None, None).backward(dout)
+            took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            if r:
+                times[name].append(float(took))
     if probes:
         over = cores.oversubscription(range(world))
         return {"times_s": times, "links": links, "loads": loads, "oversubscription": over}

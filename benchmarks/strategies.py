@@ -1,11 +1,6 @@
 """Sequence-parallel strategies at p = 4: ring, all-gather, Ulysses, hybrid, DeepSpeed's Ulysses (SUITE.md)."""
 
 import functools
-import time
-from collections.abc import Callable
-
-import torch
-import torch.distributed as dist
 
 import ds_ring
 from benchmarks import dilated, peers
@@ -25,29 +20,6 @@ def label(case: Case) -> str:
         degrees = f" U{case.ulysses}×R{case.world // case.ulysses}" if case.impl == "hybrid" else ""
         name = f"ds_ring {name}{degrees}{' dilated' if case.segment_lengths else ''} ({case.layout})"
     return name if case.group else f"{name}, 1 process × {case.threads} thread{'s' if case.threads > 1 else ''}"
-
-
-def interleaved_rounds(
-    calls: dict[str, AttentionFn], tensors: tuple, rounds: int, before_round: Callable[[], None] | None = None
-) -> dict[str, list[float]]:
-    """Round 0 warms every call up, then ``rounds`` rounds of one fwd+bwd per call (``tensors`` = q, k, v, dout), the
-    order reversed every other round, all ranks starting each call together (``before_round`` first, if given).
-    Returns each call's slowest-rank seconds per timed round."""
-    q, k, v, dout = tensors
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for r in range(rounds + 1):
-        if r and before_round is not None:
-            before_round()
-        for name in list(calls) if r % 2 == 0 else list(calls)[::-1]:
-            q.grad = k.grad = v.grad = None
-            dist.barrier()
-            start = time.perf_counter()
-            calls[name](q, k, v, None, None).backward(dout)
-            took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            dist.all_reduce(took, op=dist.ReduceOp.MAX)
-            if r:
-                times[name].append(float(took))
-    return times
 
 
 def build(case: Case, rank: int, timeout_s: float) -> AttentionFn:
