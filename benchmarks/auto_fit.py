@@ -23,6 +23,7 @@ import torch
 from benchmarks import memory
 from benchmarks.common import Case, read_json, script_args, ulysses_degree, write_json
 from benchmarks.driver import Column, markdown_table
+from ds_ring import testing
 from ds_ring.auto.model import BUFFERS, Calibration, Link, Option, Problem, memory_q_shards, plan_options
 from ds_ring.auto.probe import agree_link, measure_link
 
@@ -69,8 +70,7 @@ def agreed_link(timeout_s: float | None = None) -> dict[str, float]:
 
 def time_point(world: int, seq: int, heads: int, kv_heads: int, rounds: int, probes: int, timeout_s: float) -> dict:
     """One timing point, measured in one launch (:func:`benchmarks.auto.interleaved_rank` with probes)."""
-    from benchmarks.auto import interleaved_rank
-    from ds_ring import testing
+    from benchmarks.auto import interleaved_rank  # auto imports this module
 
     names = strategies_of(world, seq, heads, kv_heads)
     cases = [Case(n, seq, world, ulysses=2 if n == "hybrid" else 1, heads=heads, kv_heads=kv_heads) for n in names]
