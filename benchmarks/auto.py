@@ -3,36 +3,56 @@
 never the worst; the model within 15 % of the slope :func:`benchmarks.memory.measure` measures): ``docs/auto.md``."""
 
 import itertools
+import os
 import statistics
+import time
 from typing import Any
 
-from benchmarks import memory, strategies
-from benchmarks.common import Case, figure, fmt_seq
+import torch
+import torch.distributed as dist
+
+from benchmarks import auto_fit, strategies
+from benchmarks.auto_fit import agreed_link
+from benchmarks.common import Case, figure, fmt_seq, qkv_dout
 from benchmarks.driver import Benchmark, Column, Session, main, markdown_table
 from benchmarks.hosts import HOST_RANKS, time_two_hosts
+from ds_ring import testing
+from ds_ring.auto import strategy as auto
+from ds_ring.comm import cores
 
 GRID_HEADS = ((8, 8), (8, 2))
 STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
 
 
-def interleaved_rank(rank: int, world: int, cases: list[Case], rounds: int, timeout_s: float) -> dict[str, Any]:
+def interleaved_rank(rank: int, world: int, cases: list[Case], rounds: int, timeout_s: float,
+                     probes: int = 0) -> dict[str, Any]:  # fmt: skip
     """Rank function: every case of one grid point (each strategy and ``auto``, same shapes) built side by side in
-    this process, warmed up once each, then ``rounds`` rounds of one fwd+bwd call per case, the order reversed every
-    other round, all ranks starting each call together. Returns every case's slowest-rank seconds per round and
-    ``auto``'s pick: slow drifts of a shared machine hit every strategy alike, where separate launches do not."""
-
-    import torch
-
-    from ds_ring.auto import strategy as auto
-
-    first = cases[0]
-    gen = torch.Generator().manual_seed(1000 + rank)
-    rows, kv = first.seq * first.data // world, first.kv_heads or first.heads
-    q, k, v, dout = (torch.randn(first.batch, rows, h, first.head_dim, generator=gen)
-                     for h in (first.heads, kv, kv, first.heads))  # fmt: skip
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    this process, warmed up once each (round 0), then ``rounds`` rounds of one fwd+bwd call per case, the order
+    reversed every other round, all ranks starting each call together. Returns every case's slowest-rank seconds per
+    round and ``auto``'s pick: slow drifts of a shared machine hit every strategy alike, where separate launches do
+    not. With ``probes`` (``benchmarks.auto_fit``): that many agreed probes and the load average before each timed
+    round (what auto's first call runs, under the calls' load), and the oversubscription the topology records."""
+    c, gen = cases[0], torch.Generator().manual_seed(1000 + rank)
+    q, k, v, dout = qkv_dout(gen, c.batch, c.seq * c.data // world, c.heads, c.kv_heads, c.head_dim)
     calls = {case.impl: strategies.build(case, rank, timeout_s) for case in cases}
-    times = strategies.interleaved_rounds(calls, (q, k, v, dout), rounds)
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    links, loads = [], []
+    for r in range(rounds + 1):
+        if r and probes:
+            loads.append(os.getloadavg()[0])
+            links.extend(agreed_link(timeout_s) for _ in range(probes))
+        for name in list(calls) if r % 2 == 0 else list(calls)[::-1]:
+            q.grad = k.grad = v.grad = None
+            dist.barrier()
+            start = time.perf_counter()
+            calls[name](q, k, v, None, None).backward(dout)
+            took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            if r:
+                times[name].append(float(took))
+    if probes:
+        over = cores.oversubscription(range(world))
+        return {"times_s": times, "links": links, "loads": loads, "oversubscription": over}
     chosen = auto.decisions()[-1] if "auto" in calls else None
     pick = None if chosen is None else {
         "pick": chosen.strategy, "pick_label": chosen.label, "predicted_s": chosen.time_s, "link": vars(chosen.link),
@@ -50,8 +70,6 @@ def grid_cases(seq: int, world: int, data: int, heads: int, kv_heads: int, ulyss
 
 
 def plan(session: Session) -> None:
-    from ds_ring import testing
-
     args, timing = session.args, session.extra.setdefault("timing", [])
     # (ranks, data-parallel replicas): every world asked for, and 4 ranks as 2 replicas of 2 sequence-parallel ranks
     setups = [] if args.no_timing else [(w, 1) for w in args.worlds] + [(4, 2)] * (4 in args.worlds and args.data)
@@ -94,22 +112,13 @@ def _verdict(point: dict[str, Any], times: dict[str, list[float]], choice: dict,
 
 
 def memory_check(args: Any) -> list[dict[str, Any]]:
-    """Measured slope (q-shards, :func:`benchmarks.memory.measure`) vs the model's, per strategy."""
-    from ds_ring.auto.model import Option, Problem, memory_q_shards
-
-    rows, world, lengths = [], args.memory_ranks, tuple(args.memory_lengths)
-    for name in STRATEGIES:
-        comm = {"ring": "ring", "allgather": "allgather", "hybrid": "ring"}.get(name)
-        call = memory.Call(name, comm, tokens_per_rank=lengths, mmap_threshold=65536)  # the RSS follows live tensors
-        measured = memory.measure(call, world, "cpu", args.timeout_s)["slope_q_shards"]
-        u = 2 if name == "hybrid" else (world if name == "ulysses" else 1)
-        problem = Problem(seq=lengths[1] * world, heads=memory.HEADS, kv_heads=memory.HEADS, head_dim=memory.HEAD_DIM,
-                          world=world, itemsize=4)  # fmt: skip
-        predicted = memory_q_shards(problem, Option(name, comm, "contiguous", u, world // u, lengths[1] * u))
-        rows.append({"strategy": name, "ranks": world, "tokens_per_rank": lengths, "measured_q_shards": measured,
-                     "predicted_q_shards": predicted, "error": predicted / measured - 1 if measured else None,
-                     "within_15pct": bool(measured) and abs(predicted / measured - 1) <= 0.15})  # fmt: skip
-        print(f"memory {name:9s} p={world}: measured {measured:5.2f} q-shards, predicted {predicted:5.2f}", flush=True)
+    """Measured slope (q-shards, :func:`benchmarks.auto_fit.measure_memory`) vs the model's, per strategy."""
+    lengths = tuple(args.memory_lengths)
+    rows = auto_fit.measure_memory(args.memory_ranks, 8, 8, lengths, args.timeout_s, list(STRATEGIES))
+    for row in rows:
+        measured, predicted = row["measured_q_shards"], auto_fit.predict_memory(row)
+        row.update(predicted_q_shards=predicted, error=predicted / measured - 1 if measured else None,
+                   within_15pct=bool(measured) and abs(predicted / measured - 1) <= 0.15)  # fmt: skip
     return rows
 
 

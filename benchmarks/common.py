@@ -20,6 +20,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import torch
+
+import ds_ring
+
 MIB = float(2**20)
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"  # where the JSON and PNGs go unless --out says otherwise
@@ -186,10 +190,6 @@ class RankResult:
 def attention_rank(rank: int, world: int, case: Case, build: Callable[[Case, int, float], AttentionFn],
                    protocol: Protocol) -> RankResult:  # fmt: skip
     """Rank function: build the attention, warm up, time ``fwd`` (if asked) and fwd+bwd calls on random shards."""
-    import torch
-
-    import ds_ring
-
     result = RankResult(threads=torch.get_num_threads())
     try:
         attn = build(case, rank, protocol.timeout_s)
@@ -197,14 +197,11 @@ def attention_rank(rank: int, world: int, case: Case, build: Callable[[Case, int
         result.skipped = str(exc)
         return result
     gen = torch.Generator().manual_seed(1000 + rank)
-
-    def shards(total: int) -> list[torch.Tensor]:  # q, k, v, grad_out
-        heads = (case.heads, case.kv_heads or case.heads, case.kv_heads or case.heads, case.heads)
-        return [torch.randn((case.batch, total * case.data // world, h, case.head_dim), generator=gen) for h in heads]
-
+    shards = lambda total, grad=True: qkv_dout(gen, case.batch, total * case.data // world, case.heads, case.kv_heads,
+                                               case.head_dim, grad=grad)  # fmt: skip
     segs, rates = case.segment_lengths, case.dilation_rates
     dense, warmup = case.warmup_seq is None, case.warmup_seq or max(1024, 256 * world)
-    q, k, v, grad_out = (t.requires_grad_(i < 3) for i, t in enumerate(shards(warmup)))
+    q, k, v, grad_out = shards(warmup)
     t0 = time.perf_counter()
     out = attn(q, k, v, None if dense else segs, None if dense else rates)
     out.backward(grad_out)
@@ -217,7 +214,7 @@ def attention_rank(rank: int, world: int, case: Case, build: Callable[[Case, int
     del q, k, v, grad_out, out
     release_free_memory()
     rss0 = current_rss_bytes()
-    q, k, v, grad_out = shards(case.seq)
+    q, k, v, grad_out = shards(case.seq, grad=False)
     result.rss_before_inputs_mib, result.inputs_mib = rss0 / MIB, (current_rss_bytes() - rss0) / MIB
     if case.fwd:
         with torch.no_grad():
@@ -230,10 +227,16 @@ def attention_rank(rank: int, world: int, case: Case, build: Callable[[Case, int
     return result
 
 
+def qkv_dout(gen: torch.Generator | None, batch: int, rows: int, heads: int, kv_heads: int | None, head_dim: int,
+             device: str = "cpu", grad: bool = True) -> list[torch.Tensor]:  # fmt: skip
+    """Random q, k, v, dout ``[batch, rows, heads, head_dim]`` (K/V: ``kv_heads``, None: ``heads``) on ``device``;
+    q, k, v require grad with ``grad``."""
+    shapes = [(batch, rows, h, head_dim) for h in (heads, kv_heads or heads, kv_heads or heads, heads)]
+    return [torch.randn(s, generator=gen).to(device).requires_grad_(grad and i < 3) for i, s in enumerate(shapes)]
+
+
 def matmul_rank(rank: int, world: int, n: int) -> float:
     """Rank function: best fp32 ``n×n @ n×n`` GFLOP/s (2·n³ flop) of 5 timed calls after one warm-up."""
-    import torch
-
     a, b, c = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
     times = measure(lambda: torch.mm(a, b, out=c), calls=6).times_s
     return 2.0 * n**3 / min(times[1:]) / 1e9
@@ -284,11 +287,12 @@ def ulysses_degree(strategy: str, world: int) -> int:
     return 2 if strategy == "hybrid" and world > 1 else (world if strategy == "ulysses" else 1)
 
 
-def script_args(doc: str, *options: tuple[str, dict[str, Any]], argv: list[str] | None = None) -> argparse.Namespace:
+def script_args(doc: str, *options: tuple[str, dict[str, Any]], argv: list[str] | None = None,
+                timeout_s: float = 600) -> argparse.Namespace:  # fmt: skip
     """The command line of a benchmark with its own main: ``options`` (flag, ``add_argument`` keywords), then
     ``--timeout-s`` (every wait, s) and ``--out`` (the results' folder)."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for flag, kwargs in (*options, ("--timeout-s", {"type": float, "default": 600}), ("--out", {"type": Path})):
+    for flag, kwargs in (*options, ("--timeout-s", {"type": float, "default": timeout_s}), ("--out", {"type": Path})):
         p.add_argument(flag, **kwargs)
     args = p.parse_args(argv)
     args.out = args.out or RESULTS

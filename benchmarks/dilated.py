@@ -1,5 +1,6 @@
 """Single-process dilated attention, ds_ring vs dense SDPA vs dilated-attention-pytorch (issue 2; README.md)."""
 
+import ds_ring
 from benchmarks import peers
 from benchmarks.common import AttentionFn, Case
 from benchmarks.driver import Benchmark, Column, Session, find, main, markdown_table, plot_rows, ratio
@@ -11,8 +12,6 @@ MATMUL_N = 4096  # the "% matmul" ceiling: fp32 n×n matmul with the cases' thre
 
 def build(case: Case, rank: int, timeout_s: float) -> AttentionFn:
     """``ds_ring``, ``dense`` or ``dap`` in this process (no process group); also the suite's single-process rows."""
-    import ds_ring
-
     if case.impl == "dap":
         return peers.dap_attention(case)
     if case.impl == "dense":

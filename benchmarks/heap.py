@@ -9,8 +9,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import script_args, ulysses_degree, write_json
-from ds_ring.cpu_heap import ENV
+import torch
+import torch.distributed as dist
+
+import ds_ring
+from benchmarks.common import qkv_dout, script_args, ulysses_degree, write_json
+from ds_ring.cpu_heap import ENV, heap_setting
 from ds_ring.testing import rank_results, spawn_ranks
 
 HEADS, HEAD_DIM, KEYS = 8, 64, ("wall_s", "user_s", "system_s")
@@ -18,18 +22,11 @@ HEADS, HEAD_DIM, KEYS = 8, 64, ("wall_s", "user_s", "system_s")
 
 def _rank(rank: int, world: int, strategy: str, local_len: int, calls: int, heap: str) -> dict[str, Any]:
     """One rank's times: ``calls`` fwd+bwd after a warm-up, each started together (a barrier)."""
-    import torch
-    import torch.distributed as dist
-
-    import ds_ring
-    from ds_ring.cpu_heap import heap_setting
-
     if heap == "off":
         os.environ[ENV] = "off"
     ulysses = ulysses_degree(strategy, world)
     topology = ds_ring.Topology(ulysses=ulysses, ring=world // ulysses)
-    g = torch.Generator().manual_seed(rank)
-    q, k, v, dout = (torch.randn((1, local_len, HEADS, HEAD_DIM), generator=g, requires_grad=i < 3) for i in range(4))
+    q, k, v, dout = qkv_dout(torch.Generator().manual_seed(rank), 1, local_len, HEADS, None, HEAD_DIM)
 
     def call() -> None:
         ds_ring.sequence_parallel_attention(q, k, v, causal=True, topology=topology, strategy=strategy).backward(dout)

@@ -10,8 +10,19 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+import deepspeed
+import torch
+import torch.distributed.nn.functional as dist_nn
+import torch.nn.functional as F
+from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, TiledMLP, UlyssesSPAttentionHF
+from transformers.models.llama import modeling_llama
+
+import ds_ring
 from benchmarks.common import Case, Protocol, RankResult, measure, useful_gflop
 from benchmarks.driver import Benchmark, Column, Figure, Row, Session, find, main, markdown_table, plot_rows, ratio
+from ds_ring.integrations.hf import causal_lm_loss, register_with_transformers, shard_batch
+from launch.train import VOCAB
+from launch.train_hf import RecallDataset, build_model
 
 LABELS = {"ulysses": "ds_ring Ulysses", "ring": "ds_ring ring (zigzag)", "hybrid": "ds_ring hybrid U2×R1",
           "ring dilated": "ds_ring ring dilated", "alst": "DeepSpeed ALST (UlyssesSPAttentionHF)"}  # fmt: skip
@@ -35,11 +46,6 @@ def zero0(case: Case, **more: Any) -> dict[str, Any]:
 
 def _model_and_batch(case: Case, spec: SimpleNamespace) -> tuple[Any, dict[str, Any]]:
     """``launch/train_hf.py``'s model and a recall-task batch; the long-context model's loss counts every token."""
-    import torch
-
-    from launch.train import VOCAB
-    from launch.train_hf import RecallDataset, build_model
-
     torch.manual_seed(spec.seed)
     long = spec is LONG_MODEL
     model = build_model(SimpleNamespace(**vars(spec), vocab=int(case.tag) if long else VOCAB, seq=case.seq))
@@ -54,11 +60,6 @@ def _ds_ring_step(
     """One training step of ``ds_ring.initialize`` (AdamW, ``section`` as ``ring_attention``) on this rank's shard;
     ``compiled``: ``engine.compile()`` (inductor; not ``fullgraph``: DeepSpeed's own throughput timer breaks its
     graph from the third step)."""
-    import torch
-
-    import ds_ring
-    from ds_ring.integrations.hf import causal_lm_loss, register_with_transformers, shard_batch
-
     config = zero0(case, ring_attention={"timeout_s": 600, "layout": case.layout, **section})
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     engine, *_ = ds_ring.initialize(model=model, optimizer=optimizer, config=config, seq_len=case.seq)
@@ -79,8 +80,6 @@ def _ds_ring_step(
 
 def _tiled_mlp_forward(self: Any, x: Any) -> Any:
     """ALST's ``TiledMLP`` as its docstring patches it into ``LlamaMLP``."""
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
-
     mlp = lambda self, x: self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
     params = [self.down_proj.weight, self.gate_proj.weight, self.up_proj.weight]
     return TiledMLP.apply(mlp, self, x, math.ceil(x.shape[-2] / x.shape[-1]), params)  # ceil(seq / hidden) shards
@@ -88,12 +87,6 @@ def _tiled_mlp_forward(self: Any, x: Any) -> Any:
 
 def _alst_step(case: Case, rank: int, model: Any, batch: dict[str, Any], lr: float, full: bool) -> Any:
     """DeepSpeed 0.19's ALST as its tutorial runs it; ``full``: its tiled loss (and ``TiledMLP``) too (SUITE.md)."""
-    import deepspeed
-    import torch
-    import torch.distributed.nn.functional as dist_nn
-    import torch.nn.functional as F
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, UlyssesSPAttentionHF
-
     deepspeed.init_distributed(dist_backend="gloo")
     mpu = UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=case.world,
@@ -129,41 +122,33 @@ def _alst_step(case: Case, rank: int, model: Any, batch: dict[str, Any], lr: flo
 
 
 def build(case: Case, rank: int, timeout_s: float) -> Callable[[], None]:
-    """One training step of a :data:`BENCHMARK` case on this rank."""
-    if case.impl == "alst":
-        return _alst_step(case, rank, *_model_and_batch(case, MODEL), MODEL.lr, full=False)
-    section: dict[str, Any] = {"sequence_parallel_size": case.world, "strategy": case.impl.split()[0]}
-    if case.impl == "hybrid":
+    """One training step of a :data:`BENCHMARK` or :data:`COMPILE` case on this rank: ds_ring's strategy, ALST, or
+    the whole sequence in one process (no sequence parallelism, AdamW); ``compiled`` cases under ``torch.compile``
+    (inductor; one process: ``fullgraph``)."""
+    model, batch = _model_and_batch(case, MODEL)
+    impl, compiled = case.impl.removesuffix(" compiled"), case.impl.endswith(" compiled")
+    if impl == "alst":
+        return _alst_step(case, rank, model, batch, MODEL.lr, full=False)
+    if impl == "one process":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=MODEL.lr, weight_decay=0.0)
+        forward = torch.compile(model, backend="inductor", fullgraph=True) if compiled else model
+
+        def step() -> None:
+            forward(**batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        return step
+    section: dict[str, Any] = {"sequence_parallel_size": case.world, "strategy": impl.split()[0]}
+    if impl == "hybrid":
         section.update(ulysses_degree=case.ulysses, ring_degree=case.world // case.ulysses)
     if case.segment_lengths is not None:
         section.update(segment_lengths=list(case.segment_lengths), dilation_rates=list(case.dilation_rates))
-    return _ds_ring_step(case, *_model_and_batch(case, MODEL), section, MODEL.lr)
-
-
-def build_compiled(case: Case, rank: int, timeout_s: float) -> Callable[[], None]:
-    """One training step of a :data:`COMPILE` case: ds_ring's strategy on 2 ranks, or the whole sequence in one
-    process (no sequence parallelism, AdamW); ``compiled`` cases under ``torch.compile`` (inductor, fullgraph)."""
-    import torch
-
-    model, batch = _model_and_batch(case, MODEL)
-    compiled = case.impl.endswith("compiled")
-    if case.world > 1:
-        return _ds_ring_step(case, model, batch, {"strategy": case.impl.split()[0]}, MODEL.lr, compiled)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=MODEL.lr, weight_decay=0.0)
-    forward = torch.compile(model, backend="inductor", fullgraph=True) if compiled else model
-
-    def step() -> None:
-        forward(**batch).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-    return step
+    return _ds_ring_step(case, model, batch, section, MODEL.lr, compiled)
 
 
 def build_long(case: Case, rank: int, timeout_s: float) -> Callable[[], None]:
     """One training step of a :data:`LONGCTX` case on this rank."""
-    from transformers.models.llama import modeling_llama
-
     if case.impl == "alst full":
         modeling_llama.LlamaMLP.forward = _tiled_mlp_forward
     model, batch = _model_and_batch(case, LONG_MODEL)
@@ -187,8 +172,6 @@ class StepResult(RankResult):
 def train_rank(rank: int, world: int, case: Case, build: Callable[..., Callable[[], None]], protocol: Protocol) -> Any:
     """Rank function (DeepSpeed's environment, CPU accelerator): build the step, one untimed warm-up step, then
     ``protocol.calls`` timed steps and the CPU seconds this process used per step."""
-    import torch
-
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     result = StepResult(threads=torch.get_num_threads())
@@ -210,13 +193,17 @@ def step_columns(ref: Callable[[Row], Row | None], name: str, seconds: str, mib:
 
 
 def plan(session: Session) -> None:
+    """Every (length, impl) of :data:`BENCHMARK` or :data:`COMPILE` on 2 ranks (``one process``: 1); ring on zigzag
+    shards, Ulysses and hybrid as Ulysses 2, ``ring dilated`` with w = [S/8, S/2, S], r = [1, 2, 4]."""
     for seq in session.args.seqs:
         for impl in session.args.impls:
-            dilated = impl == "ring dilated"
+            strategy, dilated = impl.split()[0], impl == "ring dilated"
             branches = {"segment_lengths": (seq // 8, seq // 2, seq), "dilation_rates": (1, 2, 4)} if dilated else {}
-            session.run(Case(impl, seq, world=2, heads=MODEL.heads, head_dim=MODEL.dim // MODEL.heads, **branches,
-                             layout="zigzag" if impl == "ring" else "contiguous", tag="dilated" if dilated else "dense",
-                             ulysses=2 if impl in ("ulysses", "hybrid") else 1))  # fmt: skip
+            tag = ("dilated" if dilated else "dense") if session.bench.name == "hf" else ""
+            zigzag, ulysses = impl.removesuffix(" compiled") == "ring", strategy in ("ulysses", "hybrid")
+            session.run(Case(impl, seq, world=1 if strategy == "one" else 2, heads=MODEL.heads, **branches,
+                             head_dim=MODEL.dim // MODEL.heads, tag=tag, ulysses=2 if ulysses else 1,
+                             layout="zigzag" if zigzag else "contiguous"))  # fmt: skip
 
 
 def report(session: Session) -> str:
@@ -226,15 +213,6 @@ def report(session: Session) -> str:
         Column("process peak MiB/rank", lambda r: r.largest("peak_rss_mib"), "{:.0f}"),
         Column("CPU s/step", lambda r: r.largest("cpu_s_per_step"), "{:.3f}"), "other load %", "notes",
     ])  # fmt: skip
-
-
-def plan_compiled(session: Session) -> None:
-    for seq in session.args.seqs:
-        for impl in session.args.impls:
-            strategy = impl.split()[0]
-            session.run(Case(impl, seq, world=1 if strategy == "one" else 2, heads=MODEL.heads,
-                             head_dim=MODEL.dim // MODEL.heads, layout="zigzag" if strategy == "ring" else "contiguous",
-                             ulysses=2 if strategy == "ulysses" else 1))  # fmt: skip
 
 
 def report_compiled(session: Session) -> str:
@@ -300,7 +278,7 @@ COMPILE_LABELS = {"one process": "no sequence parallelism (1 process)", "ring": 
 COMPILE = Benchmark(
     name="compiled", module="benchmarks.hf",
     title="HF Llama training step, eager vs torch.compile (inductor): ds_ring p = 2 vs one process",
-    plan=plan_compiled, build=build_compiled, report=report_compiled,
+    plan=plan, build=build, report=report_compiled,
     label=lambda case: COMPILE_LABELS[case.impl.removesuffix(" compiled")] + (" compiled" * case.impl.endswith("d")),
     seqs=([2048, 4096], [2048]), impls=[f"{i}{c}" for i in COMPILE_LABELS for c in ("", " compiled")], calls=3,
     rank=train_rank, plots=lambda s: None, flop=lambda case: MODEL.layers * useful_gflop(case),

@@ -11,6 +11,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import ds_ring
 from benchmarks import common
 from benchmarks.common import MIB, Series, peak_rss_mib, plot_panels, release_free_memory, reset_peak_rss, write_json
 from ds_ring.cpu_heap import configure_cpu_heap
@@ -69,35 +73,25 @@ def _peak_allocated_mib(prof) -> float:
 def _measure(rank: int, world: int, call: Call, local_len: int, device: str, live: bool = False) -> dict:
     """One rank: fwd+bwd of ``call`` on a ``local_len``-row shard; extra memory in MiB (with ``live``, also the
     peak of live tensor MiB, :func:`_peak_allocated_mib`) and seconds."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    import ds_ring
-
     if call.mmap_threshold is not None:
         configure_cpu_heap(call.mmap_threshold)  # kept by ds_ring's own setting on the first call
-    seq = local_len * world
+    seq, cuda = local_len * world, device == "cuda"
     segments = None if call.segments is None else [max(1, int(seq * f)) for f in call.segments]
-    rates = None if call.rates is None else list(call.rates)
     ulysses = common.ulysses_degree(call.strategy, world)
     topology = ds_ring.Topology(ulysses=ulysses, ring=world // ulysses)
-    g = torch.Generator().manual_seed(rank)
-    kv = call.kv_heads or call.heads
-    shards = (
-        torch.randn((1, local_len, h, HEAD_DIM), generator=g).to(device) for h in (call.heads, kv, kv, call.heads)
-    )
-    q, k, v, dout = (x.requires_grad_(i < 3) for i, x in enumerate(shards))
+    q, k, v, dout = common.qkv_dout(torch.Generator().manual_seed(rank), 1, local_len, call.heads, call.kv_heads,
+                                    HEAD_DIM, device)  # fmt: skip
     release_free_memory()  # gc, and (CPU) freed heap back to the OS before the baseline
-    if cuda := device == "cuda":
+    if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() / MIB if cuda else reset_peak_rss()
     profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True) if live else contextlib.nullcontext()
     start = time.perf_counter()
     with profiler:
-        out = ds_ring.sequence_parallel_attention(q, k, v, segments, rates, causal=True, topology=topology,
-                                                  strategy=call.strategy, communication=call.communication,
-                                                  layout=call.layout)  # fmt: skip
+        out = ds_ring.sequence_parallel_attention(q, k, v, segments, call.rates and list(call.rates), causal=True,
+                                                  topology=topology, strategy=call.strategy,
+                                                  communication=call.communication, layout=call.layout)  # fmt: skip
         out.backward(dout)
     seconds = time.perf_counter() - start
     if cuda:

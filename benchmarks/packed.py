@@ -1,5 +1,8 @@
 """Packed sequences: documents packed into one sequence cost what the documents cost (issue 12; SUITE.md)."""
 
+import torch
+
+import ds_ring
 from benchmarks.common import MIB, AttentionFn, Case, case_pairs, useful_gflop
 from benchmarks.driver import TIME, Benchmark, Column, Session, find, main, markdown_table, plot_rows, ratio
 
@@ -9,9 +12,6 @@ PEERS = {"packed": "one_by_one", "ring_packed": "ring_unpacked"}  # what a packe
 
 def build(case: Case, rank: int, timeout_s: float) -> AttentionFn:
     """The case's attention on local shards; documents are ``DOCUMENTS`` equal parts of the global sequence."""
-    import torch
-
-    import ds_ring
 
     def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segs: object, rates: object) -> torch.Tensor:
         total = q.shape[1] * (case.world if case.group else 1)

@@ -1,18 +1,18 @@
 """The libraries the benchmarks compare against: pinned versions, ``python -m benchmarks install-peers`` (``--no-deps``)
 and how each is called (``benchmarks/README.md``, ``benchmarks/SUITE.md``)."""
 
-from __future__ import annotations
-
 import os
 import subprocess
 import sys
 import types
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import deepspeed
+import torch.nn.functional as F
+from deepspeed.sequence.layer import DistributedAttention
+from torch import Tensor
 
 from benchmarks.common import AttentionFn, Case, Skip, causal_pairs, kept_positions, useful_gflop
-
-if TYPE_CHECKING:
-    from torch import Tensor
 
 RAP, DAP = "ring-attention-pytorch==0.5.20", "dilated-attention-pytorch==0.2.0"
 PEERS = [RAP, DAP, "einops>=0.8.0", "beartype", "jaxtyping"]  # installed with --no-deps
@@ -26,8 +26,6 @@ def install() -> int:
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None = None) -> Tensor:
     """PyTorch SDPA on ``[batch, seq, heads, head_dim]`` tensors."""
-    import torch.nn.functional as F
-
     out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=causal, scale=scale)
     return out.transpose(1, 2)
 
@@ -52,9 +50,6 @@ def deepspeed_attention(case: Case, rank: int, group: Any) -> AttentionFn:
     """DeepSpeed's ``DistributedAttention`` (Ulysses) over ``group`` with SDPA as its local attention."""
     if case.segment_lengths is not None:
         raise Skip("SDPA, DistributedAttention's local attention here, has no dilation")
-    import deepspeed
-    from deepspeed.sequence.layer import DistributedAttention
-
     os.environ["LOCAL_RANK"] = str(rank)
     deepspeed.init_distributed(dist_backend="gloo")
     local = lambda q, k, v, *args, **kwargs: sdpa(q, k, v, case.causal)

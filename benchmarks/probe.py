@@ -3,25 +3,21 @@
 python -m benchmarks.probe --worlds 2 4 --repeats 20"""
 
 import collections
+import os
 import statistics
-from pathlib import Path
 from typing import Any
 
+from benchmarks.auto_fit import LINK_KEYS, agreed_link, problem
 from benchmarks.common import read_json, script_args, write_json
 from ds_ring.testing import rank_results, spawn_ranks
 
 
 def _probe_rank(rank: int, world: int, repeats: int) -> list[dict[str, Any]]:
     """``repeats`` agreed probes of the world group (what ``auto``'s first call measures), each with the load."""
-    import torch
-
-    from ds_ring.auto.probe import agree_link, measure_link
-
     rows = []
     for _ in range(repeats):
-        load = float(Path("/proc/loadavg").read_text().split()[0])
-        link = agree_link(measure_link(None, torch.device("cpu")), None)
-        rows.append({"latency_s": link.latency_s, "bandwidth": link.bandwidth, "flops": link.flops, "load": load})
+        load = os.getloadavg()[0]
+        rows.append({**agreed_link(), "load": load})
     return rows
 
 
@@ -34,25 +30,21 @@ def spread(values: list[float]) -> dict[str, float]:
 def stability(world: int, probes: list[dict[str, Any]], seqs: list[int]) -> list[dict[str, Any]]:
     """``auto``'s choice under every probe on the grid (1-thread ranks, ``oversubscription`` 2 at 4 ranks on this
     machine's 2 cores, as the topology records it)."""
-    from ds_ring.auto.model import Link, Problem, plan_options
+    from ds_ring.auto.model import Link, plan_options
 
-    links = [Link(latency_s=p["latency_s"], bandwidth=p["bandwidth"], flops=p["flops"], source="probe") for p in probes]
-    median = Link(**{key: statistics.median(p[key] for p in probes) for key in ("latency_s", "bandwidth", "flops")})
+    links = [Link(**{key: p[key] for key in LINK_KEYS}, source="probe") for p in probes]
+    median = Link(**{key: statistics.median(p[key] for p in probes) for key in LINK_KEYS})
     rows = []
     for seq in seqs:
         for heads, kv in ((8, 8), (8, 2)):
-            degrees = ((1, world), (2, world // 2)) if world == 4 else ((1, world),)
-            over = 2.0 if world == 4 else 1.0
-            problem = Problem(seq=seq, heads=heads, kv_heads=kv, head_dim=64, world=world, itemsize=4, causal=True,
-                              layouts=("contiguous",), degrees=degrees, oversubscription=over)  # fmt: skip
-            picks = [plan_options(problem, link)[0].label for link in links]
-            ranked = [o for o in plan_options(problem, median) if o.error is None]
+            call = problem(world, seq, heads, kv, 2.0 if world == 4 else 1.0)
+            picks = collections.Counter(plan_options(call, link)[0].label for link in links)
+            ranked = [o for o in plan_options(call, median) if o.error is None]
             best, second = ranked[0], next((o for o in ranked[1:] if o.strategy != ranked[0].strategy), None)
-            row = {"seq": seq, "heads": heads, "kv_heads": kv, "choices": dict(collections.Counter(picks)),
-                   "same_choice": collections.Counter(picks).most_common(1)[0][1] / len(picks),
-                   "median_choice": best.label}  # fmt: skip
+            row = {"seq": seq, "heads": heads, "kv_heads": kv, "choices": dict(picks),
+                   "same_choice": picks.most_common(1)[0][1] / len(links), "median_choice": best.label}  # fmt: skip
             if second is not None:
-                times = [{o.label: o.time_s for o in plan_options(problem, link)} for link in links]
+                times = [{o.label: o.time_s for o in plan_options(call, link)} for link in links]
                 ratios = [t[second.label] / t[best.label] for t in times]
                 row.update(second=second.label, gap=second.time_s / best.time_s - 1, ratio_spread=spread(ratios))
             rows.append(row)
@@ -71,12 +63,10 @@ def main() -> None:
     everything = read_json(path)
     everything[args.label] = results = []
     for world in args.worlds:
-        ranks = rank_results(spawn_ranks(_probe_rank, world, timeout_s=args.timeout_s, args=(args.repeats,)))
-        probes = ranks[0]  # agreed: the same on every rank
-        summary = {key: spread([p[key] for p in probes]) for key in ("latency_s", "bandwidth", "flops", "load")}
+        probes = rank_results(spawn_ranks(_probe_rank, world, timeout_s=args.timeout_s, args=(args.repeats,)))[0]
+        s = {key: spread([p[key] for p in probes]) for key in (*LINK_KEYS, "load")}  # agreed: the same on every rank
         grid = stability(world, probes, args.seqs)
-        results.append({"world": world, "probes": probes, "spread": summary, "grid": grid})
-        s = summary
+        results.append({"world": world, "probes": probes, "spread": s, "grid": grid})
         print(f"p={world}: {args.repeats} probes, load {s['load']['min']:.1f}-{s['load']['max']:.1f}; "
               f"FLOP/s {s['flops']['min'] / 1e9:.1f}-{s['flops']['max'] / 1e9:.1f} G "
               f"(×{s['flops']['max_over_min']:.2f}), "

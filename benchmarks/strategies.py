@@ -1,8 +1,8 @@
 """Sequence-parallel strategies at p = 4: ring, all-gather, Ulysses, hybrid, DeepSpeed's Ulysses (SUITE.md)."""
 
 import functools
-from collections.abc import Callable
 
+import ds_ring
 from benchmarks import dilated, peers
 from benchmarks.common import AttentionFn, Case
 from benchmarks.driver import Benchmark, Column, Session, find, main, markdown_table, plot_rows, ratio
@@ -22,39 +22,9 @@ def label(case: Case) -> str:
     return name if case.group else f"{name}, 1 process × {case.threads} thread{'s' if case.threads > 1 else ''}"
 
 
-def interleaved_rounds(
-    calls: dict[str, AttentionFn], tensors: tuple, rounds: int, before_round: Callable[[], None] | None = None
-) -> dict[str, list[float]]:
-    """Round 0 warms every call up, then ``rounds`` rounds of one fwd+bwd per call (``tensors`` = q, k, v, dout), the
-    order reversed every other round, all ranks starting each call together (``before_round`` first, if given).
-    Returns each call's slowest-rank seconds per timed round."""
-    import time
-
-    import torch
-    import torch.distributed as dist
-
-    q, k, v, dout = tensors
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for r in range(rounds + 1):
-        if r and before_round is not None:
-            before_round()
-        for name in list(calls) if r % 2 == 0 else list(calls)[::-1]:
-            q.grad = k.grad = v.grad = None
-            dist.barrier()
-            start = time.perf_counter()
-            calls[name](q, k, v, None, None).backward(dout)
-            took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            dist.all_reduce(took, op=dist.ReduceOp.MAX)
-            if r:
-                times[name].append(float(took))
-    return times
-
-
 def build(case: Case, rank: int, timeout_s: float) -> AttentionFn:
     """ds_ring's strategy ``case.impl`` over ``case.ulysses`` × ``world / ulysses`` ranks, or a peer over that group;
     one-process cases (``case.group`` False): :func:`dilated.build`."""
-    import ds_ring
-
     if not case.group:
         return dilated.build(case, rank, timeout_s)
     if case.impl == "rap":

@@ -7,8 +7,14 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+import ds_ring
 from benchmarks.common import AttentionFn, Case, Protocol, RankResult, attention_rank, figure
 from benchmarks.driver import Benchmark, Column, Row, Session, main, markdown_table
+from ds_ring.kernels import dilated
+from ds_ring.kernels import window as W
+from tests.op_count import OpCount
 
 PIECES_REV = "650ed12^"  # the commit before the batched bands: its ds_ring/kernels/window.py is the "pieces" variant
 VARIANTS = ("pieces", "batched", "fused")
@@ -17,10 +23,6 @@ WINDOW = 128
 
 def build(case: Case, rank: int, timeout_s: float) -> AttentionFn:
     """``case.impl``'s band kernel patched into this rank process; the layer (causal, window :data:`WINDOW`)."""
-    import ds_ring
-    from ds_ring.kernels import dilated
-    from ds_ring.kernels import window as W
-
     if case.impl == "pieces":  # its band functions take options as keywords; the kernels now pass a Piece
         source = subprocess.run(["git", "show", f"{PIECES_REV}:ds_ring/kernels/window.py"], capture_output=True,
                                 text=True, check=True).stdout  # fmt: skip
@@ -42,10 +44,6 @@ class WindowResult(RankResult):
 
 def window_rank(rank: int, world: int, case: Case, build: Any, protocol: Protocol) -> WindowResult:
     """:func:`~benchmarks.common.attention_rank`, then the ops one call dispatches (``tests.op_count.OpCount``)."""
-    import torch
-
-    from tests.op_count import OpCount
-
     result = WindowResult(**vars(attention_rank(rank, world, case, build, protocol)))
     q, k, v, dout = (torch.randn(1, case.seq, case.heads, case.head_dim, requires_grad=i < 3) for i in range(4))
     with OpCount() as ops:
