@@ -78,6 +78,18 @@ def _patches(grid: int, channels: int) -> Callable[[int], dict[str, torch.Tensor
     return make
 
 
+def _crops(size: int, crops: int) -> Callable[[int], dict[str, torch.Tensor]]:
+    """LLaVA-NeXT-style images ``[n, crops, 3, size, size]`` (the base image and its any-resolution crops) and their
+    sizes ``[n, 2]``."""
+
+    def make(n: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(2)
+        pixels = torch.randn(n, crops, 3, size, size, generator=generator)
+        return {"pixel_values": pixels, "image_sizes": torch.tensor([[size, size]] * n)}
+
+    return make
+
+
 def _per_row(size: int) -> Callable[[int], dict[str, torch.Tensor]]:
     """Idefics3-style images ``[rows, images per row, 3, size, size]`` with their all-ones pixel mask."""
 
@@ -116,6 +128,14 @@ RECIPES: dict[str, Recipe] = {
                            {"rope_parameters": {**MROPE, "mrope_interleaved": True}, "num_experts": 4,
                             "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1},
                            mm_token_type_ids=True),
+    "qwen3_5": Recipe(_patches(8, 24), {**_QWEN, "num_position_embeddings": 16},
+                      {"rope_parameters": {**MROPE, "mrope_interleaved": True},
+                       "layer_types": ["linear_attention", "full_attention"]}, mm_token_type_ids=True),
+    "qwen3_5_moe": Recipe(_patches(8, 24), {**_QWEN, "num_position_embeddings": 16},
+                          {"rope_parameters": {**MROPE, "mrope_interleaved": True},
+                           "layer_types": ["linear_attention", "full_attention"], "num_experts": 4,
+                           "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                           "shared_expert_intermediate_size": 32}, mm_token_type_ids=True),
     "glm4v": Recipe(_patches(8, 24), {**_QWEN, "image_size": 16}, {"rope_parameters": MROPE},
                     top={"image_start_token_id": START, "image_end_token_id": END}, mm_token_type_ids=True),
     "glm46v": Recipe(_patches(8, 24), {**_QWEN, "image_size": 16}, {"rope_parameters": MROPE},
@@ -127,8 +147,22 @@ RECIPES: dict[str, Recipe] = {
     "lighton_ocr": Recipe(_square(32), {"image_size": 32, "patch_size": 4}, top={"spatial_merge_size": 2},
                           image_sizes=32),
     "llava": Recipe(_square(16), {"image_size": 16, "patch_size": 4, "projection_dim": 32}),
+    "llava_next": Recipe(_crops(8, 2), {"image_size": 8, "patch_size": 4, "projection_dim": 32},
+                         top={"image_grid_pinpoints": [[8, 8]]}),
+    "llava_next_video": Recipe(_crops(8, 2), {"image_size": 8, "patch_size": 4, "projection_dim": 32},
+                               top={"image_grid_pinpoints": [[8, 8]]}),
+    "llava_onevision": Recipe(_crops(8, 2), {"image_size": 8, "patch_size": 4},
+                              top={"image_grid_pinpoints": [[8, 8]]}),
+    "vipllava": Recipe(_square(16), {"image_size": 16, "patch_size": 4, "projection_dim": 32},
+                       top={"vision_feature_layers": [-2, -1]}),
+    "video_llava": Recipe(lambda n: {"pixel_values_images": _square(16)(n)["pixel_values"]},
+                          {"image_size": 16, "patch_size": 4, "projection_dim": 32}),
     "mistral3": Recipe(_square(32), {"image_size": 32, "patch_size": 4}, top={"spatial_merge_size": 2},
                        image_sizes=32),
+    "idefics2": Recipe(_per_row(32), {"image_size": 32, "patch_size": 4},
+                       top={"perceiver_config": {"hidden_size": 64, "resampler_n_latents": 8, "resampler_depth": 1,
+                                                 "resampler_n_heads": 2, "resampler_head_dim": 16,
+                                                 "num_key_value_heads": 1}}),
     "idefics3": Recipe(_per_row(32), {"image_size": 32, "patch_size": 4}, top={"scale_factor": 2}),
     "smolvlm": Recipe(_per_row(32), {"image_size": 32, "patch_size": 4}, top={"scale_factor": 2}),
     "gemma3": Recipe(_square(32), {"image_size": 32, "patch_size": 4}, top={"mm_tokens_per_image": 16},
@@ -152,8 +186,13 @@ def families() -> list[str]:
 
 
 def _set(config: Any, values: dict[str, Any]) -> None:
+    """Set the fields of ``values`` that ``config`` has; a dict into a nested config (Idefics2's perceiver) sets its
+    fields."""
     for key, value in values.items():
-        if hasattr(config, key):
+        nested = getattr(config, key, None)
+        if isinstance(value, dict) and hasattr(nested, "to_dict"):
+            _set(nested, value)
+        elif hasattr(config, key):
             with contextlib.suppress(AttributeError, NotImplementedError):
                 setattr(config, key, value)
 
