@@ -31,7 +31,14 @@ from torch import nn
 from ds_ring.integrations.hf.vision_split import FrameSplit, frame_encoders
 from ds_ring.integrations.internal import shard_sequence
 
-__all__ = ["VisionLanguage", "find_language_model", "model_inputs", "vision_language", "whole_image_mask"]
+__all__ = [
+    "VisionLanguage",
+    "find_language_model",
+    "model_inputs",
+    "refuse_encoder_decoder",
+    "vision_language",
+    "whole_image_mask",
+]
 
 
 def _is_composite(config: Any) -> bool:
@@ -39,6 +46,34 @@ def _is_composite(config: Any) -> bool:
     from transformers import PretrainedConfig
 
     return any(isinstance(getattr(config, name, None), PretrainedConfig) for name in ("vision_config", "audio_config"))
+
+
+def refuse_encoder_decoder(config: Any) -> None:
+    """``ValueError`` for an encoder-decoder model with a vision (or audio) encoder: Florence-2, Pix2Struct, T5Gemma 2,
+    a ``VisionEncoderDecoderModel``, ...
+
+    Its config says ``is_encoder_decoder`` and nests the encoder's config (``vision_config``, ``audio_config`` or an
+    ``encoder`` config). ds_ring shards one decoder-only sequence, cut after the image features are merged into it;
+    such a model has no such sequence: its decoder cross-attends to the encoder's whole output (keys that are not a
+    shard of the decoder's sequence) and its text encoder attends bidirectionally, so neither runs sequence-parallel
+    as a causal language model does.
+    """
+    from transformers import PretrainedConfig
+
+    if config is None or not getattr(config, "is_encoder_decoder", False):
+        return
+    towers = [
+        n
+        for n in ("vision_config", "audio_config", "encoder")
+        if isinstance(getattr(config, n, None), PretrainedConfig)
+    ]
+    if towers:
+        raise ValueError(
+            f"{type(config).__name__} is an encoder-decoder model (is_encoder_decoder, its encoder's config in "
+            f"{towers[0]}): its decoder cross-attends to the encoder's whole output, which is not a shard of the "
+            f"decoder's sequence, and ds_ring shards only a decoder-only sequence with the images merged into it; "
+            f"train this model without sequence parallelism"
+        )
 
 
 def find_language_model(model: nn.Module) -> tuple[str, nn.Module] | None:
