@@ -90,6 +90,11 @@ def _crops(size: int, crops: int) -> Callable[[int], dict[str, torch.Tensor]]:
     return make
 
 
+def _merged(images: Callable[[int], dict[str, torch.Tensor]], merge: int) -> Callable[[int], dict[str, torch.Tensor]]:
+    """``images`` and VideoLLaMA3's ``image_merge_sizes [n]``: how many patches a side each image's tokens merge."""
+    return lambda n: {**images(n), "image_merge_sizes": torch.tensor([merge] * n)}
+
+
 def _per_row(size: int) -> Callable[[int], dict[str, torch.Tensor]]:
     """Idefics3-style images ``[rows, images per row, 3, size, size]`` with their all-ones pixel mask."""
 
@@ -149,6 +154,10 @@ RECIPES: dict[str, Recipe] = {
     "cohere2_vision": Recipe(_square(32), {"image_size": 32, "patch_size": 4}, top={"downsample_factor": 2}),
     "got_ocr2": Recipe(_square(32), {"image_size": 32, "patch_size": 4}),
     "internvl": Recipe(_square(32), {"image_size": [32, 32], "patch_size": [4, 4]}, top={"downsample_ratio": 0.5}),
+    "janus": Recipe(_square(16), {"image_size": 16, "patch_size": 4, "projection_dim": 64, "depth": 1},
+                    top={"vq_config": {"base_channels": 32, "channel_multiplier": [1, 1], "latent_channels": 32,
+                                       "num_embeddings": 16, "embed_dim": 8, "image_token_embed_dim": 64,
+                                       "projection_dim": 64, "num_res_blocks": 1, "num_patches": 4}}),
     "lighton_ocr": Recipe(_square(32), {"image_size": 32, "patch_size": 4}, top={"spatial_merge_size": 2},
                           image_sizes=32),
     "llava": Recipe(_square(16), {"image_size": 16, "patch_size": 4, "projection_dim": 32}),
@@ -158,6 +167,7 @@ RECIPES: dict[str, Recipe] = {
                                top={"image_grid_pinpoints": [[8, 8]]}),
     "llava_onevision": Recipe(_crops(8, 2), {"image_size": 8, "patch_size": 4},
                               top={"image_grid_pinpoints": [[8, 8]]}),
+    "video_llama_3": Recipe(_merged(_patches(8, 12), 2), {"patch_size": 2}),
     "vipllava": Recipe(_square(16), {"image_size": 16, "patch_size": 4, "projection_dim": 32},
                        top={"vision_feature_layers": [-2, -1]}),
     "video_llava": Recipe(lambda n: {"pixel_values_images": _square(16)(n)["pixel_values"]},
@@ -333,12 +343,29 @@ def run_family(rank: int, world: int, family: str, strategies: list[str]) -> lis
     return agreed_outcomes(world, [family], strategies, STRATEGIES, check)
 
 
+def refused_config(family: str) -> str:
+    """``"refused: <why>"`` when ``register_with_transformers`` refuses the family from its config alone, whatever
+    its inputs (an encoder-decoder vision model: :func:`~ds_ring.integrations.hf.vision.refuse_encoder_decoder`, the
+    check registration makes first); ``""`` otherwise."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from ds_ring.integrations.hf.vision import refuse_encoder_decoder
+
+    try:
+        refuse_encoder_decoder(CONFIG_MAPPING[family]())
+    except ValueError as err:
+        return f"refused: {err}"
+    return ""
+
+
 def not_run(names: list[str]) -> dict[str, str]:
-    """Family → why it is not run here: no recipe, or a tiny build that fails."""
+    """Family → why it is not run here: ds_ring refuses its config (:func:`refused_config`), no recipe, or a tiny
+    build that fails."""
     why = {}
     for family in names:
         if family not in RECIPES:
-            why[family] = "no input recipe in tests/vlm_zoo.py yet (its tiny vision tower and image inputs)"
+            refusal = refused_config(family)
+            why[family] = refusal or "no input recipe in tests/vlm_zoo.py yet (its tiny vision tower and image inputs)"
             continue
         try:
             with warnings.catch_warnings():
