@@ -6,7 +6,8 @@ is called with this rank's rows of the whole sequence's ``get_rope_index`` ids (
 ``arange`` of the shard), of the merged embeddings, and (Qwen3-VL) of ``visual_pos_masks`` with the deepstack rows
 that fall in the shard. Refused: packed position ids, ``pad_to_multiple`` on a length that needs it, a
 vision-language config given by name (before any communication); an encoder-decoder vision model (Florence-2,
-Pix2Struct, T5Gemma 2, a ``VisionEncoderDecoderModel``), config or instance, for its decoder's cross-attention.
+Pix2Struct, T5Gemma 2, a ``VisionEncoderDecoderModel``), config or instance, for its decoder's cross-attention; a
+language model with cross-attention layers to the images (Mllama).
 """
 
 from __future__ import annotations
@@ -133,3 +134,14 @@ def test_an_encoder_decoder_vision_model_instance_is_refused_before_any_communic
     model = VisionEncoderDecoderModel(VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder))
     with pytest.raises(ValueError, match="VisionEncoderDecoderConfig is an encoder-decoder model"):
         register_with_transformers(model, config={"ring_attention": {"strategy": "ring"}})
+
+
+def test_a_language_model_that_cross_attends_to_the_images_is_refused():
+    from transformers import MllamaConfig, MllamaForConditionalGeneration
+
+    from ds_ring.integrations.hf.vision import vision_language
+
+    with torch.device("meta"):
+        model = MllamaForConditionalGeneration(MllamaConfig())
+    with pytest.raises(ValueError, match="model.language_model. cross-attends to the image features"):
+        vision_language(model, None, "contiguous")

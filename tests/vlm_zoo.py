@@ -344,15 +344,31 @@ def run_family(rank: int, world: int, family: str, strategies: list[str]) -> lis
 
 
 def refused_config(family: str) -> str:
-    """``"refused: <why>"`` when ``register_with_transformers`` refuses the family from its config alone, whatever
-    its inputs (an encoder-decoder vision model: :func:`~ds_ring.integrations.hf.vision.refuse_encoder_decoder`, the
-    check registration makes first); ``""`` otherwise."""
+    """``"refused: <why>"`` when ``register_with_transformers`` refuses the family from its default config alone,
+    whatever its inputs: an encoder-decoder vision model
+    (:func:`~ds_ring.integrations.hf.vision.refuse_encoder_decoder`, the check registration makes first), or a
+    language model that cross-attends to the images (:func:`~ds_ring.integrations.hf.vision.refuse_cross_attention`
+    on the model built on the meta device); ``""`` otherwise."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
-    from ds_ring.integrations.hf.vision import refuse_encoder_decoder
+    from ds_ring.integrations.hf.vision import find_language_model, refuse_cross_attention, refuse_encoder_decoder
 
+    config = CONFIG_MAPPING[family]()
     try:
-        refuse_encoder_decoder(CONFIG_MAPPING[family]())
+        refuse_encoder_decoder(config)
+    except ValueError as err:
+        return f"refused: {err}"
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]._from_config(config)
+    except Exception:  # noqa: BLE001 - a default config that does not build: no recipe, as before
+        return ""
+    found = find_language_model(model)
+    try:
+        if found is not None:
+            refuse_cross_attention(type(model).__name__, *found)
     except ValueError as err:
         return f"refused: {err}"
     return ""
