@@ -95,6 +95,21 @@ def _merged(images: Callable[[int], dict[str, torch.Tensor]], merge: int) -> Cal
     return lambda n: {**images(n), "image_merge_sizes": torch.tensor([merge] * n)}
 
 
+def _naflex(side: int, patch: int) -> Callable[[int], dict[str, torch.Tensor]]:
+    """SigLIP2's native-resolution patches ``[n, side², 3·patch²]`` of ``n`` images of ``side × side`` patches, their
+    ``spatial_shapes [n, 2]`` and all-ones ``pixel_attention_mask [n, side²]``."""
+
+    def make(n: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(2)
+        return {
+            "pixel_values": torch.randn(n, side * side, 3 * patch * patch, generator=generator),
+            "spatial_shapes": torch.tensor([[side, side]] * n),
+            "pixel_attention_mask": torch.ones(n, side * side, dtype=torch.long),
+        }
+
+    return make
+
+
 def _per_row(size: int) -> Callable[[int], dict[str, torch.Tensor]]:
     """Idefics3-style images ``[rows, images per row, 3, size, size]`` with their all-ones pixel mask."""
 
@@ -158,6 +173,8 @@ RECIPES: dict[str, Recipe] = {
                     top={"vq_config": {"base_channels": 32, "channel_multiplier": [1, 1], "latent_channels": 32,
                                        "num_embeddings": 16, "embed_dim": 8, "image_token_embed_dim": 64,
                                        "projection_dim": 64, "num_res_blocks": 1, "num_patches": 4}}),
+    "lfm2_vl": Recipe(_naflex(4, 4), {"patch_size": 4, "num_patches": 16},
+                      {"layer_types": ["conv", "full_attention"]}, top={"projector_hidden_size": 64}),
     "lighton_ocr": Recipe(_square(32), {"image_size": 32, "patch_size": 4}, top={"spatial_merge_size": 2},
                           image_sizes=32),
     "llava": Recipe(_square(16), {"image_size": 16, "patch_size": 4, "projection_dim": 32}),
