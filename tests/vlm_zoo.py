@@ -136,8 +136,12 @@ class Recipe:
     image_sizes: int = 0  # Pixtral's image_sizes [n, 2] of this side
 
 
+_QFORMER = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                encoder_hidden_size=32, vocab_size=VOCAB)  # fmt: skip
+"""BLIP-2's querying transformer, tiny."""
 _QWEN = dict(patch_size=2, temporal_patch_size=2, spatial_merge_size=2, in_channels=3, out_hidden_size=64)
 RECIPES: dict[str, Recipe] = {
+    "qianfan_ocr": Recipe(_square(32), {"image_size": [32, 32], "patch_size": [4, 4]}, top={"downsample_ratio": 0.5}),
     "qwen2_vl": Recipe(_patches(8, 24), {**_QWEN, "hidden_size": 64, "mlp_ratio": 2}, {"rope_parameters": MROPE},
                        mm_token_type_ids=True),
     "qwen2_5_vl": Recipe(_patches(8, 24), {**_QWEN, "window_size": 8, "fullatt_block_indexes": [1]},
@@ -166,6 +170,8 @@ RECIPES: dict[str, Recipe] = {
                    {"moe_num_experts": 4, "moe_topk": 2, "moe_intermediate_size": 32, "moe_num_shared_experts": 1},
                    top={"projector_patch_to_query_dict": {64: 8}, "max_value_projector_patch_to_query_dict": 8}),
     "aya_vision": Recipe(_square(32), {"image_size": 32, "patch_size": 4}, top={"downsample_factor": 2}),
+    "blip-2": Recipe(_square(16), {"image_size": 16, "patch_size": 4}, {"word_embed_proj_dim": 64, "ffn_dim": 128},
+                     top={"num_query_tokens": 8, "qformer_config": _QFORMER}),
     "cohere2_vision": Recipe(_square(32), {"image_size": 32, "patch_size": 4}, top={"downsample_factor": 2}),
     "got_ocr2": Recipe(_square(32), {"image_size": 32, "patch_size": 4}),
     "internvl": Recipe(_square(32), {"image_size": [32, 32], "patch_size": [4, 4]}, top={"downsample_ratio": 0.5}),
@@ -175,6 +181,8 @@ RECIPES: dict[str, Recipe] = {
                                        "projection_dim": 64, "num_res_blocks": 1, "num_patches": 4}}),
     "lfm2_vl": Recipe(_naflex(4, 4), {"patch_size": 4, "num_patches": 16},
                       {"layer_types": ["conv", "full_attention"]}, top={"projector_hidden_size": 64}),
+    "lfm3_vl": Recipe(_patches(8, 24), {**_QWEN, "num_key_value_heads": 1}, {"layer_types": ["conv", "full_attention"]},
+                      top={"projector_hidden_size": 64}),
     "lighton_ocr": Recipe(_square(32), {"image_size": 32, "patch_size": 4}, top={"spatial_merge_size": 2},
                           image_sizes=32),
     "llava": Recipe(_square(16), {"image_size": 16, "patch_size": 4, "projection_dim": 32}),
@@ -231,8 +239,8 @@ def _set(config: Any, values: dict[str, Any]) -> None:
 
 
 def tiny_config(family: str) -> Any:
-    """The family's default config with :data:`TEXT`, :data:`VISION` and the recipe's fields, dropout off, the
-    placeholder ids :data:`IMAGE` / :data:`VIDEO` / :data:`START` / :data:`END`."""
+    """The family's default config with :data:`TEXT`, :data:`VISION` and the recipe's fields, dropout off (in its
+    nested configs too), the placeholder ids :data:`IMAGE` / :data:`VIDEO` / :data:`START` / :data:`END`."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     recipe = RECIPES[family]
@@ -242,11 +250,19 @@ def tiny_config(family: str) -> Any:
     ids = dict(image_token_id=IMAGE, image_token_index=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
                vision_end_token_id=END, boi_token_index=START, eoi_token_index=END, pad_token_id=0)  # fmt: skip
     _set(config, {**ids, **recipe.top})
-    for target in (config, config.text_config, config.vision_config):
-        for key, value in list(vars(target).items()):
-            if isinstance(value, float) and "dropout" in key:
-                setattr(target, key, 0.0)
+    _no_dropout(config)
     return config
+
+
+def _no_dropout(config: Any) -> None:
+    """Every ``*drop*`` probability of ``config`` and of the configs nested in it set to 0: dropout (BLIP-2's Q-Former
+    passes its attention dropout to the attention function, no ``nn.Dropout`` to switch off) and stochastic depth
+    (Qianfan-OCR's vision ``drop_path_rate``)."""
+    for key, value in list(vars(config).items()):
+        if isinstance(value, float) and "drop" in key:  # dropout, and stochastic depth (drop_path_rate)
+            setattr(config, key, 0.0)
+        elif hasattr(value, "to_dict") and hasattr(value, "model_type"):
+            _no_dropout(value)
 
 
 def build(family: str, attention: str = "eager") -> torch.nn.Module:
