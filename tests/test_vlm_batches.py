@@ -5,7 +5,9 @@ On 2 ranks (contiguous and zigzag) with tiny Qwen2-VL and Qwen3-VL and images ac
 is called with this rank's rows of the whole sequence's ``get_rope_index`` ids (the text row added, never an
 ``arange`` of the shard), of the merged embeddings, and (Qwen3-VL) of ``visual_pos_masks`` with the deepstack rows
 that fall in the shard. Refused: packed position ids, ``pad_to_multiple`` on a length that needs it, a
-vision-language config given by name (before any communication).
+vision-language config given by name (before any communication); an encoder-decoder vision model (Florence-2,
+Pix2Struct, T5Gemma 2, a ``VisionEncoderDecoderModel``), config or instance, for its decoder's cross-attention; a
+language model with cross-attention layers to the images (Mllama).
 """
 
 from __future__ import annotations
@@ -109,3 +111,37 @@ def test_a_vision_language_config_by_name_is_refused_before_any_communication():
         ValueError, match="vision-language model's config.*pass the model to register_with_transformers"
     ):
         register_with_transformers(vlm_zoo.tiny_config("qwen2_vl"), config={"ring_attention": {"strategy": "ring"}})
+
+
+@pytest.mark.parametrize("family", ["florence2", "pix2struct", "t5gemma2", "vision-encoder-decoder"])
+def test_an_encoder_decoder_vision_model_config_is_refused_for_its_cross_attention(family):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from ds_ring.integrations.hf import register_with_transformers
+
+    with pytest.raises(ValueError, match="is an encoder-decoder model.*cross-attends to the encoder's whole output"):
+        register_with_transformers(CONFIG_MAPPING[family](), config={"ring_attention": {"strategy": "ring"}})
+
+
+def test_an_encoder_decoder_vision_model_instance_is_refused_before_any_communication():
+    from transformers import GPT2Config, VisionEncoderDecoderConfig, VisionEncoderDecoderModel, ViTConfig
+
+    from ds_ring.integrations.hf import register_with_transformers
+
+    encoder = ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                        image_size=16, patch_size=4)  # fmt: skip
+    decoder = GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=128)
+    model = VisionEncoderDecoderModel(VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder))
+    with pytest.raises(ValueError, match="VisionEncoderDecoderConfig is an encoder-decoder model"):
+        register_with_transformers(model, config={"ring_attention": {"strategy": "ring"}})
+
+
+def test_a_language_model_that_cross_attends_to_the_images_is_refused():
+    from transformers import MllamaConfig, MllamaForConditionalGeneration
+
+    from ds_ring.integrations.hf.vision import vision_language
+
+    with torch.device("meta"):
+        model = MllamaForConditionalGeneration(MllamaConfig())
+    with pytest.raises(ValueError, match="model.language_model. cross-attends to the image features"):
+        vision_language(model, None, "contiguous")

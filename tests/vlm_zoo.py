@@ -78,6 +78,38 @@ def _patches(grid: int, channels: int) -> Callable[[int], dict[str, torch.Tensor
     return make
 
 
+def _crops(size: int, crops: int) -> Callable[[int], dict[str, torch.Tensor]]:
+    """LLaVA-NeXT-style images ``[n, crops, 3, size, size]`` (the base image and its any-resolution crops) and their
+    sizes ``[n, 2]``."""
+
+    def make(n: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(2)
+        pixels = torch.randn(n, crops, 3, size, size, generator=generator)
+        return {"pixel_values": pixels, "image_sizes": torch.tensor([[size, size]] * n)}
+
+    return make
+
+
+def _merged(images: Callable[[int], dict[str, torch.Tensor]], merge: int) -> Callable[[int], dict[str, torch.Tensor]]:
+    """``images`` and VideoLLaMA3's ``image_merge_sizes [n]``: how many patches a side each image's tokens merge."""
+    return lambda n: {**images(n), "image_merge_sizes": torch.tensor([merge] * n)}
+
+
+def _naflex(side: int, patch: int) -> Callable[[int], dict[str, torch.Tensor]]:
+    """SigLIP2's native-resolution patches ``[n, side², 3·patch²]`` of ``n`` images of ``side × side`` patches, their
+    ``spatial_shapes [n, 2]`` and all-ones ``pixel_attention_mask [n, side²]``."""
+
+    def make(n: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(2)
+        return {
+            "pixel_values": torch.randn(n, side * side, 3 * patch * patch, generator=generator),
+            "spatial_shapes": torch.tensor([[side, side]] * n),
+            "pixel_attention_mask": torch.ones(n, side * side, dtype=torch.long),
+        }
+
+    return make
+
+
 def _per_row(size: int) -> Callable[[int], dict[str, torch.Tensor]]:
     """Idefics3-style images ``[rows, images per row, 3, size, size]`` with their all-ones pixel mask."""
 
@@ -104,8 +136,12 @@ class Recipe:
     image_sizes: int = 0  # Pixtral's image_sizes [n, 2] of this side
 
 
+_QFORMER = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                encoder_hidden_size=32, vocab_size=VOCAB)  # fmt: skip
+"""BLIP-2's querying transformer, tiny."""
 _QWEN = dict(patch_size=2, temporal_patch_size=2, spatial_merge_size=2, in_channels=3, out_hidden_size=64)
 RECIPES: dict[str, Recipe] = {
+    "qianfan_ocr": Recipe(_square(32), {"image_size": [32, 32], "patch_size": [4, 4]}, top={"downsample_ratio": 0.5}),
     "qwen2_vl": Recipe(_patches(8, 24), {**_QWEN, "hidden_size": 64, "mlp_ratio": 2}, {"rope_parameters": MROPE},
                        mm_token_type_ids=True),
     "qwen2_5_vl": Recipe(_patches(8, 24), {**_QWEN, "window_size": 8, "fullatt_block_indexes": [1]},
@@ -116,21 +152,60 @@ RECIPES: dict[str, Recipe] = {
                            {"rope_parameters": {**MROPE, "mrope_interleaved": True}, "num_experts": 4,
                             "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1},
                            mm_token_type_ids=True),
+    "qwen3_5": Recipe(_patches(8, 24), {**_QWEN, "num_position_embeddings": 16},
+                      {"rope_parameters": {**MROPE, "mrope_interleaved": True},
+                       "layer_types": ["linear_attention", "full_attention"]}, mm_token_type_ids=True),
+    "qwen3_5_moe": Recipe(_patches(8, 24), {**_QWEN, "num_position_embeddings": 16},
+                          {"rope_parameters": {**MROPE, "mrope_interleaved": True},
+                           "layer_types": ["linear_attention", "full_attention"], "num_experts": 4,
+                           "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                           "shared_expert_intermediate_size": 32}, mm_token_type_ids=True),
+    "glm_ocr": Recipe(_patches(8, 24), {**_QWEN, "image_size": 16}, {"rope_parameters": MROPE},
+                      top={"image_start_token_id": START, "image_end_token_id": END}, mm_token_type_ids=True),
     "glm4v": Recipe(_patches(8, 24), {**_QWEN, "image_size": 16}, {"rope_parameters": MROPE},
                     top={"image_start_token_id": START, "image_end_token_id": END}, mm_token_type_ids=True),
     "glm46v": Recipe(_patches(8, 24), {**_QWEN, "image_size": 16}, {"rope_parameters": MROPE},
                      top={"image_start_token_id": START, "image_end_token_id": END}, mm_token_type_ids=True),
+    "aria": Recipe(_square(32), {"image_size": 32, "patch_size": 4},
+                   {"moe_num_experts": 4, "moe_topk": 2, "moe_intermediate_size": 32, "moe_num_shared_experts": 1},
+                   top={"projector_patch_to_query_dict": {64: 8}, "max_value_projector_patch_to_query_dict": 8}),
     "aya_vision": Recipe(_square(32), {"image_size": 32, "patch_size": 4}, top={"downsample_factor": 2}),
+    "blip-2": Recipe(_square(16), {"image_size": 16, "patch_size": 4}, {"word_embed_proj_dim": 64, "ffn_dim": 128},
+                     top={"num_query_tokens": 8, "qformer_config": _QFORMER}),
     "cohere2_vision": Recipe(_square(32), {"image_size": 32, "patch_size": 4}, top={"downsample_factor": 2}),
     "got_ocr2": Recipe(_square(32), {"image_size": 32, "patch_size": 4}),
     "internvl": Recipe(_square(32), {"image_size": [32, 32], "patch_size": [4, 4]}, top={"downsample_ratio": 0.5}),
+    "janus": Recipe(_square(16), {"image_size": 16, "patch_size": 4, "projection_dim": 64, "depth": 1},
+                    top={"vq_config": {"base_channels": 32, "channel_multiplier": [1, 1], "latent_channels": 32,
+                                       "num_embeddings": 16, "embed_dim": 8, "image_token_embed_dim": 64,
+                                       "projection_dim": 64, "num_res_blocks": 1, "num_patches": 4}}),
+    "lfm2_vl": Recipe(_naflex(4, 4), {"patch_size": 4, "num_patches": 16},
+                      {"layer_types": ["conv", "full_attention"]}, top={"projector_hidden_size": 64}),
+    "lfm3_vl": Recipe(_patches(8, 24), {**_QWEN, "num_key_value_heads": 1}, {"layer_types": ["conv", "full_attention"]},
+                      top={"projector_hidden_size": 64}),
     "lighton_ocr": Recipe(_square(32), {"image_size": 32, "patch_size": 4}, top={"spatial_merge_size": 2},
                           image_sizes=32),
     "llava": Recipe(_square(16), {"image_size": 16, "patch_size": 4, "projection_dim": 32}),
+    "llava_next": Recipe(_crops(8, 2), {"image_size": 8, "patch_size": 4, "projection_dim": 32},
+                         top={"image_grid_pinpoints": [[8, 8]]}),
+    "llava_next_video": Recipe(_crops(8, 2), {"image_size": 8, "patch_size": 4, "projection_dim": 32},
+                               top={"image_grid_pinpoints": [[8, 8]]}),
+    "llava_onevision": Recipe(_crops(8, 2), {"image_size": 8, "patch_size": 4},
+                              top={"image_grid_pinpoints": [[8, 8]]}),
+    "video_llama_3": Recipe(_merged(_patches(8, 12), 2), {"patch_size": 2}),
+    "vipllava": Recipe(_square(16), {"image_size": 16, "patch_size": 4, "projection_dim": 32},
+                       top={"vision_feature_layers": [-2, -1]}),
+    "video_llava": Recipe(lambda n: {"pixel_values_images": _square(16)(n)["pixel_values"]},
+                          {"image_size": 16, "patch_size": 4, "projection_dim": 32}),
     "mistral3": Recipe(_square(32), {"image_size": 32, "patch_size": 4}, top={"spatial_merge_size": 2},
                        image_sizes=32),
+    "idefics2": Recipe(_per_row(32), {"image_size": 32, "patch_size": 4},
+                       top={"perceiver_config": {"hidden_size": 64, "resampler_n_latents": 8, "resampler_depth": 1,
+                                                 "resampler_n_heads": 2, "resampler_head_dim": 16,
+                                                 "num_key_value_heads": 1}}),
     "idefics3": Recipe(_per_row(32), {"image_size": 32, "patch_size": 4}, top={"scale_factor": 2}),
     "smolvlm": Recipe(_per_row(32), {"image_size": 32, "patch_size": 4}, top={"scale_factor": 2}),
+    "deepseek_vl": Recipe(_square(16), {"image_size": 16, "patch_size": 4}),
     "gemma3": Recipe(_square(32), {"image_size": 32, "patch_size": 4}, top={"mm_tokens_per_image": 16},
                      token_type_ids="image"),
     "paligemma": Recipe(_square(16), {"image_size": 16, "patch_size": 4, "projection_dim": 64},
@@ -152,15 +227,20 @@ def families() -> list[str]:
 
 
 def _set(config: Any, values: dict[str, Any]) -> None:
+    """Set the fields of ``values`` that ``config`` has; a dict into a nested config (Idefics2's perceiver) sets its
+    fields."""
     for key, value in values.items():
-        if hasattr(config, key):
+        nested = getattr(config, key, None)
+        if isinstance(value, dict) and hasattr(nested, "to_dict"):
+            _set(nested, value)
+        elif hasattr(config, key):
             with contextlib.suppress(AttributeError, NotImplementedError):
                 setattr(config, key, value)
 
 
 def tiny_config(family: str) -> Any:
-    """The family's default config with :data:`TEXT`, :data:`VISION` and the recipe's fields, dropout off, the
-    placeholder ids :data:`IMAGE` / :data:`VIDEO` / :data:`START` / :data:`END`."""
+    """The family's default config with :data:`TEXT`, :data:`VISION` and the recipe's fields, dropout off (in its
+    nested configs too), the placeholder ids :data:`IMAGE` / :data:`VIDEO` / :data:`START` / :data:`END`."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     recipe = RECIPES[family]
@@ -170,11 +250,19 @@ def tiny_config(family: str) -> Any:
     ids = dict(image_token_id=IMAGE, image_token_index=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
                vision_end_token_id=END, boi_token_index=START, eoi_token_index=END, pad_token_id=0)  # fmt: skip
     _set(config, {**ids, **recipe.top})
-    for target in (config, config.text_config, config.vision_config):
-        for key, value in list(vars(target).items()):
-            if isinstance(value, float) and "dropout" in key:
-                setattr(target, key, 0.0)
+    _no_dropout(config)
     return config
+
+
+def _no_dropout(config: Any) -> None:
+    """Every ``*drop*`` probability of ``config`` and of the configs nested in it set to 0: dropout (BLIP-2's Q-Former
+    passes its attention dropout to the attention function, no ``nn.Dropout`` to switch off) and stochastic depth
+    (Qianfan-OCR's vision ``drop_path_rate``)."""
+    for key, value in list(vars(config).items()):
+        if isinstance(value, float) and "drop" in key:  # dropout, and stochastic depth (drop_path_rate)
+            setattr(config, key, 0.0)
+        elif hasattr(value, "to_dict") and hasattr(value, "model_type"):
+            _no_dropout(value)
 
 
 def build(family: str, attention: str = "eager") -> torch.nn.Module:
@@ -288,12 +376,45 @@ def run_family(rank: int, world: int, family: str, strategies: list[str]) -> lis
     return agreed_outcomes(world, [family], strategies, STRATEGIES, check)
 
 
+def refused_config(family: str) -> str:
+    """``"refused: <why>"`` when ``register_with_transformers`` refuses the family from its default config alone,
+    whatever its inputs: an encoder-decoder vision model
+    (:func:`~ds_ring.integrations.hf.vision.refuse_encoder_decoder`, the check registration makes first), or a
+    language model that cross-attends to the images (:func:`~ds_ring.integrations.hf.vision.refuse_cross_attention`
+    on the model built on the meta device); ``""`` otherwise."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    from ds_ring.integrations.hf.vision import find_language_model, refuse_cross_attention, refuse_encoder_decoder
+
+    config = CONFIG_MAPPING[family]()
+    try:
+        refuse_encoder_decoder(config)
+    except ValueError as err:
+        return f"refused: {err}"
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]._from_config(config)
+    except Exception:  # noqa: BLE001 - a default config that does not build: no recipe, as before
+        return ""
+    found = find_language_model(model)
+    try:
+        if found is not None:
+            refuse_cross_attention(type(model).__name__, *found)
+    except ValueError as err:
+        return f"refused: {err}"
+    return ""
+
+
 def not_run(names: list[str]) -> dict[str, str]:
-    """Family → why it is not run here: no recipe, or a tiny build that fails."""
+    """Family → why it is not run here: ds_ring refuses its config (:func:`refused_config`), no recipe, or a tiny
+    build that fails."""
     why = {}
     for family in names:
         if family not in RECIPES:
-            why[family] = "no input recipe in tests/vlm_zoo.py yet (its tiny vision tower and image inputs)"
+            refusal = refused_config(family)
+            why[family] = refusal or "no input recipe in tests/vlm_zoo.py yet (its tiny vision tower and image inputs)"
             continue
         try:
             with warnings.catch_warnings():

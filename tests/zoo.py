@@ -139,7 +139,8 @@ class Float64Throughout(TorchFunctionMode):
     """While active, a float64 tensor is never rounded to float32: ``x.to(torch.float32)``, ``x.float()``,
     ``x.type(torch.float32)`` and a ``dtype=torch.float32`` argument (eager attention's softmax, RMSNorm, rotary
     tables, routers, Mamba's scan) keep float64, and ``grid_sample`` of a float64 input samples at a float64 grid
-    (GLM-4V builds its grid in float32 from integer image sizes; ``grid_sample`` takes no mixed dtypes). Both the
+    (GLM-4V builds its grid in float32 from integer image sizes; ``grid_sample`` takes no mixed dtypes), and a float32
+    matrix times a float64 one is float64 (SigLIP2's position-resize weights, float32 from integer sizes). Both the
     reference and ds_ring run under it: a difference of 1e-16 in an attention output would otherwise flip a float32
     rounding (6e-8 relative), and eager's float32 softmax alone is off by 1e-8."""
 
@@ -154,6 +155,8 @@ class Float64Throughout(TorchFunctionMode):
                 args = tuple(torch.float64 if a is torch.float32 else a for a in args)
             if func is F.grid_sample and args[1].dtype == torch.float32:  # GLM-4V's grid from integer sizes
                 args = (args[0], args[1].double(), *args[2:])
+            if getattr(func, "__name__", "") in ("__matmul__", "matmul") and args[0].dtype == torch.float32:  # SigLIP2
+                args = (args[0].double(), *args[1:])
         return func(*args, **kwargs)
 
 

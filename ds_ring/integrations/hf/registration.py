@@ -34,7 +34,12 @@ from ds_ring.integrations.hf.positions import POSITION_TOKENS, refuse_position_b
 from ds_ring.integrations.hf.probe import Probe
 from ds_ring.integrations.hf.recurrent import install_recurrent, sequence_parallel_mixers
 from ds_ring.integrations.hf.session import SequenceParallelSession, installed_sessions
-from ds_ring.integrations.hf.vision import find_language_model, vision_language, whole_image_mask
+from ds_ring.integrations.hf.vision import (
+    find_language_model,
+    refuse_encoder_decoder,
+    vision_language,
+    whole_image_mask,
+)
 from ds_ring.integrations.internal import (
     SECTION,
     DsConfig,
@@ -157,6 +162,8 @@ def register_with_transformers(
     if not own:
         _check_implementation(core_attn_implementation, ALL_ATTENTION_FUNCTIONS)
     model_config, unrouted = _model_config(model_name_or_path, core_attn_implementation)
+    if section.enabled:
+        refuse_encoder_decoder(model_config)
     _refuse_vision_by_config(model_name_or_path, model_config, section.enabled)
     if model_config is not None and section.enabled:
         _audit_modules(model_name_or_path, model_config, core_attn_implementation, position_wise, unrouted)

@@ -22,6 +22,7 @@ for its configs by the mask function it replaced (:meth:`VisionLanguage.whole_im
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,7 +32,15 @@ from torch import nn
 from ds_ring.integrations.hf.vision_split import FrameSplit, frame_encoders
 from ds_ring.integrations.internal import shard_sequence
 
-__all__ = ["VisionLanguage", "find_language_model", "model_inputs", "vision_language", "whole_image_mask"]
+__all__ = [
+    "VisionLanguage",
+    "find_language_model",
+    "model_inputs",
+    "refuse_cross_attention",
+    "refuse_encoder_decoder",
+    "vision_language",
+    "whole_image_mask",
+]
 
 
 def _is_composite(config: Any) -> bool:
@@ -39,6 +48,52 @@ def _is_composite(config: Any) -> bool:
     from transformers import PretrainedConfig
 
     return any(isinstance(getattr(config, name, None), PretrainedConfig) for name in ("vision_config", "audio_config"))
+
+
+def refuse_encoder_decoder(config: Any) -> None:
+    """``ValueError`` for an encoder-decoder model with a vision (or audio) encoder: Florence-2, Pix2Struct, T5Gemma 2,
+    a ``VisionEncoderDecoderModel``, ...
+
+    Its config says ``is_encoder_decoder`` and nests the encoder's config (``vision_config``, ``audio_config`` or an
+    ``encoder`` config). ds_ring shards one decoder-only sequence, cut after the image features are merged into it;
+    such a model has no such sequence: its decoder cross-attends to the encoder's whole output (keys that are not a
+    shard of the decoder's sequence) and its text encoder attends bidirectionally, so neither runs sequence-parallel
+    as a causal language model does.
+    """
+    from transformers import PretrainedConfig
+
+    if config is None or not getattr(config, "is_encoder_decoder", False):
+        return
+    towers = [
+        n
+        for n in ("vision_config", "audio_config", "encoder")
+        if isinstance(getattr(config, n, None), PretrainedConfig)
+    ]
+    if towers:
+        raise ValueError(
+            f"{type(config).__name__} is an encoder-decoder model (is_encoder_decoder, its encoder's config in "
+            f"{towers[0]}): its decoder cross-attends to the encoder's whole output, which is not a shard of the "
+            f"decoder's sequence, and ds_ring shards only a decoder-only sequence with the images merged into it; "
+            f"train this model without sequence parallelism"
+        )
+
+
+_CROSS_ATTENTION = re.compile(r"cross_?att|encoder_?attn", re.IGNORECASE)
+"""Names of cross-attention modules (Mllama's ``cross_attn``, BART-style ``encoder_attn``) and their classes."""
+
+
+def refuse_cross_attention(model_class: str, path: str, language_model: nn.Module) -> None:
+    """``ValueError`` for a language model with cross-attention layers (Mllama): their keys are the image features,
+    which are not a shard of the sequence, so ds_ring's attention would exchange them over the ranks as if they were;
+    found by the module's name or class (``cross_attn``, ``encoder_attn``, ``...CrossAttention``)."""
+    for name, module in language_model.named_modules():
+        if _CROSS_ATTENTION.search(name.rsplit(".", 1)[-1]) or _CROSS_ATTENTION.search(type(module).__name__):
+            raise ValueError(
+                f"{model_class}'s language model ({path}) cross-attends to the image features "
+                f"({type(module).__name__} at {path}.{name}): its keys are not a shard of the sequence, and ds_ring "
+                f"shards only a sequence with the images merged into it; train this model without sequence "
+                f"parallelism"
+            )
 
 
 def find_language_model(model: nn.Module) -> tuple[str, nn.Module] | None:
@@ -214,7 +269,8 @@ def vision_language(
     """A :class:`VisionLanguage` for ``model`` when it is a vision-language model instance, else ``None``.
 
     Raises:
-        ValueError: a model with a vision tower's config whose language model cannot be found (naming the class).
+        ValueError: a model with a vision tower's config whose language model cannot be found (naming the class), or
+            whose language model cross-attends to the images (:func:`refuse_cross_attention`).
     """
     if not isinstance(model, nn.Module) or not _is_composite(getattr(model, "config", None)):
         return None
@@ -225,6 +281,7 @@ def vision_language(
             f"sub-model with the text config and decoder layers) before which to cut the sequence; train this model "
             f"without sequence parallelism"
         )
+    refuse_cross_attention(type(model).__name__, *found)
     return VisionLanguage(model, *found, topology, layout, divide=divide, disable_in_eval=disable_in_eval)
 
 
