@@ -80,6 +80,23 @@ def _breaks() -> int:
     return sum(counters["graph_break"].values())
 
 
+def _model_own_breaks(model_name: str, backend: str) -> int:
+    """The graph breaks of the model without ds_ring, one whole-batch step: 0 on torch 2.13; on torch 2.6 with
+    transformers 5.0, 2 (transformers' own ``check_model_inputs`` reads ``co_varnames``, which 2.6 does not trace).
+    ds_ring's attention must add none: where the model compiles whole, ``fullgraph=True`` holds."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = _model(model_name)
+    torch.compile(model, backend=backend)(**{k: v for k, v in full_batch().items() if k != "labels"}).logits.sum()
+    own = _breaks()
+    torch._dynamo.reset()
+    counters.clear()
+    return own
+
+
 def _compiled_cases(rank: int, world: int, cases: list, backend: str) -> list[str]:
     import torch._dynamo
 
@@ -94,14 +111,13 @@ def _compiled_cases(rank: int, world: int, cases: list, backend: str) -> list[st
             try:
                 sharded = shard_batch(session, _batch(packed))
                 eager = _step(model, model, session, sharded)
-                torch._dynamo.reset()
+                own = _model_own_breaks(model_name, backend)
                 from torch._dynamo.utils import counters
 
-                counters.clear()
-                compiled = torch.compile(model, backend=backend, fullgraph=True)
+                compiled = torch.compile(model, backend=backend, fullgraph=own == 0)
                 for _ in range(2):  # the second step runs the compiled graph without tracing
                     got = _step(compiled, model, session, sharded)
-                    assert _breaks() == 0, f"graph breaks: {dict(counters['graph_break'])}"
+                    assert _breaks() == own, f"graph breaks: {dict(counters['graph_break'])}, the model's own: {own}"
                     _compare(log, name, eager, got)
                 if packed:  # other documents: equal to eager (a new set may still compile a new graph)
                     for documents in OTHER_DOCUMENTS:
@@ -136,7 +152,7 @@ def _engine_rank(rank: int, world: int) -> list[str]:
         **ds_config(strategy="ulysses"), "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
         "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
     }  # fmt: skip
-    results = []
+    results, own = [], _model_own_breaks("llama", "aot_eager")
     for compiled in (False, True):
         model = llama(torch.float32, num_hidden_layers=1)
         engine, *_ = ds_ring.initialize(model=model, config=config, optimizer=sgd(model))
@@ -145,7 +161,7 @@ def _engine_rank(rank: int, world: int) -> list[str]:
             if compiled:
                 torch._dynamo.reset()
                 counters.clear()
-                engine.compile(backend="aot_eager", compile_kwargs={"fullgraph": True})
+                engine.compile(backend="aot_eager", compile_kwargs={"fullgraph": own == 0})
             sharded = shard_batch(session, _batch(True))
             inputs = {k: v for k, v in sharded.items() if k != "shift_labels"}
             for _ in range(2):
@@ -156,8 +172,8 @@ def _engine_rank(rank: int, world: int) -> list[str]:
         finally:
             session.close()
             engine.destroy()
-    with log.case("engine.compile(): no graph break"):
-        assert _breaks() == 0, dict(counters["graph_break"])
+    with log.case("engine.compile(): no graph break but the model's own"):
+        assert _breaks() == own, (dict(counters["graph_break"]), own)
     _compare(log, "engine.compile() (logits, then parameters after 2 steps)", results[0], results[1])
     return log.failures
 

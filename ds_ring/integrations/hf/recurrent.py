@@ -108,6 +108,7 @@ asks for CUDA kernels on a CPU, MiniMax's lightning attention takes another path
 
 
 @functools.cache
+@torch.compiler.assume_constant_result  # torch 2.6's compiler cannot trace the import: run, not traced
 def recurrent_supported() -> bool:
     """Whether this transformers release is one the sequence-parallel recurrent layers are written for."""
     import transformers
