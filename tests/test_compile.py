@@ -85,6 +85,12 @@ def _breaks() -> int:
     return sum(counters["graph_break"].values())
 
 
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 def _model_own_breaks(model_name: str, backend: str) -> int:
     """The graph breaks of the model without ds_ring, one whole-batch step: 0 on torch 2.13; on torch 2.6 with
     transformers 5.0, 2 (transformers' own ``check_model_inputs`` reads ``co_varnames``, which 2.6 does not trace).
@@ -120,9 +126,12 @@ def _compiled_cases(rank: int, world: int, cases: list, backend: str) -> list[st
                 from torch._dynamo.utils import counters
 
                 compiled = torch.compile(model, backend=backend, fullgraph=own == 0)
+                graphs = None
                 for _ in range(2):  # the second step runs the compiled graph without tracing
                     got = _step(compiled, model, session, sharded)
                     assert _breaks() == own, f"graph breaks: {dict(counters['graph_break'])}, the model's own: {own}"
+                    graphs = _graphs() if graphs is None else graphs
+                    assert _graphs() == graphs, "the second step compiled again (a guard on ds_ring's state failed)"
                     _compare(log, name, eager, got)
                 if packed:  # other documents: equal to eager (a new set may still compile a new graph)
                     for documents in OTHER_DOCUMENTS:
@@ -169,10 +178,15 @@ def _engine_rank(rank: int, world: int) -> list[str]:
                 engine.compile(backend="aot_eager", compile_kwargs={"fullgraph": own == 0})
             sharded = shard_batch(session, _batch(True))
             inputs = {k: v for k, v in sharded.items() if k != "shift_labels"}
+            graphs = None
             for _ in range(2):
                 logits = engine(**inputs).logits
                 engine.backward(causal_lm_loss(session, logits, sharded["shift_labels"]))
                 engine.step()
+                graphs = _graphs() if graphs is None else graphs
+            if compiled:
+                with log.case("engine.compile(): the second step compiles nothing"):
+                    assert _graphs() == graphs
             results.append((logits.detach(), [p.detach().clone() for p in engine.module.parameters()]))
         finally:
             session.close()
