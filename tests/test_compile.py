@@ -216,6 +216,10 @@ def _function_cases(topology: Any, world: int, seq: int) -> list[tuple[str, Any]
                 cu_seqlens=torch.tensor([0, 11, seq]), return_lse=True)),
         ]  # fmt: skip
     module = ds_ring.RingDilatedAttention(causal=True, topology=topology, strategy="ulysses", window=9)
+    torch.manual_seed(2)  # the same weights on every rank
+    projected = ds_ring.MultiheadRingDilatedAttention(
+        32, 4, 2, topology=topology, strategy="ring", causal=True, dtype=torch.float64
+    )
     return [
         ("ring causal", lambda q, k, v, s: spa(q, k, v, causal=True, topology=topology, strategy="ring")),
         ("ring zigzag causal packed, sinks", lambda q, k, v, s: spa(
@@ -225,6 +229,8 @@ def _function_cases(topology: Any, world: int, seq: int) -> list[tuple[str, Any]
             q, k, v, topology=topology, strategy="ulysses", cu_seqlens=torch.tensor([0, 9, seq]), return_lse=True)),
         ("ring_dilated_attention dilated, lse", lambda q, k, v, s: rda(q, k, v, [8, seq], [1, 2], return_lse=True)),
         ("RingDilatedAttention ulysses window, sinks", lambda q, k, v, s: module(q, k, v, sinks=s)),
+        ("MultiheadRingDilatedAttention ring causal", lambda q, k, v, s: projected(q.flatten(2))[0]
+            + 0 * (k.sum() + v.sum())),  # k, v: unused, given gradients to compare
     ]  # fmt: skip
 
 

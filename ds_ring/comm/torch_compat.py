@@ -13,7 +13,7 @@ Differences written around rather than switched on, so one spelling works on eve
   theirs out (:func:`ds_ring.opaque.differentiable_op`);
 - torch 2.6's compiler does not trace ``next(iterator, default)`` nor an ``import`` inside a traced function
   (2.13's does): the code ``torch.compile`` traces uses neither (``engine/gradient_scale.py``, and
-  ``integrations/hf/recurrent.py``'s ``recurrent_supported``: run once, a constant to the compiler).
+  ``integrations/hf/recurrent.py``'s ``recurrent_supported``: run, not traced, a constant to the compiler).
 """
 
 from __future__ import annotations
