@@ -115,6 +115,7 @@ def _compiled_cases(rank: int, world: int, cases: list, backend: str) -> list[st
     for model_name, section, packed in cases:
         name = f"{model_name} {section} packed={packed} {backend}"
         with log.case(name):
+            own = _model_own_breaks(model_name, backend)  # before registering: ds_ring serves every model after
             model = _model(model_name)
             session = register_with_transformers(
                 model, config=ds_config(**section), topology=topology_for(section, world, topologies)
@@ -122,9 +123,10 @@ def _compiled_cases(rank: int, world: int, cases: list, backend: str) -> list[st
             try:
                 sharded = shard_batch(session, _batch(packed))
                 eager = _step(model, model, session, sharded)
-                own = _model_own_breaks(model_name, backend)
+                torch._dynamo.reset()
                 from torch._dynamo.utils import counters
 
+                counters.clear()
                 compiled = torch.compile(model, backend=backend, fullgraph=own == 0)
                 graphs = None
                 for _ in range(2):  # the second step runs the compiled graph without tracing
