@@ -9,7 +9,7 @@ A tiny float64 Llama (GQA) and Mistral (a 20-token sliding window on every layer
 ds_ring: on 4 gloo ranks with ring (contiguous and zigzag), Ulysses and hybrid 2 × 2, plain and packed batches
 (documents crossing shard boundaries), ``backend="aot_eager"``: no graph break (``torch._dynamo.utils.counters``),
 and the logits and every parameter gradient equal the eager step's. On 2 ranks: ``backend="inductor"``, and a
-DeepSpeed engine's ``engine.compile()``. Slow or heavy (compiling on the loaded CPUs): about 10 minutes in all. Where
+DeepSpeed engine's ``engine.compile()``. Slow: about 6 minutes in all at a load of 6-8. Where
 the model without ds_ring does not compile whole (torch 2.6 with transformers 5.0: 2 graph breaks in transformers'
 own code), the compiled model must break exactly as often (ds_ring adds none), without ``fullgraph``.
 """
@@ -145,12 +145,12 @@ def _compiled_cases(rank: int, world: int, cases: list, backend: str) -> list[st
     return log.failures
 
 
-@pytest.mark.heavy  # ~37 min at load 25-70: by hand (docs/testing.md)
+@pytest.mark.slow  # 202 s at load 6-8 (37 min while every compiled step compiled again)
 def test_compiled_model_equals_eager_without_graph_breaks_on_4_ranks():
     assert_no_failures(run_distributed(_compiled_cases, 4, timeout=1800, cases=CASES_4, backend="aot_eager"))
 
 
-@pytest.mark.heavy  # ~27 min at load 25-70: by hand
+@pytest.mark.slow  # 100 s at load 6-8
 def test_inductor_on_2_ranks():
     cases = [("llama", {"strategy": "ring"}, True), ("llama", {"strategy": "ulysses"}, False)]
     assert_no_failures(run_distributed(_compiled_cases, 2, timeout=1800, cases=cases, backend="inductor"))
