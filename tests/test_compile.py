@@ -151,6 +151,10 @@ def test_compiled_model_equals_eager_without_graph_breaks_on_4_ranks():
 
 
 @pytest.mark.slow  # 100 s at load 6-8
+@pytest.mark.skipif(
+    tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 7),
+    reason="torch 2.6's inductor gets this Llama's gradients wrong without ds_ring too (docs/hf.md)",
+)
 def test_inductor_on_2_ranks():
     cases = [("llama", {"strategy": "ring"}, True), ("llama", {"strategy": "ulysses"}, False)]
     assert_no_failures(run_distributed(_compiled_cases, 2, timeout=1800, cases=cases, backend="inductor"))
