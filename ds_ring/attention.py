@@ -23,6 +23,7 @@ from torch.distributed import ProcessGroup
 
 from ds_ring.calls import attend, group_placement, topology_placement
 from ds_ring.comm.group_ranks import group_size
+from ds_ring.compiled import compiled_module_call, module_handle
 from ds_ring.engine.gradient_scale import require_marked
 from ds_ring.parallel.topology import Topology
 from ds_ring.strategies import DEFAULT_STRATEGY, AttentionCall
@@ -80,6 +81,11 @@ class RingDilatedAttention(nn.Module):
         self.group = group
         self.topology = topology
         self.strategy = strategy
+        self._compile_handle = module_handle(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._compile_handle = module_handle(self)  # a copy's own (copy.deepcopy, pickle)
 
     _PLACEMENT = frozenset({"group", "topology", "strategy"})
     _SETTINGS = _PLACEMENT | {"communication", "layout", "timeout_s", "causal", "head_offset", "segment_lengths",
@@ -122,12 +128,38 @@ class RingDilatedAttention(nn.Module):
         bidirectional_spans: torch.Tensor | Sequence | None = None,
         prefix_lengths: int | Sequence[int] | None = None,
     ) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # one custom op the compiler holds whole (ds_ring/compiled.py)
+            return compiled_module_call(
+                self._compile_handle, q, k, v, cu_seqlens=cu_seqlens, sinks=sinks,
+                bidirectional_spans=bidirectional_spans, prefix_lengths=prefix_lengths,
+            )  # fmt: skip
+        return self.eager_forward(
+            q, k, v, cu_seqlens=cu_seqlens, sinks=sinks, bidirectional_spans=bidirectional_spans,
+            prefix_lengths=prefix_lengths,
+        )  # fmt: skip
+
+    def eager_forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        cu_seqlens: torch.Tensor | Sequence[int] | None = None,
+        sinks: torch.Tensor | None = None,
+        bidirectional_spans: torch.Tensor | Sequence | None = None,
+        prefix_lengths: int | Sequence[int] | None = None,
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` as eager mode runs it (inside ``ds_ring::attention`` when compiled); ``return_lse``:
+        also ``lse [B, H, L]``."""
         call = self.call
         if cu_seqlens is not None or sinks is not None or bidirectional_spans is not None or prefix_lengths is not None:
             call = dataclasses.replace(
                 call, cu_seqlens=cu_seqlens, sinks=sinks, bidirectional_spans=bidirectional_spans,
                 prefix_lengths=prefix_lengths,
             )  # fmt: skip
+        if return_lse:
+            call = dataclasses.replace(call, return_lse=True)
         if self.topology is not None:
             return attend(q, k, v, call, topology_placement(self.topology), self.strategy)
         return attend(q, k, v, call, group_placement(self.group), DEFAULT_STRATEGY, op="ring_dilated_attention")

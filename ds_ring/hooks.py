@@ -41,6 +41,7 @@ __all__ = [
     "emit",
     "hooks_active",
     "labelled",
+    "muted",
     "push_labels",
     "pop_labels",
     "current_labels",
@@ -134,13 +135,14 @@ def register_hook(hook: Hook, *, phases: Collection[str] = ("end",)) -> HookHand
 
 
 def hooks_active(phase: str = "end") -> bool:
-    """True when at least one hook listens to ``phase`` events (lets emitters skip building events)."""
-    return _HOOKS.listening[phase] > 0
+    """True when at least one hook listens to ``phase`` events (lets emitters skip building events), outside
+    :func:`muted`."""
+    return _HOOKS.listening[phase] > 0 and not getattr(_context, "muted", False)
 
 
 def emit(event: Event) -> None:
     """Deliver ``event`` to every hook registered for its phase, in registration order."""
-    if not _HOOKS.listening[event.phase]:
+    if not _HOOKS.listening[event.phase] or getattr(_context, "muted", False):
         return
     with _HOOKS.lock:
         hooks = [hook for hook, phases in _HOOKS.entries.values() if event.phase in phases]
@@ -176,6 +178,18 @@ def labelled(**labels: Any) -> Iterator[None]:
         yield
     finally:
         pop_labels(token)
+
+
+@contextmanager
+def muted() -> Iterator[None]:
+    """No event is delivered from this thread inside the block: work that repeats what was already reported (a
+    compiled attention's backward recomputing its forward, ds_ring/opaque.py)."""
+    before = getattr(_context, "muted", False)
+    _context.muted = True
+    try:
+        yield
+    finally:
+        _context.muted = before
 
 
 def peak_memory_bytes() -> int:

@@ -88,7 +88,8 @@ def parameter_gradient_scale(
         ValueError: a ZeRO-3 parameter partitioned over fewer than every rank, or a ``zero_optimization``
             that is not stage 3 for a ZeRO-3 model (``where`` names the module).
     """
-    param = next(iter(params), None)
+    listed = list(params)  # not next(iter(params), None): torch 2.6's compiler does not trace it (docs/hf.md)
+    param = listed[0] if listed else None
     if param is None or hasattr(param, _MARK):
         return 1 if param is None else int(getattr(param, _MARK))
     if not is_zero3(param):

@@ -15,6 +15,7 @@ from ds_ring.engine.initialize import deepspeed_config_for, init_distributed
 from ds_ring.engine.patches import Patch, keep_attribute, set_attribute, set_item, undo_all
 from ds_ring.engine.preemption import Preemption
 from ds_ring.loss import sequence_parallel_cross_entropy, sequence_parallel_mean
+from ds_ring.opaque import differentiable_op, lookup, register
 from ds_ring.parallel.groups import control_world
 from ds_ring.parallel.order import gather_sequence, order_chunks, shard_sequence
 from ds_ring.parallel.topology import Topology, sequence_group
@@ -43,6 +44,7 @@ __all__ = [
     "control_world",
     "deepspeed_config_for",
     "delta_rule_scan",
+    "differentiable_op",
     "gated_mlp_parts",
     "gather_sequence",
     "gather_summaries",
@@ -51,6 +53,7 @@ __all__ = [
     "group_size",
     "init_distributed",
     "keep_attribute",
+    "lookup",
     "make_store",
     "mark_parameters",
     "offloaded_checkpoint",
@@ -59,6 +62,7 @@ __all__ = [
     "process",
     "read_ds_config",
     "read_section",
+    "register",
     "selective_scan",
     "sequence_group",
     "sequence_parallel_cross_entropy",

@@ -143,8 +143,8 @@ class SequenceParallelAttention:
         if spec is not None:  # the mask is the truth (eager and sdpa follow it, not the sliding_window argument)
             sliding_window = spec.window
         self._refuse_features(module, dropout, softcap, spec, kwargs)
-        if self.gradient_scale is None:
-            self._read_gradient_scale(module)
+        if torch.compiler.is_compiling() or self.gradient_scale is None:  # compiled: read in every trace, since a
+            self._read_gradient_scale(module)  # guard on the None the first trace saw fails at the next step
         site = Site(type(module).__name__, _config_name(module), spec, sliding_window)
         if torch.compiler.is_compiling():  # one custom op the compiler holds whole (integrations/hf/compiled.py)
             return compiled_attention(self, site, query, key, value, attention_mask, scaling, softcap, kwargs), None

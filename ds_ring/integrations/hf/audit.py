@@ -175,17 +175,18 @@ class CallAudit:
     the sharded sequence (a vision-language model's vision tower: :mod:`~ds_ring.integrations.hf.vision`)."""
 
     def __init__(self, exempt: Iterable[int] = ()) -> None:
-        self.calls = 0
         self._audited: set[int] = set(exempt)
-        self._open: list[tuple[int, int]] = []  # (id(module), self.calls when it started)
+        self._open: list[list] = []  # [id(module), whether it called ds_ring's attention] of the open first forwards
         self._handles = [
             torch.nn.modules.module.register_module_forward_pre_hook(self._enter),
             torch.nn.modules.module.register_module_forward_hook(self._leave, always_call=True),
         ]
 
     def attended(self, _module: nn.Module) -> None:
-        """Called by ds_ring's attention on every call."""
-        self.calls += 1
+        """Called by ds_ring's attention on every call (no counter: under ``torch.compile`` a number that changes
+        every step would be a guard that fails every step, recompiling the model each time)."""
+        for entry in self._open:
+            entry[1] = True
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -197,16 +198,22 @@ class CallAudit:
             from ds_ring.integrations.hf.recurrent import supported_mixer
 
             if supported_mixer(module):  # a recurrence named attention, run sequence-parallel by ds_ring itself
-                self._audited.add(id(module))
+                self._done(module)
                 return
-            self._open.append((id(module), self.calls))
+            self._open.append([id(module), False])
+
+    def _done(self, module: nn.Module) -> None:
+        # while compiling: checked again in every trace (free when the graph runs) rather than remembered, so the
+        # set the compiler guards on stays the same from step to step
+        if not torch.compiler.is_compiling():
+            self._audited.add(id(module))
 
     def _leave(self, module: nn.Module, _args: Any, _out: Any) -> None:
         if not self._open or self._open[-1][0] != id(module):
             return
-        _, before = self._open.pop()
-        self._audited.add(id(module))
-        if self.calls != before:
+        _, attended = self._open.pop()
+        self._done(module)
+        if attended:
             return
         refusal = ValueError(
             f"{type(module).__name__} ran without calling ds_ring's attention: it computes attention in its own "

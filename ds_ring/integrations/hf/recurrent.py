@@ -19,7 +19,6 @@ sequence length, where re-sharding by heads (as Ulysses does attention) would mo
 
 from __future__ import annotations
 
-import functools
 import importlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from ds_ring.integrations.internal import (
     delta_rule_scan,
     group_rank,
     group_size,
+    process,
     selective_scan,
     set_attribute,
     shard_pieces,
@@ -107,9 +107,15 @@ older releases these layers are refused as sequence mixers, as before (their cod
 asks for CUDA kernels on a CPU, MiniMax's lightning attention takes another path)."""
 
 
-@functools.cache
+@torch.compiler.assume_constant_result  # torch 2.6's compiler cannot trace the import: run, not traced
 def recurrent_supported() -> bool:
-    """Whether this transformers release is one the sequence-parallel recurrent layers are written for."""
+    """Whether this transformers release is one the sequence-parallel recurrent layers are written for (read once
+    per process; not ``functools.cache``, whose wrapper the compiler warns about and traces through)."""
+    owner = process()
+    return owner.owned(owner, "recurrent layers supported", _recurrent_supported)
+
+
+def _recurrent_supported() -> bool:
     import transformers
     from packaging.version import Version
 
