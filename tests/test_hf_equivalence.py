@@ -82,7 +82,8 @@ def _rank(rank: int, world: int, cases: dict[str, dict]) -> dict[str, list[str]]
     return {kind: log.failures for kind, log in logs.items()}
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+# 4 ranks: CI's second step (time)
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)], ids=["2ranks", "4ranks"])
 def failures(request) -> dict[str, list[str]]:
     """Every case at one world size, ranks started once for the unpacked and packed tests."""
     world = request.param

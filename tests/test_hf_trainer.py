@@ -256,6 +256,6 @@ def _refused_trainer(config: dict, overrides: dict, output: str, trainer_kwargs:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: CI's second step (time)
 def test_sequence_parallel_trainer(world: int) -> None:
     assert_no_failures(run_distributed(_rank, world, timeout=360))

@@ -60,6 +60,6 @@ def _rank(rank: int, world: int) -> list[str]:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: CI's second step (time)
 def test_trainer_batches_without_use_cpu(world: int) -> None:
     assert_no_failures(run_distributed(_rank, world, timeout=360))

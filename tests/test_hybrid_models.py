@@ -120,7 +120,7 @@ def _cases(rank: int, world: int, families: list[str], checkpointing: bool = Fal
     return log.failures
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: CI's second step (time)
 @pytest.mark.timeout(900)
 def test_hybrid_models_equal_the_whole_model_sequence_parallel(world: int) -> None:
     assert_no_failures(run_distributed(_cases, world, timeout=900, families=list(FAMILIES)))

@@ -64,6 +64,7 @@ def _single(q, k, v, segs, rates, *, layout, **kwargs):
     return ds_ring.dilated_attention(q, k, v, segs, rates, **kwargs)
 
 
+@pytest.mark.slow  # ~20 s of one core: CI's second step
 def test_single_process_matches_each_document_alone():
     cases = [
         _case(24, cu, segs, rates, causal, heads, i)
