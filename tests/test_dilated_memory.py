@@ -6,6 +6,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+pytestmark = pytest.mark.slow  # two fresh 32K-token processes (~35 s of one core): CI's second step
+
 _WORKER = textwrap.dedent(
     """
     import json, resource, sys, torch

@@ -136,6 +136,7 @@ def _expected(outcome: Outcome) -> str | None:
     return None if expected is None else REASONS[expected]
 
 
+@pytest.mark.slow  # CI's second step; its `zoo` run checks every family
 @pytest.mark.timeout(3600)
 def test_representative_families_equal_the_whole_model_or_are_refused_for_their_reason():
     outcomes, not_built = run(REPRESENTATIVE, list(STRATEGIES))
