@@ -68,4 +68,10 @@ export TORCH_EXTENSIONS_DIR="$PWD/.torch_extensions-$NAME"
 if [ "$PREPARE" = 1 ]; then
   exit 0
 fi
-"$VENV/bin/python" -m pytest -q -m "not zoo and not multihost and not slow and not heavy" "$@"  # the launcher jobs too
+# the launcher jobs too at the oldest end; at the newest they are CI's second step's, on the same transformers,
+# accelerate and DeepSpeed (only torch differs: 2.13.0 there)
+MARKERS="not zoo and not multihost and not slow and not heavy"
+if [ "$NAME" = newest ]; then
+  MARKERS="$MARKERS and not jobs"
+fi
+"$VENV/bin/python" -m pytest -q -m "$MARKERS" "$@"
