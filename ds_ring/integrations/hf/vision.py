@@ -44,10 +44,14 @@ __all__ = [
 
 
 def _is_composite(config: Any) -> bool:
-    """Whether ``config`` has a vision (or audio) tower's config nested in it."""
+    """Whether ``config`` is a multimodal model's: a vision (or audio) tower's config nested in it, or its text model's
+    config nested in it (Fuyu: the image patches go through one linear layer, which has no config, into a language
+    model built from ``text_config``)."""
     from transformers import PretrainedConfig
 
-    return any(isinstance(getattr(config, name, None), PretrainedConfig) for name in ("vision_config", "audio_config"))
+    if any(isinstance(getattr(config, name, None), PretrainedConfig) for name in ("vision_config", "audio_config")):
+        return True
+    return isinstance(getattr(config, "text_config", None), PretrainedConfig)
 
 
 def refuse_encoder_decoder(config: Any) -> None:
