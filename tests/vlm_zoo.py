@@ -128,6 +128,51 @@ def _flat_patches(patches: int, size: int, key: str = "image_patches") -> Callab
     return lambda n: {key: torch.randn(n * patches, 3 * size * size, generator=torch.Generator().manual_seed(2))}
 
 
+Images = Callable[[int], dict[str, torch.Tensor]]
+"""What a recipe's images are: ``n`` → the image inputs of ``n`` images."""
+
+
+def _prompted(images: Images, length: int) -> Images:
+    """``images`` and InstructBLIP's Q-Former prompt per image: ``qformer_input_ids [n, length]`` (text ids ≥ 8) and
+    its all-ones ``qformer_attention_mask``."""
+
+    def make(n: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(8, VOCAB, (n, length), generator=torch.Generator().manual_seed(3))
+        return {**images(n), "qformer_input_ids": ids, "qformer_attention_mask": torch.ones_like(ids)}
+
+    return make
+
+
+def _frames(size: int, frames: int) -> Callable[[int], dict[str, torch.Tensor]]:
+    """Videos ``[n, frames, 3, size, size]``."""
+    return lambda n: {"pixel_values": torch.randn(n, frames, 3, size, size, generator=torch.Generator().manual_seed(2))}
+
+
+def _tiles(size: int) -> Callable[[int], dict[str, torch.Tensor]]:
+    """Granite-Docling-style tiles ``[rows, images per row, 3, size, size]`` with their all-true tile mask
+    ``pixel_attention_mask [rows, images per row]``."""
+
+    def make(n: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(2)
+        pixels = torch.randn(n // IMAGES_PER_ROW, IMAGES_PER_ROW, 3, size, size, generator=generator)
+        return {"pixel_values": pixels, "pixel_attention_mask": torch.ones(*pixels.shape[:2], dtype=torch.bool)}
+
+    return make
+
+
+def _flattened(side: int, patch: int) -> Callable[[int], dict[str, torch.Tensor]]:
+    """Pix2Struct-style ``flattened_patches [n, side², 2 + 3·patch²]`` of ``n`` images of ``side × side`` patches: each
+    patch's row and column, then its pixels."""
+
+    def make(n: int) -> dict[str, torch.Tensor]:
+        pixels = torch.randn(n, side * side, 3 * patch * patch, generator=torch.Generator().manual_seed(2))
+        rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+        where = torch.stack([rows.flatten(), cols.flatten()], dim=-1).to(pixels.dtype).expand(n, -1, -1)
+        return {"flattened_patches": torch.cat([where, pixels], dim=-1)}
+
+    return make
+
+
 @dataclass(frozen=True)
 class Recipe:
     """How to build one family tiny and feed it images: its vision config's fields, its text config's and the
@@ -141,6 +186,9 @@ class Recipe:
     token_type_ids: str = ""  # "image": 1 at image tokens (Gemma 3); "suffix": 1 after the prefix (PaliGemma)
     image_sizes: int = 0  # Pixtral's image_sizes [n, 2] of this side
     tokens_per_image: int = 0  # placeholder tokens per image when the model's image features cannot be asked (Fuyu)
+    features: str = "get_image_features"  # the method giving the image features (InstructBLIP-Video: its videos')
+    placeholder: int = IMAGE  # the token id the images' features replace (InstructBLIP-Video: VIDEO)
+    image_mask: str = ""  # the input that is 1 at the image tokens, if any (Kosmos-2: image_embeds_position_mask)
 
 
 _QFORMER = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
@@ -220,8 +268,34 @@ RECIPES: dict[str, Recipe] = {
 }  # fmt: skip
 """Families run here, and how."""
 
+_VQ = dict(base_channels=32, channel_multiplier=[1, 1, 1], num_res_blocks=1, attn_resolutions=[], latent_channels=8)
+"""A VQ-VAE that downsamples 4 times a side, tiny."""
 RECIPES.update({  # group a
+    "kosmos-2": Recipe(_square(16), {"image_size": 16, "patch_size": 4},
+                       {"embed_dim": 64, "layers": 2, "ffn_dim": 128, "attention_heads": 4},
+                       top={"latent_query_num": 8}, image_mask="image_embeds_position_mask"),
+    "kosmos-2.5": Recipe(_flattened(4, 4), {"patch_embed_hidden_size": 48, "max_num_patches": 16},
+                         {"embed_dim": 64, "layers": 2, "ffn_dim": 128, "attention_heads": 4},
+                         top={"latent_query_num": 8}, image_mask="image_embeds_position_mask"),
+    "chameleon": Recipe(_square(16), text={"vocab_size": VOCAB + 8}, top={  # image codes past the labels' ids: their
+        "vq_config": {**_VQ, "embed_dim": 8, "num_embeddings": 8, "resolution": 16},  # logits are masked to -inf
+        "vocabulary_map": {"<image>": IMAGE, **{f"IMGIMG{chr(ord('A') + i)}Z": VOCAB + i for i in range(8)}}}),
+    "emu3": Recipe(_square(8), top={
+        "vq_config": {**_VQ, "embed_dim": 4, "latent_channels": 4, "codebook_size": 16, "hidden_size": 32},
+        "vocabulary_map": {"<image>": IMAGE, "<|extra_200|>": 7,
+                           **{f"<|visual token{i:06d}|>": 100 + i for i in range(16)}}}, image_sizes=8),
     "fuyu": Recipe(_flat_patches(8, 4), top={"patch_size": 4, "num_channels": 3}, tokens_per_image=8),
+    "shieldgemma2": Recipe(_square(32), {"image_size": 32, "patch_size": 4}, top={"mm_tokens_per_image": 16},
+                           token_type_ids="image"),
+    "granite_docling": Recipe(_tiles(32), {"image_size": 32, "patch_size": 4, "scale_factor": 2, "out_hidden_size": 64,
+                                           "deepstack_visual_indexes": [0]}),
+    "instructblip": Recipe(_prompted(_square(16), 4), {"image_size": 16, "patch_size": 4},
+                           {"word_embed_proj_dim": 64, "ffn_dim": 128},
+                           top={"num_query_tokens": 8, "qformer_config": _QFORMER}),
+    "instructblipvideo": Recipe(_prompted(_frames(16, 2), 4), {"image_size": 16, "patch_size": 4},
+                                {"word_embed_proj_dim": 64, "ffn_dim": 128},
+                                top={"num_query_tokens": 4, "qformer_config": _QFORMER},
+                                features="get_video_features", placeholder=VIDEO),
 })  # fmt: skip
 
 RECIPES.update({  # group b
@@ -277,7 +351,7 @@ def tiny_config(family: str) -> Any:
 
     recipe = RECIPES[family]
     config = CONFIG_MAPPING[family]()
-    _set(config.text_config, {**TEXT, **recipe.text})
+    _set(getattr(config, "text_config", config), {**TEXT, **recipe.text})  # Chameleon's text fields are its own
     if getattr(config, "vision_config", None) is not None:  # Fuyu's vision side is one linear layer, no config
         _set(config.vision_config, {**VISION, **recipe.vision})
     ids = dict(image_token_id=IMAGE, image_token_index=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
@@ -314,10 +388,11 @@ def build(family: str, attention: str = "eager") -> torch.nn.Module:
     return model.train()
 
 
-def image_tokens(model: torch.nn.Module, images: dict[str, torch.Tensor]) -> int:
-    """How many placeholder tokens each image takes: the rows the model's own image features have, per image."""
+def image_tokens(model: torch.nn.Module, images: dict[str, torch.Tensor], method: str = "get_image_features") -> int:
+    """How many placeholder tokens each image takes: the rows the model's own image features (``method``) have, per
+    image."""
     inner = getattr(model, "model", model)
-    features = inner.get_image_features(**images, return_dict=True)
+    features = getattr(inner, method)(**images, return_dict=True)
     pooled = features.pooler_output if hasattr(features, "pooler_output") else features
     parts = pooled if isinstance(pooled, list | tuple) else [pooled]
     rows = sum(part.reshape(-1, part.shape[-1]).shape[0] for part in parts)
@@ -335,7 +410,8 @@ def batch(family: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     tokens = recipe.tokens_per_image
     if not tokens:
         with torch.no_grad(), Float64Throughout():
-            tokens = image_tokens(model, {k: v.double() if v.is_floating_point() else v for k, v in images.items()})
+            doubled = {k: v.double() if v.is_floating_point() else v for k, v in images.items()}
+            tokens = image_tokens(model, doubled, recipe.features)
     starts = [4, SEQ // 2 - tokens // 2]
     if tokens == 0 or starts[0] + tokens >= starts[1] - 1:
         raise ValueError(f"{tokens} tokens per image do not fit twice in {SEQ}")
@@ -344,11 +420,13 @@ def batch(family: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     for start in starts:
         input_ids[:, start - 1], input_ids[:, start + tokens] = START, END
         is_image[:, start : start + tokens] = True
-    input_ids[is_image] = IMAGE
+    input_ids[is_image] = recipe.placeholder
     labels = input_ids.masked_fill(is_image, -100)
     full = {"input_ids": input_ids, "labels": labels, **images}
     if recipe.mm_token_type_ids:
         full["mm_token_type_ids"] = is_image.long()
+    if recipe.image_mask:
+        full[recipe.image_mask] = is_image.long()
     if recipe.token_type_ids == "image":
         full["token_type_ids"] = is_image.long()
     elif recipe.token_type_ids == "suffix":
@@ -413,14 +491,15 @@ def run_family(rank: int, world: int, family: str, strategies: list[str]) -> lis
 
 def refused_config(family: str) -> str:
     """``"refused: <why>"`` when ``register_with_transformers`` refuses the family from its default config alone,
-    whatever its inputs: an encoder-decoder vision model
-    (:func:`~ds_ring.integrations.hf.vision.refuse_encoder_decoder`, the check registration makes first), or a
-    language model that cross-attends to the images (:func:`~ds_ring.integrations.hf.vision.refuse_cross_attention`
-    on the model built on the meta device); ``""`` otherwise."""
+    whatever its inputs: an encoder-decoder model
+    (:func:`~ds_ring.integrations.hf.vision.refuse_encoder_decoder`, the check registration makes first), or what
+    :func:`~ds_ring.integrations.hf.vision.vision_language` refuses of the model built on the meta device (no language
+    model to cut before, the merge inside its decoder, a language model that cross-attends to the images); ``""``
+    otherwise."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
-    from ds_ring.integrations.hf.vision import find_language_model, refuse_cross_attention, refuse_encoder_decoder
+    from ds_ring.integrations.hf.vision import refuse_encoder_decoder, vision_language
 
     config = CONFIG_MAPPING[family]()
     try:
@@ -433,12 +512,12 @@ def refused_config(family: str) -> str:
             model = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]._from_config(config)
     except Exception:  # noqa: BLE001 - a default config that does not build: no recipe, as before
         return ""
-    found = find_language_model(model)
     try:
-        if found is not None:
-            refuse_cross_attention(type(model).__name__, *found)
+        found = vision_language(model, None, "contiguous", divide=False)
     except ValueError as err:
         return f"refused: {err}"
+    if found is not None:
+        found.remove()
     return ""
 
 

@@ -35,6 +35,7 @@ from ds_ring.integrations.hf.probe import Probe
 from ds_ring.integrations.hf.recurrent import install_recurrent, sequence_parallel_mixers
 from ds_ring.integrations.hf.session import SequenceParallelSession, installed_sessions
 from ds_ring.integrations.hf.vision import (
+    cut_point,
     find_language_model,
     refuse_encoder_decoder,
     vision_language,
@@ -164,6 +165,7 @@ def register_with_transformers(
     model_config, unrouted = _model_config(model_name_or_path, core_attn_implementation)
     if section.enabled:
         refuse_encoder_decoder(model_config)
+        cut_point(model_name_or_path)  # a multimodal instance ds_ring cannot cut: refused before it is probed
     _refuse_vision_by_config(model_name_or_path, model_config, section.enabled)
     if model_config is not None and section.enabled:
         _audit_modules(model_name_or_path, model_config, core_attn_implementation, position_wise, unrouted)

@@ -34,10 +34,13 @@ from ds_ring.integrations.internal import shard_sequence
 
 __all__ = [
     "VisionLanguage",
+    "cut_point",
     "find_language_model",
     "model_inputs",
     "refuse_cross_attention",
     "refuse_encoder_decoder",
+    "refuse_merge_inside",
+    "towers",
     "vision_language",
     "whole_image_mask",
 ]
@@ -55,31 +58,30 @@ def _is_composite(config: Any) -> bool:
 
 
 def refuse_encoder_decoder(config: Any) -> None:
-    """``ValueError`` for an encoder-decoder model with a vision (or audio) encoder: Florence-2, Pix2Struct, T5Gemma 2,
-    a ``VisionEncoderDecoderModel``, ...
+    """``ValueError`` for an encoder-decoder model: Florence-2, Pix2Struct, T5Gemma 2, a ``VisionEncoderDecoderModel``,
+    UDOP (its image patches embedded inside its text encoder, no tower's config nested), ...
 
-    Its config says ``is_encoder_decoder`` and nests the encoder's config (``vision_config``, ``audio_config`` or an
+    Its config says ``is_encoder_decoder`` (and may nest the encoder's config: ``vision_config``, ``audio_config`` or an
     ``encoder`` config). ds_ring shards one decoder-only sequence, cut after the image features are merged into it;
     such a model has no such sequence: its decoder cross-attends to the encoder's whole output (keys that are not a
-    shard of the decoder's sequence) and its text encoder attends bidirectionally, so neither runs sequence-parallel
-    as a causal language model does.
+    shard of the decoder's sequence) and its encoder attends bidirectionally, so neither runs sequence-parallel as a
+    causal language model does.
     """
     from transformers import PretrainedConfig
 
     if config is None or not getattr(config, "is_encoder_decoder", False):
         return
-    towers = [
+    nested = [
         n
         for n in ("vision_config", "audio_config", "encoder")
         if isinstance(getattr(config, n, None), PretrainedConfig)
     ]
-    if towers:
-        raise ValueError(
-            f"{type(config).__name__} is an encoder-decoder model (is_encoder_decoder, its encoder's config in "
-            f"{towers[0]}): its decoder cross-attends to the encoder's whole output, which is not a shard of the "
-            f"decoder's sequence, and ds_ring shards only a decoder-only sequence with the images merged into it; "
-            f"train this model without sequence parallelism"
-        )
+    where = f", its encoder's config in {nested[0]}" if nested else ""
+    raise ValueError(
+        f"{type(config).__name__} is an encoder-decoder model (is_encoder_decoder{where}): its decoder cross-attends "
+        f"to the encoder's whole output, which is not a shard of the decoder's sequence, and ds_ring shards only a "
+        f"decoder-only sequence with the images merged into it; train this model without sequence parallelism"
+    )
 
 
 _CROSS_ATTENTION = re.compile(r"cross_?att|encoder_?attn", re.IGNORECASE)
@@ -100,12 +102,52 @@ def refuse_cross_attention(model_class: str, path: str, language_model: nn.Modul
             )
 
 
+def towers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The sub-models of ``model`` built from a config of their own, neither the model's nor its text model's: an image
+    tower however its config is named (Chameleon's and Emu3's VQ-VAE in ``vq_config``, Evolla's protein encoder, GIT's
+    vision model), with their paths."""
+    from transformers import PreTrainedModel
+
+    config = getattr(model, "config", None)
+    if config is None:
+        return []
+    try:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    except ValueError:  # several text configs (an encoder-decoder's): none of them is a tower
+        text = config
+    return [
+        (path, module)
+        for path, module in model.named_modules()
+        if isinstance(module, PreTrainedModel) and getattr(module, "config", None) not in (None, config, text)
+    ]
+
+
+def refuse_merge_inside(model: nn.Module, path: str, language_model: nn.Module) -> None:
+    """``ValueError`` for a model whose decoder layers run in the module built from the model's own config (no nested
+    text config) while it holds a tower (Chameleon, Evolla): that module takes the tower's output in itself (merges
+    it at the image tokens, or attends to it), so no call before the decoder takes only the merged embeddings, and
+    cutting its call into shards would cut the sequence before the merge."""
+    if getattr(language_model, "config", None) is not getattr(model, "config", None):
+        return
+    held = towers(model)
+    where = f" ({held[0][0]}, built from {type(held[0][1].config).__name__})" if held else ""
+    raise ValueError(
+        f"{type(model).__name__} has a tower{where} and no language model of its own: its decoder layers run in "
+        f"{path}, built from the model's own config, which also takes in the tower's output (merged into the "
+        f"sequence, or attended to), so there is no call taking only the merged embeddings before which ds_ring "
+        f"could cut this rank's rows; train this model without sequence parallelism"
+    )
+
+
 def find_language_model(model: nn.Module) -> tuple[str, nn.Module] | None:
     """The language model of a vision-language model instance (its path and module): the sub-model whose config is
-    the model's text config and that holds the decoder layers; ``None`` for a model without a vision tower's config or
-    without such a sub-model."""
+    the model's text config and that holds the decoder layers; ``None`` for a model without a tower (a tower's config
+    nested in its config, or a sub-model built from a config of its own: :func:`towers`) or without such a
+    sub-model."""
     config = getattr(model, "config", None)
-    if config is None or not _is_composite(config) or not hasattr(config, "get_text_config"):
+    if config is None or not hasattr(config, "get_text_config"):
+        return None
+    if not _is_composite(config) and not towers(model):
         return None
     text = config.get_text_config()
     found = [
@@ -216,6 +258,14 @@ class VisionLanguage:
                 continue
             if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (rows, seq_len):
                 cut[key] = shard_sequence(value, group, layout=self.layout, dim=1)
+            elif isinstance(value, torch.Tensor) and value.dim() >= 2:
+                raise ValueError(
+                    f"{self.model_class} calls its language model ({self.path}) with {key} of shape "
+                    f"{list(value.shape)}, not a sequence of this batch ([{rows}, {seq_len}, ...]): the language model "
+                    f"merges it into the sequence itself (image features at their placeholders), after the point where "
+                    f"ds_ring cuts the sequence into this rank's rows, and ds_ring cannot tell which of its rows fall "
+                    f"in this rank's shard; train this model without sequence parallelism"
+                )
         return (), cut
 
     def _positions(self, positions: torch.Tensor | None, rows: int, seq_len: int, device: torch.device) -> torch.Tensor:
@@ -267,25 +317,47 @@ def _mrope(config: Any) -> bool:
     return False
 
 
-def vision_language(
-    model: Any, topology: Any, layout: str, *, divide: bool = True, disable_in_eval: bool = False
-) -> VisionLanguage | None:
-    """A :class:`VisionLanguage` for ``model`` when it is a vision-language model instance, else ``None``.
+def cut_point(model: Any) -> tuple[str, nn.Module] | None:
+    """Where ds_ring cuts a multimodal model instance's sequence: its language model (path, module), ``None`` for a
+    text model (no tower: :func:`towers`, :func:`_is_composite`). Cheap (a walk over the modules), so registration
+    calls it before it probes the model.
 
     Raises:
-        ValueError: a model with a vision tower's config whose language model cannot be found (naming the class), or
-            whose language model cross-attends to the images (:func:`refuse_cross_attention`).
+        ValueError: a model with a vision tower's config whose language model cannot be found (naming the class),
+            whose decoder takes the tower's output in itself (:func:`refuse_merge_inside`), or whose language model
+            cross-attends to the images (:func:`refuse_cross_attention`).
     """
-    if not isinstance(model, nn.Module) or not _is_composite(getattr(model, "config", None)):
+    if not isinstance(model, nn.Module) or getattr(model, "config", None) is None:
+        return None
+    composite = _is_composite(model.config)
+    if not composite and not towers(model):
         return None
     found = find_language_model(model)
+    if found is None and not composite:  # sub-models of a text model (BLT's byte encoder): no decoder they feed
+        return None
     if found is None:
         raise ValueError(
             f"{type(model).__name__} has a vision or audio tower, and ds_ring finds no language model in it (a "
             f"sub-model with the text config and decoder layers) before which to cut the sequence; train this model "
             f"without sequence parallelism"
         )
+    refuse_merge_inside(model, *found)
     refuse_cross_attention(type(model).__name__, *found)
+    return found
+
+
+def vision_language(
+    model: Any, topology: Any, layout: str, *, divide: bool = True, disable_in_eval: bool = False
+) -> VisionLanguage | None:
+    """A :class:`VisionLanguage` for ``model`` when it is a vision-language model instance (:func:`cut_point`), else
+    ``None``.
+
+    Raises:
+        ValueError: what :func:`cut_point` refuses.
+    """
+    found = cut_point(model)
+    if found is None:
+        return None
     return VisionLanguage(model, *found, topology, layout, divide=divide, disable_in_eval=disable_in_eval)
 
 
