@@ -277,6 +277,13 @@ RECIPES.update({  # group a
     "kosmos-2.5": Recipe(_flattened(4, 4), {"patch_embed_hidden_size": 48, "max_num_patches": 16},
                          {"embed_dim": 64, "layers": 2, "ffn_dim": 128, "attention_heads": 4},
                          top={"latent_query_num": 8}, image_mask="image_embeds_position_mask"),
+    "granite4_vision": Recipe(_crops(8, 2), {"image_size": 8, "patch_size": 4, "hidden_size": 64},
+                              top={"image_grid_pinpoints": [[8, 8]], "downsample_rate": "1/2",
+                                   "deepstack_layer_map": [[0, 0]], "spatial_target_layers": [1, 1, 1, 1],
+                                   "vision_feature_layer": -1,
+                                   "qformer_config": {"hidden_size": 64, "num_attention_heads": 1,
+                                                      "encoder_hidden_size": 64, "intermediate_size": 64}},
+                              tokens_per_image=3),  # its features: deepstack layers only
     "chameleon": Recipe(_square(16), text={"vocab_size": VOCAB + 8}, top={  # image codes past the labels' ids: their
         "vq_config": {**_VQ, "embed_dim": 8, "num_embeddings": 8, "resolution": 16},  # logits are masked to -inf
         "vocabulary_map": {"<image>": IMAGE, **{f"IMGIMG{chr(ord('A') + i)}Z": VOCAB + i for i in range(8)}}}),

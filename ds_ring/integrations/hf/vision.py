@@ -253,20 +253,45 @@ class VisionLanguage:
                     f"computes no padding mask: pack the sequences or give padding label -100 and a mask of ones"
                 )
             cut["attention_mask"] = None
+        flags = [
+            v.reshape(rows, seq_len, -1)[..., 0]
+            for v in kwargs.values()
+            if isinstance(v, torch.Tensor) and v.dtype == torch.bool and v.dim() >= 2 and v.shape[:2] == (rows, seq_len)
+        ]
         for key, value in kwargs.items():
             if key in cut and cut[key] is not value:
                 continue
             if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (rows, seq_len):
                 cut[key] = shard_sequence(value, group, layout=self.layout, dim=1)
-            elif isinstance(value, torch.Tensor) and value.dim() >= 2:
-                raise ValueError(
-                    f"{self.model_class} calls its language model ({self.path}) with {key} of shape "
-                    f"{list(value.shape)}, not a sequence of this batch ([{rows}, {seq_len}, ...]): the language model "
-                    f"merges it into the sequence itself (image features at their placeholders), after the point where "
-                    f"ds_ring cuts the sequence into this rank's rows, and ds_ring cannot tell which of its rows fall "
-                    f"in this rank's shard; train this model without sequence parallelism"
-                )
+            elif _features(value):
+                cut[key] = self._feature_rows(key, value, flags, rows, seq_len)
         return (), cut
+
+    def _feature_rows(self, key: str, value: Any, flags: list[torch.Tensor], rows: int, seq_len: int) -> Any:
+        """This rank's rows of ``value`` (a tensor, or a list / tuple / dict of them, each ``[image tokens, ...]``):
+        features the language model adds at the image tokens (Granite 4 Vision's deepstack ``{layer: [n, hidden]}``),
+        in the row-major order of the one boolean mask ``[b, S, ...]`` of them it is also given (``flags``).
+
+        Raises:
+            ValueError: no such mask, or rows that do not count its image tokens: the language model merges the
+                features into the sequence itself and ds_ring cannot tell which rows are this rank's.
+        """
+        tensors = list(value.values()) if isinstance(value, dict) else [value] if torch.is_tensor(value) else value
+        count = int(flags[0].sum()) if len(flags) == 1 else -1
+        if count < 0 or any(t.shape[0] != count for t in tensors):
+            shapes = [list(t.shape) for t in tensors][:3]
+            raise ValueError(
+                f"{self.model_class} calls its language model ({self.path}) with {key} of shape "
+                f"{shapes[0] if torch.is_tensor(value) else shapes}, not a sequence of this batch ([{rows}, {seq_len}, "
+                f"...]) nor one row per image token of a boolean mask it is given: the language model merges it into "
+                f"the sequence itself (image features at their placeholders), after the point where ds_ring cuts the "
+                f"sequence into this rank's rows, and ds_ring cannot tell which of its rows fall in this rank's shard; "
+                f"train this model without sequence parallelism"
+            )
+        kept = self._visual_rows(flags[0], tensors)
+        if isinstance(value, dict):
+            return dict(zip(value, kept, strict=True))
+        return kept[0] if torch.is_tensor(value) else type(value)(kept)
 
     def _positions(self, positions: torch.Tensor | None, rows: int, seq_len: int, device: torch.device) -> torch.Tensor:
         """This rank's rows of the whole sequence's position ids.
@@ -299,6 +324,14 @@ class VisionLanguage:
         return [feature[rows.to(feature.device)] for feature in features]
 
 
+def _features(value: Any) -> bool:
+    """Whether ``value`` is a tensor of 2 dimensions or more, or a non-empty list / tuple / dict of such tensors."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() >= 2
+    items = list(value.values()) if isinstance(value, dict) else value if isinstance(value, list | tuple) else []
+    return bool(items) and all(isinstance(t, torch.Tensor) and t.dim() >= 2 for t in items)
+
+
 def model_inputs(model: nn.Module) -> frozenset[str]:
     """The inputs ``model.forward`` names (PEFT's wrapper: its base model's), ``**kwargs`` left out: what a processor
     makes for this family (``pixel_values``, ``image_grid_thw``, ``token_type_ids``, ...) is among them, and anything
@@ -329,8 +362,10 @@ def cut_point(model: Any) -> tuple[str, nn.Module] | None:
     """
     if not isinstance(model, nn.Module) or getattr(model, "config", None) is None:
         return None
-    composite = _is_composite(model.config)
-    if not composite and not towers(model):
+    held = towers(model)
+    # a vision-language model inside (Pi0's PaliGemma, whose cache its action expert attends to) makes it one too
+    composite = _is_composite(model.config) or any(_is_composite(getattr(t, "config", None)) for _, t in held)
+    if not composite and not held:
         return None
     found = find_language_model(model)
     if found is None and not composite:  # sub-models of a text model (BLT's byte encoder): no decoder they feed
