@@ -43,6 +43,13 @@ def test_a_model_without_vision_config_is_cut_before_its_language_model():
     assert cut_point(vlm_zoo.build("emu3"))[0] == "model.text_model"  # its VQ-VAE (vq_config) outside, a tower
 
 
+def test_a_config_with_its_text_config_nested_is_refused_by_name_as_a_vision_language_one():
+    from ds_ring.integrations.hf import register_with_transformers
+
+    with pytest.raises(ValueError, match="FuyuConfig is a vision-language model's config.*pass the model"):
+        register_with_transformers(vlm_zoo.tiny_config("fuyu"), config={"ring_attention": {"strategy": "ring"}})
+
+
 def test_a_text_model_built_of_sub_models_stays_a_text_model():
     from ds_ring.integrations.hf.vision import cut_point, towers
 

@@ -320,6 +320,9 @@ EXPECTED_REFUSALS: dict[str, str] = {
 """Family → the refusal it gets (Gemma 3's image spans and PaliGemma's prefix are computed: issue 45)."""
 
 EXPECTED_REFUSALS.update({  # group a
+    "chameleon": r"has a tower \(model.vqmodel, built from ChameleonVQVAEConfig\) and no language model of its own",
+    "kosmos-2": r"calls its language model \(text_model.model\) with image_embeds of shape",  # merged inside it
+    "kosmos-2.5": r"calls its language model \(text_model.model\) with image_embeds of shape",
 })  # fmt: skip
 
 EXPECTED_REFUSALS.update({  # group b

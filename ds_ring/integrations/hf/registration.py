@@ -35,6 +35,7 @@ from ds_ring.integrations.hf.probe import Probe
 from ds_ring.integrations.hf.recurrent import install_recurrent, sequence_parallel_mixers
 from ds_ring.integrations.hf.session import SequenceParallelSession, installed_sessions
 from ds_ring.integrations.hf.vision import (
+    _is_composite,
     cut_point,
     find_language_model,
     refuse_encoder_decoder,
@@ -385,7 +386,7 @@ def _refuse_vision_by_config(model_name_or_path: Any, config: Any, enabled: bool
     instance's language model (:mod:`~ds_ring.integrations.hf.vision`), which needs the instance."""
     if not enabled or config is None or isinstance(model_name_or_path, torch.nn.Module):
         return
-    if getattr(config, "vision_config", None) is not None:
+    if getattr(config, "vision_config", None) is not None or _is_composite(config):  # Fuyu: text_config nested
         raise ValueError(
             f"{type(config).__name__} is a vision-language model's config: ds_ring cuts its sequence after the image "
             f"features are merged, at its language model's call, which needs the model instance; pass the model to "
