@@ -220,6 +220,10 @@ RECIPES.update({  # group b
 })  # fmt: skip
 
 RECIPES.update({  # group c
+    # EXAONE 4.5: Qwen2.5-VL's vision tower before a 1-D RoPE text model; its text config names MRoPE sections that
+    # its rotary never reads (the MRoPE ids must not reach it)
+    "exaone4_5": Recipe(_patches(8, 24), {**_QWEN, "window_size": 8, "fullatt_block_indexes": [1],
+                                          "num_key_value_heads": 2}, {"rope_parameters": MROPE}),
 })  # fmt: skip
 
 RECIPES.update({  # group d

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -156,7 +156,10 @@ class VisionLanguage:
             id(c) for m in model.modules() if id(m) not in inside and (c := getattr(m, "config", None)) is not None
         ) - {id(text), id(getattr(model, "config", None))}
         """Configs of the vision side: masks built for them are built by the mask function ds_ring replaced."""
-        self.mrope = _mrope(text) or any(hasattr(m, "mrope_section") for m in language_model.modules())
+        self.mrope = any(hasattr(m, "mrope_section") for m in language_model.modules())
+        """Whether the language model reads MRoPE ids (a rotary embedding of it has ``mrope_section``): decided from
+        its modules, not its config, whose ``rope_parameters`` may name sections its rotary never reads (EXAONE 4.5's
+        1-D RoPE text model)."""
         self._handle = language_model.register_forward_pre_hook(self._cut, with_kwargs=True)
         outside = [m for m in model.modules() if id(m) not in inside]
         encoders = frame_encoders(outside) if divide else []
@@ -252,15 +255,6 @@ def model_inputs(model: nn.Module) -> frozenset[str]:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     parameters = inspect.signature(base.forward).parameters.values()
     return frozenset(p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
-
-
-def _mrope(config: Any) -> bool:
-    """Whether a text config uses multimodal RoPE (MRoPE: 3-D position ids)."""
-    for name in ("rope_parameters", "rope_scaling"):
-        parameters = getattr(config, name, None)
-        if isinstance(parameters, Mapping) and "mrope_section" in parameters:
-            return True
-    return False
 
 
 def vision_language(
