@@ -7,8 +7,7 @@ is called with this rank's rows of the whole sequence's ``get_rope_index`` ids (
 that fall in the shard. Refused: packed position ids, ``pad_to_multiple`` on a length that needs it, a
 vision-language config given by name (before any communication); an encoder-decoder vision model (Florence-2,
 Pix2Struct, T5Gemma 2, a ``VisionEncoderDecoderModel``), config or instance, for its decoder's cross-attention; a
-language model with cross-attention layers to the images (Mllama). MRoPE ids only for a language model whose rotary
-reads them (EXAONE 4.5: 1-D RoPE under a config naming `mrope_section`).
+language model with cross-attention layers to the images (Mllama).
 """
 
 from __future__ import annotations
@@ -146,20 +145,3 @@ def test_a_language_model_that_cross_attends_to_the_images_is_refused():
         model = MllamaForConditionalGeneration(MllamaConfig())
     with pytest.raises(ValueError, match="model.language_model. cross-attends to the image features"):
         vision_language(model, None, "contiguous")
-
-
-def test_mrope_ids_go_only_to_a_language_model_whose_rotary_reads_them():
-    """EXAONE 4.5's text model has 1-D RoPE; given a text config that names Qwen's ``mrope_section`` (which its
-    rotary never reads), the cut must not hand it ``[4, b, S]`` MRoPE ids (it crashed on them in ``expand``)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
-
-    from ds_ring.integrations.hf.vision import vision_language
-
-    built = {}
-    for family in ("exaone4_5", "qwen2_vl"):
-        config = vlm_zoo.tiny_config(family)
-        assert "mrope_section" in config.text_config.rope_parameters, family
-        with torch.device("meta"):
-            built[family] = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]._from_config(config)
-    assert not vision_language(built["exaone4_5"], None, "contiguous").mrope
-    assert vision_language(built["qwen2_vl"], None, "contiguous").mrope

@@ -224,6 +224,12 @@ RECIPES.update({  # group c
     # its rotary never reads (the MRoPE ids must not reach it)
     "exaone4_5": Recipe(_patches(8, 24), {**_QWEN, "window_size": 8, "fullatt_block_indexes": [1],
                                           "num_key_value_heads": 2}, {"rope_parameters": MROPE}),
+    # GLM-4V-MoE: GLM-4V with a MoE text model that hands its decoder layers the MRoPE rows (its attention's
+    # position check reads the text row the cut handed it)
+    "glm4v_moe": Recipe(_patches(8, 24), {**_QWEN, "image_size": 16},
+                        {"rope_parameters": MROPE, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                         "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1},
+                        top={"image_start_token_id": START, "image_end_token_id": END}, mm_token_type_ids=True),
 })  # fmt: skip
 
 RECIPES.update({  # group d

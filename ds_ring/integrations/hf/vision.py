@@ -160,6 +160,8 @@ class VisionLanguage:
         """Whether the language model reads MRoPE ids (a rotary embedding of it has ``mrope_section``): decided from
         its modules, not its config, whose ``rope_parameters`` may name sections its rotary never reads (EXAONE 4.5's
         1-D RoPE text model)."""
+        self._handed: torch.Tensor | None = None
+        """The position ids the last cut handed the language model (this rank's rows; MRoPE's ``[4, b, s/p]``)."""
         self._handle = language_model.register_forward_pre_hook(self._cut, with_kwargs=True)
         outside = [m for m in model.modules() if id(m) not in inside]
         encoders = frame_encoders(outside) if divide else []
@@ -234,7 +236,20 @@ class VisionLanguage:
             if positions.shape[0] == 3:
                 positions = torch.cat([text[None], positions.expand(3, rows, seq_len)], dim=0)
         group = self.topology.sequence_parallel_group
-        return shard_sequence(positions, group, layout=self.layout, dim=positions.dim() - 1)
+        self._handed = shard_sequence(positions, group, layout=self.layout, dim=positions.dim() - 1)
+        return self._handed
+
+    def text_positions(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """The text row ``[b, s/p]`` of the MRoPE ids the last cut handed the language model when ``positions`` (what
+        a decoder layer passes its attention) are their MRoPE rows ``[3, b, s/p]``: GLM-4V-MoE's language model hands
+        its layers those, having read its rotary from them. ``None`` for anything else."""
+        handed = self._handed
+        if handed is None or handed.dim() != 3 or positions.dim() != 3 or handed.shape[0] <= positions.shape[0]:
+            return None
+        rows = handed[handed.shape[0] - positions.shape[0] :]
+        if rows.shape != positions.shape or not torch.equal(rows.to(positions.device), positions):
+            return None
+        return handed[0]
 
     def _visual_rows(self, masks: torch.Tensor, features: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
         """The rows of deepstack ``features`` (``[visual tokens, hidden]`` each, in the whole sequence's row-major
