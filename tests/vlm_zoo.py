@@ -230,6 +230,9 @@ RECIPES.update({  # group c
                         {"rope_parameters": MROPE, "n_routed_experts": 4, "num_experts_per_tok": 2,
                          "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1},
                         top={"image_start_token_id": START, "image_end_token_id": END}, mm_token_type_ids=True),
+    # HunYuan-VL: XD-RoPE's 4 axes (text, width, height, image index), a row-newline and begin / end feature per image
+    "hunyuan_vl": Recipe(_patches(6, 48), {"patch_size": 4, "max_image_size": 32, "text_hidden_size": 64},
+                         {"rope_parameters": {**MROPE, "mrope_section": [2, 2, 2, 2]}}, mm_token_type_ids=True),
 })  # fmt: skip
 
 RECIPES.update({  # group d

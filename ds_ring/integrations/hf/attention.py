@@ -139,6 +139,8 @@ class SequenceParallelAttention:
             )
         if self.watch is not None:
             kwargs = {**self.watch.batch, **{k: v for k, v in kwargs.items() if v is not None}}
+        if kwargs.get("position_ids") is None and self.vision is not None:  # HunYuan-VL's layers pass none
+            kwargs = {**kwargs, "position_ids": self.vision.text_positions(None)}
         spec = attention_mask if isinstance(attention_mask, MaskSpec) else None
         if spec is not None:  # the mask is the truth (eager and sdpa follow it, not the sliding_window argument)
             sliding_window = spec.window
@@ -337,8 +339,8 @@ class SequenceParallelAttention:
 
     def _token_positions(self, site: Site, position_ids: torch.Tensor) -> torch.Tensor:
         """The token positions of the ``position_ids`` a layer passes its attention: those ids themselves, or, for
-        MRoPE ids ``[3, b, s/p]`` a vision-language model's language model hands its layers (GLM-4V-MoE: it read its
-        rotary from them; the attention reads no positions), the text row of the ids ds_ring's cut handed it
+        MRoPE ids ``[axes, b, s/p]`` a vision-language model's language model hands its layers (GLM-4V-MoE: it read
+        its rotary from them; the attention reads no positions), the text positions of ds_ring's cut
         (:meth:`~ds_ring.integrations.hf.vision.VisionLanguage.text_positions`)."""
         if position_ids.dim() != 3:
             return position_ids
