@@ -213,6 +213,10 @@ RECIPES: dict[str, Recipe] = {
 }  # fmt: skip
 """Families run here, and how."""
 
+_AUDIO = dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, num_mel_bins=16,
+              output_dim=64, max_source_positions=64, n_window=8)  # fmt: skip
+"""The Qwen omni thinkers' audio tower, tiny."""
+
 RECIPES.update({  # group a
 })  # fmt: skip
 
@@ -233,6 +237,14 @@ RECIPES.update({  # group c
     # HunYuan-VL: XD-RoPE's 4 axes (text, width, height, image index), a row-newline and begin / end feature per image
     "hunyuan_vl": Recipe(_patches(6, 48), {"patch_size": 4, "max_image_size": 32, "text_hidden_size": 64},
                          {"rope_parameters": {**MROPE, "mrope_section": [2, 2, 2, 2]}}, mm_token_type_ids=True),
+    # the Qwen omni thinkers: images only (their audio tower built tiny, given no audio: its gradient 0 on both sides)
+    "qwen2_5_omni_thinker": Recipe(_patches(8, 24), {**_QWEN, "window_size": 8, "fullatt_block_indexes": [1]},
+                                   {"rope_parameters": MROPE}, top={"audio_config": _AUDIO}),
+    "qwen3_omni_moe_thinker": Recipe(_patches(8, 24), {**_QWEN, "num_position_embeddings": 16,
+                                                       "deepstack_visual_indexes": [0]},
+                                     {"rope_parameters": {**MROPE, "mrope_interleaved": True}, "num_experts": 4,
+                                      "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1},
+                                     top={"audio_config": {**_AUDIO, "downsample_hidden_size": 16}}),
 })  # fmt: skip
 
 RECIPES.update({  # group d
