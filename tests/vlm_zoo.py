@@ -245,6 +245,25 @@ RECIPES.update({  # group c
                                      {"rope_parameters": {**MROPE, "mrope_interleaved": True}, "num_experts": 4,
                                       "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1},
                                      top={"audio_config": {**_AUDIO, "downsample_hidden_size": 16}}),
+    "qwen4_exp": Recipe(_patches(8, 24), {**_QWEN, "num_position_embeddings": 16},
+                        {"rope_parameters": {**MROPE, "mrope_interleaved": True},
+                         "layer_types": ["linear_attention", "indexed_attention"], "num_experts": 4,
+                         "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+                         "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
+                         "linear_num_value_heads": 4, "hc_lowrank": 8, "indexer_n_heads": 2, "indexer_kv_heads": 1,
+                         "indexer_head_dim": 16, "indexer_budget": 16, "indexer_compress_ratio": 4},
+                        mm_token_type_ids=True),
+    "glm5_next": Recipe(_patches(8, 24), {**_QWEN, "image_size": 16, "projection_intermediate_size": 64},
+                        {"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_head_dim": 16,
+                         "v_head_dim": 16, "qk_rope_head_dim": 0, "head_dim": 0, "num_key_value_heads": 4,
+                         "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                         "mlp_layer_types": ["dense", "sparse"],
+                         "layer_types": ["linear_attention", "indexed_attention"], "indexer_types": ["full", "full"],
+                         "index_topk": 16, "index_head_dim": 16, "index_n_heads": 2, "index_kpool": 4,
+                         "linear_head_dim": 16, "linear_num_heads": 4, "hc_mult": 2, "hc_sinkhorn_iters": 3},
+                        top={"image_start_token_id": START, "image_end_token_id": END}),
+    "glmga": Recipe(_patches(8, 24), {**_QWEN, "image_size": 16}, {"rope_parameters": MROPE},  # GLM-4.6V's model
+                    top={"image_start_token_id": START, "image_end_token_id": END}, mm_token_type_ids=True),
 })  # fmt: skip
 
 RECIPES.update({  # group d
@@ -262,6 +281,8 @@ EXPECTED_REFUSALS.update({  # group b
 })  # fmt: skip
 
 EXPECTED_REFUSALS.update({  # group c
+    "qwen4_exp": r"Conv1d \(at layers.0.linear_attn.conv1d\) mixes information along the sequence",  # as its text model
+    "glm5_next": r"Conv1d \(at layers.0.self_attn.conv1d\) mixes information along the sequence",  # its KDA layers
 })  # fmt: skip
 
 EXPECTED_REFUSALS.update({  # group d
