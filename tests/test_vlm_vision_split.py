@@ -5,7 +5,8 @@ across the shard boundary and an image: each rank encodes two of the video's fra
 and both encode the image (a call of fewer frames than ranks is not divided).
 With ``divide_vision`` on and off, the loss and every parameter's gradient (the vision tower's included) summed over
 the ranks equal the whole model's; with it on, each rank's patch embedding sees its frames' patches only, and the
-activations the encoder saves for backward on a rank are about half the whole encoder's.
+activations the encoder saves for backward on a rank are about half the whole encoder's. A module that merges frames
+(ERNIE 4.5-VL-MoE's resampler) is not divided.
 """
 
 from __future__ import annotations
@@ -97,3 +98,18 @@ def test_frames_divided_over_ranks_equal_the_whole_model():
             assert divided == [GRID * GRID, VIDEO_FRAMES // 2 * GRID * GRID], (family, rank, divided)
             # saved for backward: 2 of 4 video frames and the image, of 4 frames and the image (0.6 of the patches)
             assert results[family, True][3] < 0.7 * results[family, False][3], (family, rank, results[family, True])
+
+
+def test_a_module_that_merges_frames_is_not_divided():
+    """ERNIE 4.5-VL-MoE's resampler (after its encoder) has ``spatial_merge_size`` and ``forward(hidden_states,
+    grid_thw)`` too, but merges pairs of frames (``temporal_merge_size`` 2): only its encoder is divided (the resampler
+    was, and returned a plain tensor the gather refused)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    from ds_ring.integrations.hf.vision_split import frame_encoders
+
+    config = vlm_zoo.tiny_config("ernie4_5_vl_moe")
+    with torch.device("meta"):
+        model = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]._from_config(config)
+    assert model.model.resampler_model.temporal_merge_size == 2
+    assert frame_encoders(list(model.modules())) == [model.model.vision_tower]

@@ -132,6 +132,7 @@ class Recipe:
     text: dict[str, Any] = field(default_factory=dict)
     top: dict[str, Any] = field(default_factory=dict)
     mm_token_type_ids: bool = False  # Qwen's processors: 1 at image tokens (MRoPE's groups)
+    moe_mm_token_type_ids: bool = False  # ERNIE 4.5-VL's: 1 at image tokens and their start / end (its experts)
     token_type_ids: str = ""  # "image": 1 at image tokens (Gemma 3); "suffix": 1 after the prefix (PaliGemma)
     image_sizes: int = 0  # Pixtral's image_sizes [n, 2] of this side
 
@@ -264,6 +265,13 @@ RECIPES.update({  # group c
                         top={"image_start_token_id": START, "image_end_token_id": END}),
     "glmga": Recipe(_patches(8, 24), {**_QWEN, "image_size": 16}, {"rope_parameters": MROPE},  # GLM-4.6V's model
                     top={"image_start_token_id": START, "image_end_token_id": END}, mm_token_type_ids=True),
+    # ERNIE 4.5-VL-MoE: text and vision experts, routed by moe_mm_token_type_ids (cut with the sequence)
+    "ernie4_5_vl_moe": Recipe(_patches(8, 12), {"patch_size": 2},
+                              {"rope_parameters": {**MROPE, "mrope_section": [3, 3, 2]}, "moe_num_experts": 4,
+                               "moe_k": 2, "moe_num_shared_experts": 1, "moe_intermediate_size": [32, 32],
+                               "mlp_layer_types": ["dense", "sparse"]},
+                              top={"image_start_token_id": START, "image_end_token_id": END}, mm_token_type_ids=True,
+                              moe_mm_token_type_ids=True),
 })  # fmt: skip
 
 RECIPES.update({  # group d
@@ -384,6 +392,8 @@ def batch(family: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     full = {"input_ids": input_ids, "labels": labels, **images}
     if recipe.mm_token_type_ids:
         full["mm_token_type_ids"] = is_image.long()
+    if recipe.moe_mm_token_type_ids:
+        full["moe_mm_token_type_ids"] = (is_image | (input_ids == START) | (input_ids == END)).long()
     if recipe.token_type_ids == "image":
         full["token_type_ids"] = is_image.long()
     elif recipe.token_type_ids == "suffix":

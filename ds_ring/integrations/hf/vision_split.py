@@ -35,9 +35,15 @@ __all__ = ["FrameSplit", "frame_encoders", "frame_plan"]
 
 def frame_encoders(modules: Sequence[nn.Module]) -> list[nn.Module]:
     """The Qwen-style vision encoders among ``modules``: a ``spatial_merge_size`` and a ``forward(hidden_states,
-    grid_thw, ...)``; the outermost only (an encoder inside another is not split twice)."""
+    grid_thw, ...)``; the outermost only (an encoder inside another is not split twice). A module that merges frames
+    (``temporal_merge_size`` > 1: ERNIE 4.5-VL's resampler, after its encoder) does not treat them independently and
+    is not one."""
     found = [
-        m for m in modules if hasattr(m, "spatial_merge_size") and "grid_thw" in inspect.signature(m.forward).parameters
+        m
+        for m in modules
+        if hasattr(m, "spatial_merge_size")
+        and "grid_thw" in inspect.signature(m.forward).parameters
+        and int(getattr(m, "temporal_merge_size", 1) or 1) == 1
     ]
     inner = {id(sub) for m in found for sub in m.modules() if sub is not m}
     return [m for m in found if id(m) not in inner]
