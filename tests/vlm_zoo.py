@@ -272,6 +272,14 @@ RECIPES.update({  # group c
                                "mlp_layer_types": ["dense", "sparse"]},
                               top={"image_start_token_id": START, "image_end_token_id": END}, mm_token_type_ids=True,
                               moe_mm_token_type_ids=True),
+    "hy_v4_vl": Recipe(_patches(6, 48), {"patch_size": 4, "max_image_size": 32, "out_hidden_size": 64,
+                                         "num_key_value_heads": 2},
+                       {"rope_parameters": {**MROPE, "mrope_interleaved": True}, "qk_rope_head_dim": 16,
+                        "qk_nope_head_dim": 16, "qk_head_dim": 32, "v_head_dim": 16, "q_lora_rank": 32,
+                        "kv_lora_rank": 32, "num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                        "moe_intermediate_size": 32, "mlp_layer_types": ["dense", "sparse"],
+                        "layer_types": ["indexed_attention"] * 2, "indexer_types": ["full", "shared"], "index_topk": 16,
+                        "index_head_dim": 16, "index_n_heads": 2, "hc_mult": 2}, mm_token_type_ids=True),
 })  # fmt: skip
 
 RECIPES.update({  # group d
@@ -291,6 +299,7 @@ EXPECTED_REFUSALS.update({  # group b
 EXPECTED_REFUSALS.update({  # group c
     "qwen4_exp": r"Conv1d \(at layers.0.linear_attn.conv1d\) mixes information along the sequence",  # as its text model
     "glm5_next": r"Conv1d \(at layers.0.self_attn.conv1d\) mixes information along the sequence",  # its KDA layers
+    "hy_v4_vl": r"uses its attention mask as a tensor",  # its DSA indexer's top-k mask, as HY-V4's text model
 })  # fmt: skip
 
 EXPECTED_REFUSALS.update({  # group d
@@ -425,11 +434,22 @@ def sequence_parallel(
     divide_vision: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The registered model on :func:`shard_batch`'s batch: the loss and every gradient summed over the group."""
-    from ds_ring.integrations.hf import register_with_transformers
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    model.set_attn_implementation("sdpa")
+    from ds_ring.integrations.hf import register_with_transformers
+    from ds_ring.integrations.hf.registration import OWN_NAME
+
+    implementation = "sdpa"
+    try:
+        model.set_attn_implementation("sdpa")
+    except ValueError:  # a language model that allows no sdpa (HY-V4-VL's): ds_ring's own registry entry for it, as
+        if OWN_NAME not in ALL_ATTENTION_FUNCTIONS:  # tests/zoo.py does, and sdpa for the vision tower
+            ALL_ATTENTION_FUNCTIONS[OWN_NAME] = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        implementation = OWN_NAME
+        model.set_attn_implementation({"": OWN_NAME, "text_config": OWN_NAME, "vision_config": "sdpa"})
     config = {"train_micro_batch_size_per_gpu": BATCH, "ring_attention": {"timeout_s": 60, **section}}
-    session = register_with_transformers(model, config=config, topology=topology, divide_vision=divide_vision)
+    session = register_with_transformers(model, core_attn_implementation=implementation, config=config,
+                                         topology=topology, divide_vision=divide_vision)  # fmt: skip
     return trained_on_shards(model, session, full, topology)
 
 
