@@ -280,6 +280,11 @@ RECIPES.update({  # group c
                         "moe_intermediate_size": 32, "mlp_layer_types": ["dense", "sparse"],
                         "layer_types": ["indexed_attention"] * 2, "indexer_types": ["full", "shared"], "index_topk": 16,
                         "index_head_dim": 16, "index_n_heads": 2, "hc_mult": 2}, mm_token_type_ids=True),
+    "minimax_m3_vl": Recipe(_patches(8, 24), {"patch_size": 2, "temporal_patch_size": 2, "image_size": 16},
+                            {"rotary_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+                             "dense_intermediate_size": 128, "shared_intermediate_size": 32,
+                             "mlp_layer_types": ["dense", "sparse"], "layer_types": ["full_attention"] * 2},
+                            top={"projector_hidden_size": 64, "merged_hidden_size": 256}),
 })  # fmt: skip
 
 RECIPES.update({  # group d
