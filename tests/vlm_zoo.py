@@ -122,6 +122,20 @@ def _per_row(size: int) -> Callable[[int], dict[str, torch.Tensor]]:
     return make
 
 
+def _patch_images(grid: int, patch: int) -> Callable[[int], dict[str, torch.Tensor]]:
+    """Kimi-K2.5-style patches ``[n·grid², 3, patch, patch]`` of ``n`` images of ``1 × grid × grid`` patches, and
+    their grids."""
+
+    def make(n: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(2)
+        return {
+            "pixel_values": torch.randn(n * grid * grid, 3, patch, patch, generator=generator),
+            "image_grid_thw": torch.tensor([[1, grid, grid]] * n),
+        }
+
+    return make
+
+
 @dataclass(frozen=True)
 class Recipe:
     """How to build one family tiny and feed it images: its vision config's fields, its text config's and the
@@ -285,6 +299,11 @@ RECIPES.update({  # group c
                              "dense_intermediate_size": 128, "shared_intermediate_size": 32,
                              "mlp_layer_types": ["dense", "sparse"], "layer_types": ["full_attention"] * 2},
                             top={"projector_hidden_size": 64, "merged_hidden_size": 256}),
+    "kimi_k25": Recipe(_patch_images(8, 4), {"patch_size": 4, "pos_emb_height": 8, "pos_emb_width": 8},
+                       {"q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16,
+                        "qk_head_dim": 32, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                        "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                        "num_key_value_heads": 4, "n_group": 1, "topk_group": 1}, top={"projection_hidden_size": 32}),
 })  # fmt: skip
 
 RECIPES.update({  # group d
