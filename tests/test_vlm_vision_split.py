@@ -5,7 +5,9 @@ across the shard boundary and an image: each rank encodes two of the video's fra
 and both encode the image (a call of fewer frames than ranks is not divided).
 With ``divide_vision`` on and off, the loss and every parameter's gradient (the vision tower's included) summed over
 the ranks equal the whole model's; with it on, each rank's patch embedding sees its frames' patches only, and the
-activations the encoder saves for backward on a rank are about half the whole encoder's.
+activations the encoder saves for backward on a rank are about half the whole encoder's. A module that merges frames
+(ERNIE 4.5-VL-MoE's resampler) is not divided; an encoder whose output is not rows per patch (MiniMax-M3-VL's
+first-patch ``pooler_output``) is encoded whole.
 """
 
 from __future__ import annotations
@@ -97,3 +99,46 @@ def test_frames_divided_over_ranks_equal_the_whole_model():
             assert divided == [GRID * GRID, VIDEO_FRAMES // 2 * GRID * GRID], (family, rank, divided)
             # saved for backward: 2 of 4 video frames and the image, of 4 frames and the image (0.6 of the patches)
             assert results[family, True][3] < 0.7 * results[family, False][3], (family, rank, results[family, True])
+
+
+def test_a_module_that_merges_frames_is_not_divided():
+    """ERNIE 4.5-VL-MoE's resampler (after its encoder) has ``spatial_merge_size`` and ``forward(hidden_states,
+    grid_thw)`` too, but merges pairs of frames (``temporal_merge_size`` 2): only its encoder is divided (the resampler
+    was, and returned a plain tensor the gather refused)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    from ds_ring.integrations.hf.vision_split import frame_encoders
+
+    config = vlm_zoo.tiny_config("ernie4_5_vl_moe")
+    with torch.device("meta"):
+        model = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]._from_config(config)
+    assert model.model.resampler_model.temporal_merge_size == 2
+    assert frame_encoders(list(model.modules())) == [model.model.vision_tower]
+
+
+def test_an_encoder_output_that_is_not_rows_per_patch_is_encoded_whole():
+    """MiniMax-M3-VL's encoder (``forward(pixel_values, grid_thw)``, called by name) returns a ``pooler_output`` of
+    its first patch's row, which no gather of the ranks' rows makes the whole call's: that call is encoded again
+    whole, and every later call whole from the start (no exchange: the ranks find it alike)."""
+    from types import SimpleNamespace
+
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    from ds_ring.integrations.hf.vision_split import FrameSplit
+
+    class Encoder(torch.nn.Module):
+        spatial_merge_size = 1
+
+        def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> BaseModelOutputWithPooling:
+            self.seen = pixel_values.shape[0]
+            return BaseModelOutputWithPooling(last_hidden_state=2 * pixel_values, pooler_output=pixel_values[:1])
+
+    topology = SimpleNamespace(sequence_parallel_group=object(), get_sequence_parallel_world_size=lambda: 2,
+                               get_sequence_parallel_rank=lambda: 1, timeout_s=1.0)  # fmt: skip
+    encoder, pixels, grid = Encoder(), torch.arange(8.0)[:, None], torch.tensor([[2, 2, 2]])
+    split = FrameSplit(encoder, topology)
+    first = encoder(pixel_values=pixels, grid_thw=grid)
+    assert split.whole and encoder.seen == 8 and torch.equal(first.last_hidden_state, 2 * pixels)
+    assert torch.equal(first.pooler_output, pixels[:1])
+    encoder(pixels, grid)
+    assert encoder.seen == 8  # not divided

@@ -173,6 +173,20 @@ def _flattened(side: int, patch: int) -> Callable[[int], dict[str, torch.Tensor]
     return make
 
 
+def _patch_images(grid: int, patch: int) -> Callable[[int], dict[str, torch.Tensor]]:
+    """Kimi-K2.5-style patches ``[n·grid², 3, patch, patch]`` of ``n`` images of ``1 × grid × grid`` patches, and
+    their grids."""
+
+    def make(n: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(2)
+        return {
+            "pixel_values": torch.randn(n * grid * grid, 3, patch, patch, generator=generator),
+            "image_grid_thw": torch.tensor([[1, grid, grid]] * n),
+        }
+
+    return make
+
+
 @dataclass(frozen=True)
 class Recipe:
     """How to build one family tiny and feed it images: its vision config's fields, its text config's and the
@@ -183,6 +197,7 @@ class Recipe:
     text: dict[str, Any] = field(default_factory=dict)
     top: dict[str, Any] = field(default_factory=dict)
     mm_token_type_ids: bool = False  # Qwen's processors: 1 at image tokens (MRoPE's groups)
+    moe_mm_token_type_ids: bool = False  # ERNIE 4.5-VL's: 1 at image tokens and their start / end (its experts)
     token_type_ids: str = ""  # "image": 1 at image tokens (Gemma 3); "suffix": 1 after the prefix (PaliGemma)
     image_sizes: int = 0  # Pixtral's image_sizes [n, 2] of this side
     tokens_per_image: int = 0  # placeholder tokens per image when the model's image features cannot be asked (Fuyu)
@@ -270,6 +285,12 @@ RECIPES: dict[str, Recipe] = {
 
 _VQ = dict(base_channels=32, channel_multiplier=[1, 1, 1], num_res_blocks=1, attn_resolutions=[], latent_channels=8)
 """A VQ-VAE that downsamples 4 times a side, tiny."""
+
+
+_AUDIO = dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, num_mel_bins=16,
+              output_dim=64, max_source_positions=64, n_window=8)  # fmt: skip
+"""The Qwen omni thinkers' audio tower, tiny."""
+
 RECIPES.update({  # group a
     "kosmos-2": Recipe(_square(16), {"image_size": 16, "patch_size": 4},
                        {"embed_dim": 64, "layers": 2, "ffn_dim": 128, "attention_heads": 4},
@@ -309,6 +330,71 @@ RECIPES.update({  # group b
 })  # fmt: skip
 
 RECIPES.update({  # group c
+    # EXAONE 4.5: Qwen2.5-VL's vision tower before a 1-D RoPE text model; its text config names MRoPE sections that
+    # its rotary never reads (the MRoPE ids must not reach it)
+    "exaone4_5": Recipe(_patches(8, 24), {**_QWEN, "window_size": 8, "fullatt_block_indexes": [1],
+                                          "num_key_value_heads": 2}, {"rope_parameters": MROPE}),
+    # GLM-4V-MoE: GLM-4V with a MoE text model that hands its decoder layers the MRoPE rows (its attention's
+    # position check reads the text row the cut handed it)
+    "glm4v_moe": Recipe(_patches(8, 24), {**_QWEN, "image_size": 16},
+                        {"rope_parameters": MROPE, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                         "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1},
+                        top={"image_start_token_id": START, "image_end_token_id": END}, mm_token_type_ids=True),
+    # HunYuan-VL: XD-RoPE's 4 axes (text, width, height, image index), a row-newline and begin / end feature per image
+    "hunyuan_vl": Recipe(_patches(6, 48), {"patch_size": 4, "max_image_size": 32, "text_hidden_size": 64},
+                         {"rope_parameters": {**MROPE, "mrope_section": [2, 2, 2, 2]}}, mm_token_type_ids=True),
+    # the Qwen omni thinkers: images only (their audio tower built tiny, given no audio: its gradient 0 on both sides)
+    "qwen2_5_omni_thinker": Recipe(_patches(8, 24), {**_QWEN, "window_size": 8, "fullatt_block_indexes": [1]},
+                                   {"rope_parameters": MROPE}, top={"audio_config": _AUDIO}),
+    "qwen3_omni_moe_thinker": Recipe(_patches(8, 24), {**_QWEN, "num_position_embeddings": 16,
+                                                       "deepstack_visual_indexes": [0]},
+                                     {"rope_parameters": {**MROPE, "mrope_interleaved": True}, "num_experts": 4,
+                                      "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1},
+                                     top={"audio_config": {**_AUDIO, "downsample_hidden_size": 16}}),
+    "qwen4_exp": Recipe(_patches(8, 24), {**_QWEN, "num_position_embeddings": 16},
+                        {"rope_parameters": {**MROPE, "mrope_interleaved": True},
+                         "layer_types": ["linear_attention", "indexed_attention"], "num_experts": 4,
+                         "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+                         "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
+                         "linear_num_value_heads": 4, "hc_lowrank": 8, "indexer_n_heads": 2, "indexer_kv_heads": 1,
+                         "indexer_head_dim": 16, "indexer_budget": 16, "indexer_compress_ratio": 4},
+                        mm_token_type_ids=True),
+    "glm5_next": Recipe(_patches(8, 24), {**_QWEN, "image_size": 16, "projection_intermediate_size": 64},
+                        {"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_head_dim": 16,
+                         "v_head_dim": 16, "qk_rope_head_dim": 0, "head_dim": 0, "num_key_value_heads": 4,
+                         "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                         "mlp_layer_types": ["dense", "sparse"],
+                         "layer_types": ["linear_attention", "indexed_attention"], "indexer_types": ["full", "full"],
+                         "index_topk": 16, "index_head_dim": 16, "index_n_heads": 2, "index_kpool": 4,
+                         "linear_head_dim": 16, "linear_num_heads": 4, "hc_mult": 2, "hc_sinkhorn_iters": 3},
+                        top={"image_start_token_id": START, "image_end_token_id": END}),
+    "glmga": Recipe(_patches(8, 24), {**_QWEN, "image_size": 16}, {"rope_parameters": MROPE},  # GLM-4.6V's model
+                    top={"image_start_token_id": START, "image_end_token_id": END}, mm_token_type_ids=True),
+    # ERNIE 4.5-VL-MoE: text and vision experts, routed by moe_mm_token_type_ids (cut with the sequence)
+    "ernie4_5_vl_moe": Recipe(_patches(8, 12), {"patch_size": 2},
+                              {"rope_parameters": {**MROPE, "mrope_section": [3, 3, 2]}, "moe_num_experts": 4,
+                               "moe_k": 2, "moe_num_shared_experts": 1, "moe_intermediate_size": [32, 32],
+                               "mlp_layer_types": ["dense", "sparse"]},
+                              top={"image_start_token_id": START, "image_end_token_id": END}, mm_token_type_ids=True,
+                              moe_mm_token_type_ids=True),
+    "hy_v4_vl": Recipe(_patches(6, 48), {"patch_size": 4, "max_image_size": 32, "out_hidden_size": 64,
+                                         "num_key_value_heads": 2},
+                       {"rope_parameters": {**MROPE, "mrope_interleaved": True}, "qk_rope_head_dim": 16,
+                        "qk_nope_head_dim": 16, "qk_head_dim": 32, "v_head_dim": 16, "q_lora_rank": 32,
+                        "kv_lora_rank": 32, "num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                        "moe_intermediate_size": 32, "mlp_layer_types": ["dense", "sparse"],
+                        "layer_types": ["indexed_attention"] * 2, "indexer_types": ["full", "shared"], "index_topk": 16,
+                        "index_head_dim": 16, "index_n_heads": 2, "hc_mult": 2}, mm_token_type_ids=True),
+    "minimax_m3_vl": Recipe(_patches(8, 24), {"patch_size": 2, "temporal_patch_size": 2, "image_size": 16},
+                            {"rotary_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+                             "dense_intermediate_size": 128, "shared_intermediate_size": 32,
+                             "mlp_layer_types": ["dense", "sparse"], "layer_types": ["full_attention"] * 2},
+                            top={"projector_hidden_size": 64, "merged_hidden_size": 256}),
+    "kimi_k25": Recipe(_patch_images(8, 4), {"patch_size": 4, "pos_emb_height": 8, "pos_emb_width": 8},
+                       {"q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16,
+                        "qk_head_dim": 32, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                        "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                        "num_key_value_heads": 4, "n_group": 1, "topk_group": 1}, top={"projection_hidden_size": 32}),
 })  # fmt: skip
 
 RECIPES.update({  # group d
@@ -329,6 +415,9 @@ EXPECTED_REFUSALS.update({  # group b
 })  # fmt: skip
 
 EXPECTED_REFUSALS.update({  # group c
+    "qwen4_exp": r"Conv1d \(at layers.0.linear_attn.conv1d\) mixes information along the sequence",  # as its text model
+    "glm5_next": r"Conv1d \(at layers.0.self_attn.conv1d\) mixes information along the sequence",  # its KDA layers
+    "hy_v4_vl": r"uses its attention mask as a tensor",  # its DSA indexer's top-k mask, as HY-V4's text model
 })  # fmt: skip
 
 EXPECTED_REFUSALS.update({  # group d
@@ -437,6 +526,8 @@ def batch(family: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         full["mm_token_type_ids"] = is_image.long()
     if recipe.image_mask:
         full[recipe.image_mask] = is_image.long()
+    if recipe.moe_mm_token_type_ids:
+        full["moe_mm_token_type_ids"] = (is_image | (input_ids == START) | (input_ids == END)).long()
     if recipe.token_type_ids == "image":
         full["token_type_ids"] = is_image.long()
     elif recipe.token_type_ids == "suffix":
@@ -468,11 +559,22 @@ def sequence_parallel(
     divide_vision: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The registered model on :func:`shard_batch`'s batch: the loss and every gradient summed over the group."""
-    from ds_ring.integrations.hf import register_with_transformers
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    model.set_attn_implementation("sdpa")
+    from ds_ring.integrations.hf import register_with_transformers
+    from ds_ring.integrations.hf.registration import OWN_NAME
+
+    implementation = "sdpa"
+    try:
+        model.set_attn_implementation("sdpa")
+    except ValueError:  # a language model that allows no sdpa (HY-V4-VL's): ds_ring's own registry entry for it, as
+        if OWN_NAME not in ALL_ATTENTION_FUNCTIONS:  # tests/zoo.py does, and sdpa for the vision tower
+            ALL_ATTENTION_FUNCTIONS[OWN_NAME] = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        implementation = OWN_NAME
+        model.set_attn_implementation({"": OWN_NAME, "text_config": OWN_NAME, "vision_config": "sdpa"})
     config = {"train_micro_batch_size_per_gpu": BATCH, "ring_attention": {"timeout_s": 60, **section}}
-    session = register_with_transformers(model, config=config, topology=topology, divide_vision=divide_vision)
+    session = register_with_transformers(model, core_attn_implementation=implementation, config=config,
+                                         topology=topology, divide_vision=divide_vision)  # fmt: skip
     return trained_on_shards(model, session, full, topology)
 
 

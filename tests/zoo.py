@@ -135,10 +135,16 @@ LOOSER: dict[str, tuple[float, str]] = {}
 """Family → a looser bound its math needs, and why (the table states both)."""
 
 
+_FACTORIES = (torch.zeros, torch.empty, torch.ones, torch.full)
+"""Tensor factories whose ``dtype=torch.float32`` :class:`Float64Throughout` makes float64 (no float64 argument tells
+it the tensor is part of a float64 computation; in the zoo, every floating tensor is)."""
+
+
 class Float64Throughout(TorchFunctionMode):
     """While active, a float64 tensor is never rounded to float32: ``x.to(torch.float32)``, ``x.float()``,
     ``x.type(torch.float32)`` and a ``dtype=torch.float32`` argument (eager attention's softmax, RMSNorm, rotary
-    tables, routers, Mamba's scan) keep float64, and ``grid_sample`` of a float64 input samples at a float64 grid
+    tables, routers, Mamba's scan) keep float64, as does a float32 tensor made by a factory (:data:`_FACTORIES`), and
+    ``grid_sample`` of a float64 input samples at a float64 grid
     (GLM-4V builds its grid in float32 from integer image sizes; ``grid_sample`` takes no mixed dtypes), and a float32
     matrix times a float64 one is float64 (SigLIP2's position-resize weights, float32 from integer sizes). Both the
     reference and ds_ring run under it: a difference of 1e-16 in an attention output would otherwise flip a float32
@@ -146,6 +152,8 @@ class Float64Throughout(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
+        if func in _FACTORIES and kwargs.get("dtype") == torch.float32:  # ERNIE 4.5-VL's router-logit buffer
+            kwargs = {**kwargs, "dtype": torch.float64}
         if any(isinstance(a, torch.Tensor) and a.dtype == torch.float64 for a in args):
             if func is torch.Tensor.float:
                 return args[0]

@@ -139,6 +139,8 @@ class SequenceParallelAttention:
             )
         if self.watch is not None:
             kwargs = {**self.watch.batch, **{k: v for k, v in kwargs.items() if v is not None}}
+        if kwargs.get("position_ids") is None and self.vision is not None:  # HunYuan-VL's layers pass none
+            kwargs = {**kwargs, "position_ids": self.vision.text_positions(None)}
         spec = attention_mask if isinstance(attention_mask, MaskSpec) else None
         if spec is not None:  # the mask is the truth (eager and sdpa follow it, not the sliding_window argument)
             sliding_window = spec.window
@@ -172,7 +174,7 @@ class SequenceParallelAttention:
         else:
             self._check_shapes(site, query, key, bounds[-1])
             self._agree_on_documents(bounds)
-            self._check_positions(kwargs["position_ids"], bounds)
+            self._check_positions(self._token_positions(site, kwargs["position_ids"]), bounds)
             if spec is not None and spec.blocks is not None and spec.blocks.columns != bounds[-1]:
                 self._agree_on_sharded_blocks(site.module, spec.blocks)
             if isinstance(attention_mask, torch.Tensor):
@@ -334,6 +336,22 @@ class SequenceParallelAttention:
                 f"{self.section.causal}, window {window}, the batch's documents) does not compute; ds_ring cannot "
                 f"run this attention sequence-parallel: train this model without sequence parallelism"
             )
+
+    def _token_positions(self, site: Site, position_ids: torch.Tensor) -> torch.Tensor:
+        """The token positions of the ``position_ids`` a layer passes its attention: those ids themselves, or, for
+        MRoPE ids ``[axes, b, s/p]`` a vision-language model's language model hands its layers (GLM-4V-MoE: it read
+        its rotary from them; the attention reads no positions), the text positions of ds_ring's cut
+        (:meth:`~ds_ring.integrations.hf.vision.VisionLanguage.text_positions`)."""
+        if position_ids.dim() != 3:
+            return position_ids
+        text = None if self.vision is None else self.vision.text_positions(position_ids)
+        if text is None:
+            raise ValueError(
+                f"{site.module} is given 3-D position_ids {list(position_ids.shape)} that are not the MRoPE rows of "
+                f"the ids ds_ring's cut handed the language model, so ds_ring cannot tell its tokens' positions; "
+                f"{_POSITIONS_FIX}"
+            )
+        return text
 
     def _check_positions(self, position_ids: torch.Tensor, bounds: tuple[int, ...]) -> None:
         """The model's RoPE used ``position_ids``: they must be this rank's tokens' positions in their documents, plus

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -202,7 +202,15 @@ class VisionLanguage:
             id(c) for m in model.modules() if id(m) not in inside and (c := getattr(m, "config", None)) is not None
         ) - {id(text), id(getattr(model, "config", None))}
         """Configs of the vision side: masks built for them are built by the mask function ds_ring replaced."""
-        self.mrope = _mrope(text) or any(hasattr(m, "mrope_section") for m in language_model.modules())
+        self.mrope_axes = max((len(m.mrope_section) for m in language_model.modules() if _sections(m)), default=0)
+        """How many MRoPE axes the language model reads (0: none): its rotary's ``mrope_section`` has one section
+        per axis (3 for Qwen's, 4 for HunYuan-VL's XD-RoPE). Decided from its modules, not its config, whose
+        ``rope_parameters`` may name sections its rotary never reads (EXAONE 4.5's 1-D RoPE text model)."""
+        self.mrope = self.mrope_axes > 0
+        self._handed: torch.Tensor | None = None
+        """The position ids the last cut handed the language model (this rank's rows; MRoPE's ``[4, b, s/p]``)."""
+        self._text: torch.Tensor | None = None
+        """This rank's rows ``[b, s/p]`` of the last cut's text positions (``arange(S)`` per row)."""
         self._handle = language_model.register_forward_pre_hook(self._cut, with_kwargs=True)
         outside = [m for m in model.modules() if id(m) not in inside]
         encoders = frame_encoders(outside) if divide else []
@@ -297,20 +305,43 @@ class VisionLanguage:
         """This rank's rows of the whole sequence's position ids.
 
         ``None`` (the model computed none: every family without MRoPE) is ``arange(S)``, which the language model
-        would otherwise make of the shard's own length. MRoPE ids (``[3, b, S]`` from ``get_rope_index``) get the text
-        row transformers reads as the attention's ``position_ids`` (``[4, b, S]``, row 0 ``arange(S)``: one
-        document per row); without it their language model would pass the attention none.
+        would otherwise make of the shard's own length. MRoPE ids of 3 axes (``[3, b, S]`` from ``get_rope_index``)
+        get the text row transformers' language models read as the attention's ``position_ids`` and strip before
+        their rotary (``[4, b, S]``, row 0 ``arange(S)``: one document per row); without it they would pass the
+        attention none. Ids of another count of axes (:attr:`mrope_axes`: HunYuan-VL's 4) have no such convention
+        (HunYuan-VL's language model raises on a fifth row) and go as they are: their language model passes its
+        attention no positions, and the attention reads the cut's text row (:meth:`text_positions`).
         """
         text = torch.arange(seq_len, device=device).expand(rows, seq_len)
         if positions is None:
             positions = text
         if self.mrope or positions.dim() == 3:
+            axes = self.mrope_axes or 3
             if positions.dim() == 2:
-                positions = positions.expand(rows, seq_len)[None].expand(3, rows, seq_len)
-            if positions.shape[0] == 3:
-                positions = torch.cat([text[None], positions.expand(3, rows, seq_len)], dim=0)
+                positions = positions.expand(rows, seq_len)[None].expand(axes, rows, seq_len)
+            if positions.shape[0] == 3 == axes:
+                positions = torch.cat([text[None], positions.expand(axes, rows, seq_len)], dim=0)
         group = self.topology.sequence_parallel_group
-        return shard_sequence(positions, group, layout=self.layout, dim=positions.dim() - 1)
+        self._text = shard_sequence(text, group, layout=self.layout, dim=1)
+        self._handed = shard_sequence(positions, group, layout=self.layout, dim=positions.dim() - 1)
+        return self._handed
+
+    def text_positions(self, positions: torch.Tensor | None) -> torch.Tensor | None:
+        """This rank's text positions ``[b, s/p]`` of the last cut, for the ``positions`` a decoder layer passes its
+        attention when they are MRoPE ids the cut handed the language model: their rows ``[axes, b, s/p]``
+        (GLM-4V-MoE's language model hands its layers those, having read its rotary from them), or none at all where
+        the cut handed MRoPE ids without a text row (HunYuan-VL's). ``None`` for anything else."""
+        handed = self._handed
+        if handed is None or handed.dim() != 3:
+            return None
+        if positions is None:
+            return self._text if handed.shape[0] == self.mrope_axes else None
+        if positions.dim() != 3 or handed.shape[0] < positions.shape[0]:
+            return None
+        rows = handed[handed.shape[0] - positions.shape[0] :]
+        if not torch.equal(rows.to(positions.device), positions):
+            return None
+        return self._text
 
     def _visual_rows(self, masks: torch.Tensor, features: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
         """The rows of deepstack ``features`` (``[visual tokens, hidden]`` each, in the whole sequence's row-major
@@ -332,6 +363,11 @@ def _features(value: Any) -> bool:
     return bool(items) and all(isinstance(t, torch.Tensor) and t.dim() >= 2 for t in items)
 
 
+def _sections(module: nn.Module) -> bool:
+    """Whether ``module`` has MRoPE sections (HunYuan-VL's attention has ``mrope_section = None`` without them)."""
+    return isinstance(getattr(module, "mrope_section", None), list | tuple)
+
+
 def model_inputs(model: nn.Module) -> frozenset[str]:
     """The inputs ``model.forward`` names (PEFT's wrapper: its base model's), ``**kwargs`` left out: what a processor
     makes for this family (``pixel_values``, ``image_grid_thw``, ``token_type_ids``, ...) is among them, and anything
@@ -339,15 +375,6 @@ def model_inputs(model: nn.Module) -> frozenset[str]:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     parameters = inspect.signature(base.forward).parameters.values()
     return frozenset(p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
-
-
-def _mrope(config: Any) -> bool:
-    """Whether a text config uses multimodal RoPE (MRoPE: 3-D position ids)."""
-    for name in ("rope_parameters", "rope_scaling"):
-        parameters = getattr(config, name, None)
-        if isinstance(parameters, Mapping) and "mrope_section" in parameters:
-            return True
-    return False
 
 
 def cut_point(model: Any) -> tuple[str, nn.Module] | None:

@@ -35,9 +35,15 @@ __all__ = ["FrameSplit", "frame_encoders", "frame_plan"]
 
 def frame_encoders(modules: Sequence[nn.Module]) -> list[nn.Module]:
     """The Qwen-style vision encoders among ``modules``: a ``spatial_merge_size`` and a ``forward(hidden_states,
-    grid_thw, ...)``; the outermost only (an encoder inside another is not split twice)."""
+    grid_thw, ...)``; the outermost only (an encoder inside another is not split twice). A module that merges frames
+    (``temporal_merge_size`` > 1: ERNIE 4.5-VL's resampler, after its encoder) does not treat them independently and
+    is not one."""
     found = [
-        m for m in modules if hasattr(m, "spatial_merge_size") and "grid_thw" in inspect.signature(m.forward).parameters
+        m
+        for m in modules
+        if hasattr(m, "spatial_merge_size")
+        and "grid_thw" in inspect.signature(m.forward).parameters
+        and int(getattr(m, "temporal_merge_size", 1) or 1) == 1
     ]
     inner = {id(sub) for m in found for sub in m.modules() if sub is not m}
     return [m for m in found if id(m) not in inner]
@@ -122,7 +128,15 @@ class FrameSplit:
         self.topology = topology
         self.disable_in_eval = disable_in_eval
         self.merge = int(encoder.spatial_merge_size) ** 2
-        self._plans: list[Plan | None] = []
+        self.pixels = next(iter(inspect.signature(encoder.forward).parameters))
+        """The name of ``forward``'s first parameter, the patches (``hidden_states``; MiniMax-M3-VL's
+        ``pixel_values``, which its model passes by name)."""
+        self._plans: list[tuple[Plan | None, tuple, dict[str, Any]]] = []  # with the call's own inputs
+        self.whole = False
+        """Encode every call whole from now on: a call's output was no model output with named fields, or had a
+        field of neither a row per patch nor per merged patch (MiniMax-M3-VL's ``[1, patches, hidden]`` and its
+        ``pooler_output``, its first patch's row), which no gather of rows makes the whole call's; found alike on
+        every rank before any exchange, and that call encoded again whole."""
         self._handles = [
             encoder.register_forward_pre_hook(self._divide, with_kwargs=True),
             encoder.register_forward_hook(self._gather, with_kwargs=True, always_call=True),
@@ -135,26 +149,24 @@ class FrameSplit:
 
     def _divide(self, _module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         kwargs = dict(kwargs)
-        pixels = args[0] if args else kwargs.pop("hidden_states")
+        pixels = args[0] if args else kwargs.pop(self.pixels)
         grid = args[1] if len(args) > 1 else kwargs.pop("grid_thw")
         group = self.topology.sequence_parallel_group
         world = self.topology.get_sequence_parallel_world_size()
-        divided = world > 1 and not (self.disable_in_eval and not self.encoder.training)
+        divided = world > 1 and not self.whole and not (self.disable_in_eval and not self.encoder.training)
         plan = frame_plan(grid, self.topology.get_sequence_parallel_rank(), world, self.merge) if divided else None
-        self._plans.append(plan)
+        self._plans.append((plan, (pixels, grid, *args[2:]), kwargs))
         if plan is None or group is None:
             return (pixels, grid, *args[2:]), kwargs
         return (pixels[plan.start : plan.end], plan.grid, *args[2:]), kwargs
 
     def _gather(self, _module: nn.Module, _args: tuple, _kwargs: dict[str, Any], output: Any) -> Any:
-        plan = self._plans.pop() if self._plans else None
+        plan, whole_args, whole_kwargs = self._plans.pop() if self._plans else (None, (), {})
         if plan is None or output is None:
             return output
-        if not hasattr(output, "items"):
-            raise ValueError(
-                f"{type(self.encoder).__name__} returned a {type(output).__name__}, not a model output with named "
-                f"fields, so ds_ring cannot gather its rows; register with divide_vision=False"
-            )
+        if not hasattr(output, "items"):  # no named fields to gather: this call, and every later, whole
+            self.whole = True
+            return self.encoder.forward(*whole_args, **whole_kwargs)
         mine = plan.end - plan.start
         fields: list[tuple[str, int | None]] = []  # (field, index in a list field or None)
         tensors, rows = [], []
@@ -166,12 +178,9 @@ class FrameSplit:
                     rows.append(plan.patches)
                 elif tensor.shape[0] * plan.merge == mine:
                     rows.append(tuple(p // plan.merge for p in plan.patches))
-                else:
-                    raise ValueError(
-                        f"{type(self.encoder).__name__}.{name} has {tensor.shape[0]} rows for this rank's {mine} "
-                        f"patches, neither a row per patch nor per merged patch: ds_ring cannot gather it; register "
-                        f"with divide_vision=False"
-                    )
+                else:  # every rank finds it alike (before any exchange): this call, and every later, whole
+                    self.whole = True
+                    return self.encoder.forward(*whole_args, **whole_kwargs)
                 fields.append((name, index))
                 tensors.append(tensor)
         if not tensors:
