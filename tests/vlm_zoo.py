@@ -122,6 +122,34 @@ def _per_row(size: int) -> Callable[[int], dict[str, torch.Tensor]]:
     return make
 
 
+def _low_and_high(low: int, high: int) -> Callable[[int], dict[str, torch.Tensor]]:
+    """DeepSeek-VL-Hybrid's images ``[n, 3, low, low]`` and the same images at ``[n, 3, high, high]`` for its SAM
+    encoder (``high_res_pixel_values``)."""
+
+    def make(n: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(2)
+        return {
+            "pixel_values": torch.randn(n, 3, low, low, generator=generator),
+            "high_res_pixel_values": torch.randn(n, 3, high, high, generator=generator),
+        }
+
+    return make
+
+
+def _packed(grid: int, patch: int) -> Callable[[int], dict[str, torch.Tensor]]:
+    """MiniCPM-V's NaViT-packed patches of ``n`` images of ``grid × grid`` patches in one row
+    ``[1, 3, patch, n·grid²·patch]``, and their ``target_sizes [n, 2]`` in patches."""
+
+    def make(n: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(2)
+        return {
+            "pixel_values": torch.randn(1, 3, patch, n * grid * grid * patch, generator=generator),
+            "target_sizes": torch.tensor([[grid, grid]] * n),
+        }
+
+    return make
+
+
 @dataclass(frozen=True)
 class Recipe:
     """How to build one family tiny and feed it images: its vision config's fields, its text config's and the
@@ -223,6 +251,22 @@ RECIPES.update({  # group c
 })  # fmt: skip
 
 RECIPES.update({  # group d
+    "cosmos3_omni": Recipe(_patches(8, 24), {**_QWEN, "num_position_embeddings": 16, "deepstack_visual_indexes": [0]},
+                           {"rope_parameters": {**MROPE, "mrope_interleaved": True}}, mm_token_type_ids=True),
+    "cohere_compass": Recipe(_patches(8, 24), {**_QWEN, "num_position_embeddings": 16, "deepstack_visual_indexes": [0]},
+                             {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 16,
+                              "rope_parameters": {"sliding_attention": MROPE, "full_attention": None}},
+                             mm_token_type_ids=True),
+    "hyperclovax_vision_v2": Recipe(_patches(8, 24), {**_QWEN, "window_size": 8, "fullatt_block_indexes": [1]}),
+    "cosmos3_edge": Recipe(_patches(8, 12), {"patch_size": 2, "spatial_merge_size": 2, "num_patches": 16},
+                           {"rope_parameters": MROPE}, top={"projector_hidden_size": 64}, mm_token_type_ids=True),
+    "deepseek_vl_hybrid": Recipe(_low_and_high(16, 32), {"image_size": 16, "patch_size": 4},
+                                 top={"high_res_vision_config": {"image_size": 32, "patch_size": 4, "hidden_size": 32,
+                                                                 "output_channels": 16, "num_hidden_layers": 2,
+                                                                 "num_attention_heads": 2, "mlp_dim": 64,
+                                                                 "global_attn_indexes": [1], "window_size": 4}}),
+    "minicpmv4_6": Recipe(_packed(8, 2), {"image_size": 16, "patch_size": 2, "insert_layer_id": 0},
+                          {"layer_types": ["linear_attention", "full_attention"]}, top={"insert_layer_id": 0}),
 })  # fmt: skip
 
 EXPECTED_REFUSALS: dict[str, str] = {
