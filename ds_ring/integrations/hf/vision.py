@@ -157,7 +157,14 @@ class VisionLanguage:
         ) - {id(text), id(getattr(model, "config", None))}
         """Configs of the vision side: masks built for them are built by the mask function ds_ring replaced."""
         self.mrope = _mrope(text) or any(hasattr(m, "mrope_section") for m in language_model.modules())
-        self._handle = language_model.register_forward_pre_hook(self._cut, with_kwargs=True)
+        self.batch: dict[str, torch.Tensor] = {}
+        """While the language model runs (cut): ``position_ids [b, S/p]``, this rank's rows of the whole sequence's
+        text positions, for attention calls whose decoder layer passes none on (Cohere Compass hands its layers only
+        the rotary embeddings); the attention's own keyword arguments take precedence."""
+        self._handles = [
+            language_model.register_forward_pre_hook(self._cut, with_kwargs=True),
+            language_model.register_forward_hook(self._uncut, always_call=True),
+        ]
         outside = [m for m in model.modules() if id(m) not in inside]
         encoders = frame_encoders(outside) if divide else []
         self.splits = [FrameSplit(encoder, topology, disable_in_eval=disable_in_eval) for encoder in encoders]
@@ -165,7 +172,9 @@ class VisionLanguage:
 
     def remove(self) -> None:
         """Take the hooks off the language model and the vision encoders."""
-        self._handle.remove()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
         for split in self.splits:
             split.remove()
 
@@ -212,7 +221,12 @@ class VisionLanguage:
                 continue
             if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (rows, seq_len):
                 cut[key] = shard_sequence(value, group, layout=self.layout, dim=1)
+        positions = cut["position_ids"]
+        self.batch = {"position_ids": positions[0] if positions.dim() == 3 else positions}
         return (), cut
+
+    def _uncut(self, _module: nn.Module, _args: tuple, _output: Any) -> None:
+        self.batch = {}
 
     def _positions(self, positions: torch.Tensor | None, rows: int, seq_len: int, device: torch.device) -> torch.Tensor:
         """This rank's rows of the whole sequence's position ids.
