@@ -178,6 +178,13 @@ def _merged_patches(grid: int, side: int) -> Callable[[int], dict[str, torch.Ten
     return make
 
 
+def _tubelets(temporal: int, patch: int) -> Callable[[int], dict[str, torch.Tensor]]:
+    """Inkling's patches ``[n·16, temporal, patch, patch, 3]`` of ``n`` images of 16 patches (one token each)."""
+    return lambda n: {
+        "pixel_values": torch.randn(n * 16, temporal, patch, patch, 3, generator=torch.Generator().manual_seed(2))
+    }
+
+
 @dataclass(frozen=True)
 class Recipe:
     """How to build one family tiny and feed it images: its vision config's fields, its text config's and the
@@ -190,6 +197,7 @@ class Recipe:
     mm_token_type_ids: bool = False  # Qwen's processors: 1 at image tokens (MRoPE's groups)
     token_type_ids: str = ""  # "image": 1 at image tokens (Gemma 3); "suffix": 1 after the prefix (PaliGemma)
     image_sizes: int = 0  # Pixtral's image_sizes [n, 2] of this side
+    seq: int = SEQ  # tokens per row: more where two images of the family's fixed token count do not fit in SEQ
 
 
 _QFORMER = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
@@ -289,6 +297,13 @@ _MUSE_VISION = dict(patch_size=2, pos_emb_height=4, pos_emb_width=4, max_positio
 _MUSE_TEXT = dict(layer_types=["sliding_attention", "full_attention"], layer_rope_theta=[10_000.0, 0],
                   sliding_window=16)  # fmt: skip
 """Muse Glimmer's tiny towers: 4 × 4-patch windows over 8 × 8-patch images; a sliding RoPE layer and a full NoPE one."""
+_OCR2_SAM = dict(hidden_size=32, output_channels=16, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                 patch_size=4, window_size=4, global_attn_indexes=[1], mlp_dim=64,
+                 downsample_channels=[16, 32])  # fmt: skip
+_OCR2_ENCODER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                     num_key_value_heads=2, max_position_embeddings=256, vocab_size=VOCAB)  # fmt: skip
+"""DeepSeek-OCR-2's SAM (8 × 8 patches, 2 × 2 after its neck) and its query encoder (144 learned queries: 145 tokens
+per image with the view separator, so its rows hold 512 tokens)."""
 RECIPES.update({  # group d
     "cosmos3_omni": Recipe(_patches(8, 24), {**_QWEN, "num_position_embeddings": 16, "deepstack_visual_indexes": [0]},
                            {"rope_parameters": {**MROPE, "mrope_interleaved": True}}, mm_token_type_ids=True),
@@ -299,6 +314,10 @@ RECIPES.update({  # group d
     "hyperclovax_vision_v2": Recipe(_patches(8, 24), {**_QWEN, "window_size": 8, "fullatt_block_indexes": [1]}),
     "cosmos3_edge": Recipe(_patches(8, 12), {"patch_size": 2, "spatial_merge_size": 2, "num_patches": 16},
                            {"rope_parameters": MROPE}, top={"projector_hidden_size": 64}, mm_token_type_ids=True),
+    "deepseek_ocr2": Recipe(_square(32), {"sam_config": _OCR2_SAM, "encoder_config": _OCR2_ENCODER},
+                            {"n_routed_experts": 4, "moe_intermediate_size": 32, "num_experts_per_tok": 2,
+                             "n_shared_experts": 1, "mlp_layer_types": ["dense", "sparse"],
+                             "max_position_embeddings": 2048}, seq=512),
     "deepseek_vl_hybrid": Recipe(_low_and_high(16, 32), {"image_size": 16, "patch_size": 4},
                                  top={"high_res_vision_config": {"image_size": 32, "patch_size": 4, "hidden_size": 32,
                                                                  "output_channels": 16, "num_hidden_layers": 2,
@@ -306,6 +325,11 @@ RECIPES.update({  # group d
                                                                  "global_attn_indexes": [1], "window_size": 4}}),
     "minicpmv4_6": Recipe(_packed(8, 2), {"image_size": 16, "patch_size": 2, "insert_layer_id": 0},
                           {"layer_types": ["linear_attention", "full_attention"]}, top={"insert_layer_id": 0}),
+    "minicpmv4_7": Recipe(_packed(8, 2), {"image_size": 16, "patch_size": 2, "insert_layer_id": 0},
+                          {"layer_types": ["linear_attention", "full_attention"],
+                           "rope_parameters": {**MROPE, "mrope_interleaved": True}},
+                          top={"insert_layer_id": 0, "image_start_id": START, "image_end_id": END,
+                               "slice_start_id": 7, "slice_end_id": 1, "newline_id": 2}, mm_token_type_ids=True),
     "nemotron_h_omni": Recipe(_patches_hw(8, 48), {"patch_size": 4, "patch_dim": 48, "video_patch_dim": 96,
                                                    "max_img_size": 32, "image_size": 32},
                               {"mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16,
@@ -314,6 +338,10 @@ RECIPES.update({  # group d
                               top={"vision_hidden_size": 32, "projector_hidden_size": 64}),
     "inkling2": Recipe(_merged_patches(4, 4), _INKLING2_VISION, _INKLING2_TEXT),
     "inkling2_loop": Recipe(_merged_patches(4, 4), _INKLING2_VISION, _INKLING2_TEXT),
+    "inkling_mm_model": Recipe(_tubelets(2, 4), {"patch_size": 4, "temporal_patch_size": 2, "num_hidden_layers": 4,
+                                                 "text_hidden_size": 64},
+                               {**_INKLING2_TEXT, "mlp_layer_types": ["dense", "sparse"], "n_shared_experts": 1},
+                               top={"audio_config": {"text_hidden_size": 64, "mel_vocab_size": 16, "n_mel_bins": 8}}),
     "muse_glimmer": Recipe(_patches(8, 24), _MUSE_VISION, _MUSE_TEXT,
                            top={"out_hidden_size": 128, "projector_hidden_size": 64}),
     "apertus1p5": Recipe(_square(16), {"codebook_size": 16, "embed_dim": 8, "latent_channels": 8, "base_channels": 32,
@@ -342,7 +370,10 @@ EXPECTED_REFUSALS.update({  # group b
 EXPECTED_REFUSALS.update({  # group c
 })  # fmt: skip
 
+_EAGER_ONLY = r"computes attention in its own code \(transformers offers it no attention implementation but eager"
 EXPECTED_REFUSALS.update({  # group d
+    "inkling2": _EAGER_ONLY,  # _supports_attention_backend False (and short convolutions along the sequence)
+    "inkling2_loop": _EAGER_ONLY,
 })  # fmt: skip
 
 
@@ -419,8 +450,9 @@ def image_tokens(model: torch.nn.Module, images: dict[str, torch.Tensor]) -> int
 
 
 def batch(family: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The full batch as the family's processor makes it: ``input_ids [BATCH, SEQ]`` with two images per row, the
-    first at token 4 (across SEQ/4, a zigzag chunk boundary of 2 ranks), the second across SEQ/2; labels -100 at
+    """The full batch as the family's processor makes it: ``input_ids [BATCH, S]`` (``S``: :data:`SEQ` or the
+    recipe's ``seq``) with two images per row, the first at token 4 (across S/4, a zigzag chunk boundary of 2 ranks),
+    the second across S/2; labels -100 at
     the image tokens; the images and the family's extra inputs."""
     recipe = RECIPES[family]
     images = recipe.images(BATCH * IMAGES_PER_ROW)
@@ -428,11 +460,12 @@ def batch(family: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         images["image_sizes"] = torch.tensor([[recipe.image_sizes] * 2] * (BATCH * IMAGES_PER_ROW))
     with torch.no_grad(), Float64Throughout():
         tokens = image_tokens(model, {k: v.double() if v.is_floating_point() else v for k, v in images.items()})
-    starts = [4, SEQ // 2 - tokens // 2]
+    seq = recipe.seq
+    starts = [4, seq // 2 - tokens // 2]
     if tokens == 0 or starts[0] + tokens >= starts[1] - 1:
-        raise ValueError(f"{tokens} tokens per image do not fit twice in {SEQ}")
-    input_ids = torch.randint(8, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    is_image = torch.zeros(BATCH, SEQ, dtype=torch.bool)
+        raise ValueError(f"{tokens} tokens per image do not fit twice in {seq}")
+    input_ids = torch.randint(8, VOCAB, (BATCH, seq), generator=torch.Generator().manual_seed(1))
+    is_image = torch.zeros(BATCH, seq, dtype=torch.bool)
     for start in starts:
         input_ids[:, start - 1], input_ids[:, start + tokens] = START, END
         is_image[:, start : start + tokens] = True
@@ -444,7 +477,7 @@ def batch(family: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     if recipe.token_type_ids == "image":
         full["token_type_ids"] = is_image.long()
     elif recipe.token_type_ids == "suffix":
-        full["token_type_ids"] = (torch.arange(SEQ) >= SEQ // 2 + tokens).long().expand(BATCH, SEQ).clone()
+        full["token_type_ids"] = (torch.arange(seq) >= seq // 2 + tokens).long().expand(BATCH, seq).clone()
     return {k: v.double() if v.is_floating_point() else v for k, v in full.items()}
 
 

@@ -122,6 +122,11 @@ class FrameSplit:
         self.topology = topology
         self.disable_in_eval = disable_in_eval
         self.merge = int(encoder.spatial_merge_size) ** 2
+        merge_size = getattr(encoder, "merge_size", None)  # Muse's pixel shuffle after a spatial_merge_size of 1
+        self.merges = tuple(sorted({self.merge} | ({int(merge_size) ** 2} if isinstance(merge_size, int) else set())))
+        """Patches per output row the encoder's merges make: its ``spatial_merge_size``² and ``merge_size``²."""
+        self.pixels = next(iter(inspect.signature(encoder.forward).parameters))
+        """The name of its first input, the patch rows (``hidden_states``; Muse's ``pixel_values``)."""
         self._plans: list[Plan | None] = []
         self._handles = [
             encoder.register_forward_pre_hook(self._divide, with_kwargs=True),
@@ -135,7 +140,7 @@ class FrameSplit:
 
     def _divide(self, _module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         kwargs = dict(kwargs)
-        pixels = args[0] if args else kwargs.pop("hidden_states")
+        pixels = args[0] if args else kwargs.pop(self.pixels)
         grid = args[1] if len(args) > 1 else kwargs.pop("grid_thw")
         group = self.topology.sequence_parallel_group
         world = self.topology.get_sequence_parallel_world_size()
@@ -162,16 +167,14 @@ class FrameSplit:
             for index, tensor in [(None, value)] if isinstance(value, torch.Tensor) else enumerate(value or ()):
                 if not isinstance(tensor, torch.Tensor):
                     continue
-                if tensor.shape[0] == mine:
-                    rows.append(plan.patches)
-                elif tensor.shape[0] * plan.merge == mine:
-                    rows.append(tuple(p // plan.merge for p in plan.patches))
-                else:
+                merge = next((m for m in (1, *self.merges) if tensor.shape[0] * m == mine), None)
+                if merge is None:
                     raise ValueError(
                         f"{type(self.encoder).__name__}.{name} has {tensor.shape[0]} rows for this rank's {mine} "
                         f"patches, neither a row per patch nor per merged patch: ds_ring cannot gather it; register "
                         f"with divide_vision=False"
                     )
+                rows.append(tuple(p // merge for p in plan.patches))
                 fields.append((name, index))
                 tensors.append(tensor)
         if not tensors:
