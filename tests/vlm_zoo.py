@@ -374,6 +374,7 @@ _EAGER_ONLY = r"computes attention in its own code \(transformers offers it no a
 EXPECTED_REFUSALS.update({  # group d
     "inkling2": _EAGER_ONLY,  # _supports_attention_backend False (and short convolutions along the sequence)
     "inkling2_loop": _EAGER_ONLY,
+    "inkling_mm_model": r"Conv1d \(at \S*sconv\S*\) mixes information along the sequence",  # its short convolutions
 })  # fmt: skip
 
 

@@ -34,8 +34,9 @@ __all__ = ["FrameSplit", "frame_encoders", "frame_plan"]
 
 
 def frame_encoders(modules: Sequence[nn.Module]) -> list[nn.Module]:
-    """The Qwen-style vision encoders among ``modules``: a ``spatial_merge_size`` and a ``forward(hidden_states,
-    grid_thw, ...)``; the outermost only (an encoder inside another is not split twice)."""
+    """The Qwen-style vision encoders among ``modules``: a ``spatial_merge_size`` and a ``forward(<patch rows>,
+    grid_thw, ...)`` (the first input ``hidden_states`` or, Muse's, ``pixel_values``); the outermost only (an encoder
+    inside another is not split twice)."""
     found = [
         m for m in modules if hasattr(m, "spatial_merge_size") and "grid_thw" in inspect.signature(m.forward).parameters
     ]
