@@ -142,3 +142,43 @@ def test_an_encoder_output_that_is_not_rows_per_patch_is_encoded_whole():
     assert torch.equal(first.pooler_output, pixels[:1])
     encoder(pixels, grid)
     assert encoder.seen == 8  # not divided
+
+
+def _keyword_ranks(rank: int, world: int) -> dict:
+    import transformers
+
+    import ds_ring
+
+    transformers.logging.set_verbosity_error()
+    topology = ds_ring.Topology(*ds_ring.load_config({"ring_attention": {"strategy": "ring"}}).degrees(world))
+    model = vlm_zoo.build("muse_glimmer")
+    full = vlm_zoo.batch("muse_glimmer", model)
+    with Float64Throughout():
+        loss, grads = vlm_zoo.reference(model, full)
+    patches: list[int] = []
+
+    def count(_module: torch.nn.Module, args: tuple, kwargs: dict, _out: object) -> None:
+        patches.append((args[0] if args else kwargs["pixel_values"]).shape[0])
+
+    handle = model.model.vision_tower.patch_embedder.register_forward_hook(count, with_kwargs=True)
+    results = {}
+    for divide in (True, False):
+        patches.clear()
+        with Float64Throughout():
+            got_loss, got = vlm_zoo.sequence_parallel(model, full, {"strategy": "ring"}, topology, divide)
+        error = worst_error(got_loss, got, loss, grads)
+        results[divide] = (error.value, str(error), list(patches))
+    handle.remove()
+    return results
+
+
+@pytest.mark.slow  # ~2 min on 2 loaded cores: CI's second step
+@pytest.mark.timeout(1800)
+def test_an_encoder_called_by_keyword_that_merges_by_merge_size_is_divided_and_equals_the_whole_model():
+    """Muse Glimmer calls its vision tower with ``pixel_values=`` (not ``hidden_states``) and merges 2 × 2 patches by
+    its ``merge_size`` after a ``spatial_merge_size`` of 1: divided, each rank encodes 2 of the 4 images (64 patches
+    each), and its rows per merged patch are gathered; divided and whole equal the whole model."""
+    for rank, results in enumerate(rank_results(spawn_ranks(_keyword_ranks, 2, timeout_s=1800))):
+        for divide, (value, detail, patches) in results.items():
+            assert value <= TOLERANCE, f"rank {rank} divide_vision={divide}: {detail}"
+            assert patches == [(2 if divide else 4) * 64], (rank, divide, patches)

@@ -187,6 +187,69 @@ def _patch_images(grid: int, patch: int) -> Callable[[int], dict[str, torch.Tens
     return make
 
 
+def _low_and_high(low: int, high: int) -> Callable[[int], dict[str, torch.Tensor]]:
+    """DeepSeek-VL-Hybrid's images ``[n, 3, low, low]`` and the same images at ``[n, 3, high, high]`` for its SAM
+    encoder (``high_res_pixel_values``)."""
+
+    def make(n: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(2)
+        return {
+            "pixel_values": torch.randn(n, 3, low, low, generator=generator),
+            "high_res_pixel_values": torch.randn(n, 3, high, high, generator=generator),
+        }
+
+    return make
+
+
+def _packed(grid: int, patch: int) -> Callable[[int], dict[str, torch.Tensor]]:
+    """MiniCPM-V's NaViT-packed patches of ``n`` images of ``grid × grid`` patches in one row
+    ``[1, 3, patch, n·grid²·patch]``, and their ``target_sizes [n, 2]`` in patches."""
+
+    def make(n: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(2)
+        return {
+            "pixel_values": torch.randn(1, 3, patch, n * grid * grid * patch, generator=generator),
+            "target_sizes": torch.tensor([[grid, grid]] * n),
+        }
+
+    return make
+
+
+def _patches_hw(grid: int, channels: int) -> Callable[[int], dict[str, torch.Tensor]]:
+    """RADIO's flattened patches ``[n·grid², channels]`` of ``n`` images of ``grid × grid`` patches, and their
+    ``image_grid_hw [n, 2]``."""
+
+    def make(n: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(2)
+        return {
+            "pixel_values": torch.randn(n * grid * grid, channels, generator=generator),
+            "image_grid_hw": torch.tensor([[grid, grid]] * n),
+        }
+
+    return make
+
+
+def _merged_patches(grid: int, side: int) -> Callable[[int], dict[str, torch.Tensor]]:
+    """Inkling 2's pixels ``[n·grid², side, side, 3]`` (one ``side × side`` block of merged patches per image token) of
+    ``n`` images of ``grid × grid`` tokens, and their ``image_grid_thw [n, 3]`` in tokens."""
+
+    def make(n: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(2)
+        return {
+            "pixel_values": torch.randn(n * grid * grid, side, side, 3, generator=generator),
+            "image_grid_thw": torch.tensor([[1, grid, grid]] * n),
+        }
+
+    return make
+
+
+def _tubelets(temporal: int, patch: int) -> Callable[[int], dict[str, torch.Tensor]]:
+    """Inkling's patches ``[n·16, temporal, patch, patch, 3]`` of ``n`` images of 16 patches (one token each)."""
+    return lambda n: {
+        "pixel_values": torch.randn(n * 16, temporal, patch, patch, 3, generator=torch.Generator().manual_seed(2))
+    }
+
+
 @dataclass(frozen=True)
 class Recipe:
     """How to build one family tiny and feed it images: its vision config's fields, its text config's and the
@@ -204,6 +267,7 @@ class Recipe:
     features: str = "get_image_features"  # the method giving the image features (InstructBLIP-Video: its videos')
     placeholder: int = IMAGE  # the token id the images' features replace (InstructBLIP-Video: VIDEO)
     image_mask: str = ""  # the input that is 1 at the image tokens, if any (Kosmos-2: image_embeds_position_mask)
+    seq: int = SEQ  # tokens per row: more where two images of the family's fixed token count do not fit in SEQ
 
 
 _QFORMER = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
@@ -397,7 +461,74 @@ RECIPES.update({  # group c
                         "num_key_value_heads": 4, "n_group": 1, "topk_group": 1}, top={"projection_hidden_size": 32}),
 })  # fmt: skip
 
+_INKLING2_VISION = dict(patch_size=2, spatial_merge_size=2, posemb_grid_size=4, projection_hidden_dim=64,
+                        text_hidden_size=64)  # fmt: skip
+_INKLING2_TEXT = dict(unpadded_vocab_size=VOCAB, layer_types=["hybrid_sliding", "hybrid"], swa_num_attention_heads=4,
+                      swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=16, d_rel=8, rel_extent=16,
+                      moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                      n_layers_per_attn_res_block=1)  # fmt: skip
+_MUSE_VISION = dict(patch_size=2, pos_emb_height=4, pos_emb_width=4, max_position_embeddings=16, patch_temporal=2,
+                    merge_size=2, layer_types=["window_attention", "full_attention"])  # fmt: skip
+_MUSE_TEXT = dict(layer_types=["sliding_attention", "full_attention"], layer_rope_theta=[10_000.0, 0],
+                  sliding_window=16)  # fmt: skip
+"""Muse Glimmer's tiny towers: 4 × 4-patch windows over 8 × 8-patch images; a sliding RoPE layer and a full NoPE one."""
+_OCR2_SAM = dict(hidden_size=32, output_channels=16, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                 patch_size=4, window_size=4, global_attn_indexes=[1], mlp_dim=64,
+                 downsample_channels=[16, 32])  # fmt: skip
+_OCR2_ENCODER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                     num_key_value_heads=2, max_position_embeddings=256, vocab_size=VOCAB)  # fmt: skip
+"""DeepSeek-OCR-2's SAM (8 × 8 patches, 2 × 2 after its neck) and its query encoder (144 learned queries: 145 tokens
+per image with the view separator, so its rows hold 512 tokens)."""
 RECIPES.update({  # group d
+    "cosmos3_omni": Recipe(_patches(8, 24), {**_QWEN, "num_position_embeddings": 16, "deepstack_visual_indexes": [0]},
+                           {"rope_parameters": {**MROPE, "mrope_interleaved": True}}, mm_token_type_ids=True),
+    "cohere_compass": Recipe(_patches(8, 24), {**_QWEN, "num_position_embeddings": 16, "deepstack_visual_indexes": [0]},
+                             {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 16,
+                              "rope_parameters": {"sliding_attention": MROPE, "full_attention": None}},
+                             mm_token_type_ids=True),
+    "hyperclovax_vision_v2": Recipe(_patches(8, 24), {**_QWEN, "window_size": 8, "fullatt_block_indexes": [1]}),
+    "cosmos3_edge": Recipe(_patches(8, 12), {"patch_size": 2, "spatial_merge_size": 2, "num_patches": 16},
+                           {"rope_parameters": MROPE}, top={"projector_hidden_size": 64}, mm_token_type_ids=True),
+    "deepseek_ocr2": Recipe(_square(32), {"sam_config": _OCR2_SAM, "encoder_config": _OCR2_ENCODER},
+                            {"n_routed_experts": 4, "moe_intermediate_size": 32, "num_experts_per_tok": 2,
+                             "n_shared_experts": 1, "mlp_layer_types": ["dense", "sparse"],
+                             "max_position_embeddings": 2048}, seq=512),
+    "deepseek_vl_hybrid": Recipe(_low_and_high(16, 32), {"image_size": 16, "patch_size": 4},
+                                 top={"high_res_vision_config": {"image_size": 32, "patch_size": 4, "hidden_size": 32,
+                                                                 "output_channels": 16, "num_hidden_layers": 2,
+                                                                 "num_attention_heads": 2, "mlp_dim": 64,
+                                                                 "global_attn_indexes": [1], "window_size": 4}}),
+    "minicpmv4_6": Recipe(_packed(8, 2), {"image_size": 16, "patch_size": 2, "insert_layer_id": 0},
+                          {"layer_types": ["linear_attention", "full_attention"]}, top={"insert_layer_id": 0}),
+    "minicpmv4_7": Recipe(_packed(8, 2), {"image_size": 16, "patch_size": 2, "insert_layer_id": 0},
+                          {"layer_types": ["linear_attention", "full_attention"],
+                           "rope_parameters": {**MROPE, "mrope_interleaved": True}},
+                          top={"insert_layer_id": 0, "image_start_id": START, "image_end_id": END,
+                               "slice_start_id": 7, "slice_end_id": 1, "newline_id": 2}, mm_token_type_ids=True),
+    "nemotron_h_omni": Recipe(_patches_hw(8, 48), {"patch_size": 4, "patch_dim": 48, "video_patch_dim": 96,
+                                                   "max_img_size": 32, "image_size": 32},
+                              {"mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16,
+                               "chunk_size": 8, "n_routed_experts": 4, "moe_intermediate_size": 32,
+                               "moe_shared_expert_intermediate_size": 32, "num_experts_per_tok": 2},
+                              top={"vision_hidden_size": 32, "projector_hidden_size": 64}),
+    "inkling2": Recipe(_merged_patches(4, 4), _INKLING2_VISION, _INKLING2_TEXT),
+    "inkling2_loop": Recipe(_merged_patches(4, 4), _INKLING2_VISION, _INKLING2_TEXT),
+    "inkling_mm_model": Recipe(_tubelets(2, 4), {"patch_size": 4, "temporal_patch_size": 2, "num_hidden_layers": 4,
+                                                 "text_hidden_size": 64},
+                               {**_INKLING2_TEXT, "mlp_layer_types": ["dense", "sparse"], "n_shared_experts": 1},
+                               top={"audio_config": {"text_hidden_size": 64, "mel_vocab_size": 16, "n_mel_bins": 8}}),
+    "muse_glimmer": Recipe(_patches(8, 24), _MUSE_VISION, _MUSE_TEXT,
+                           top={"out_hidden_size": 128, "projector_hidden_size": 64}),
+    "apertus1p5": Recipe(_square(16), {"codebook_size": 16, "embed_dim": 8, "latent_channels": 8, "base_channels": 32,
+                                       "channel_multiplier": [1, 1, 1], "num_res_blocks": 1, "attn_resolutions": [],
+                                       "resolution": 16, "spatial_scale_factor": 4},
+                         top={"image_token_offset": 8}, image_sizes=16),
+    "muse_spark": Recipe(_patches(8, 24), _MUSE_VISION,
+                         {**_MUSE_TEXT, "mlp_layer_types": ["dense", "sparse"], "moe_hidden_size": 32,
+                          "moe_intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2},
+                         top={"out_hidden_size": 128, "projector_hidden_size": 64,
+                              "audio_config": {"patch_sizes": [2, 2, 2, 2], "hidden_sizes": [16, 16, 16, 16],
+                                               "depths": [1, 1, 1, 1], "out_hidden_size": 64}}),
 })  # fmt: skip
 
 EXPECTED_REFUSALS: dict[str, str] = {
@@ -420,7 +551,11 @@ EXPECTED_REFUSALS.update({  # group c
     "hy_v4_vl": r"uses its attention mask as a tensor",  # its DSA indexer's top-k mask, as HY-V4's text model
 })  # fmt: skip
 
+_EAGER_ONLY = r"computes attention in its own code \(transformers offers it no attention implementation but eager"
 EXPECTED_REFUSALS.update({  # group d
+    "inkling2": _EAGER_ONLY,  # _supports_attention_backend False (and short convolutions along the sequence)
+    "inkling2_loop": _EAGER_ONLY,
+    "inkling_mm_model": r"Conv1d \(at \S*sconv\S*\) mixes information along the sequence",  # its short convolutions
 })  # fmt: skip
 
 
@@ -499,8 +634,9 @@ def image_tokens(model: torch.nn.Module, images: dict[str, torch.Tensor], method
 
 
 def batch(family: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The full batch as the family's processor makes it: ``input_ids [BATCH, SEQ]`` with two images per row, the
-    first at token 4 (across SEQ/4, a zigzag chunk boundary of 2 ranks), the second across SEQ/2; labels -100 at
+    """The full batch as the family's processor makes it: ``input_ids [BATCH, S]`` (``S``: :data:`SEQ` or the
+    recipe's ``seq``) with two images per row, the first at token 4 (across S/4, a zigzag chunk boundary of 2 ranks),
+    the second across S/2; labels -100 at
     the image tokens; the images and the family's extra inputs."""
     recipe = RECIPES[family]
     images = recipe.images(BATCH * IMAGES_PER_ROW)
@@ -511,11 +647,12 @@ def batch(family: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         with torch.no_grad(), Float64Throughout():
             doubled = {k: v.double() if v.is_floating_point() else v for k, v in images.items()}
             tokens = image_tokens(model, doubled, recipe.features)
-    starts = [4, SEQ // 2 - tokens // 2]
+    seq = recipe.seq
+    starts = [4, seq // 2 - tokens // 2]
     if tokens == 0 or starts[0] + tokens >= starts[1] - 1:
-        raise ValueError(f"{tokens} tokens per image do not fit twice in {SEQ}")
-    input_ids = torch.randint(8, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    is_image = torch.zeros(BATCH, SEQ, dtype=torch.bool)
+        raise ValueError(f"{tokens} tokens per image do not fit twice in {seq}")
+    input_ids = torch.randint(8, VOCAB, (BATCH, seq), generator=torch.Generator().manual_seed(1))
+    is_image = torch.zeros(BATCH, seq, dtype=torch.bool)
     for start in starts:
         input_ids[:, start - 1], input_ids[:, start + tokens] = START, END
         is_image[:, start : start + tokens] = True
@@ -531,7 +668,7 @@ def batch(family: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     if recipe.token_type_ids == "image":
         full["token_type_ids"] = is_image.long()
     elif recipe.token_type_ids == "suffix":
-        full["token_type_ids"] = (torch.arange(SEQ) >= SEQ // 2 + tokens).long().expand(BATCH, SEQ).clone()
+        full["token_type_ids"] = (torch.arange(seq) >= seq // 2 + tokens).long().expand(BATCH, seq).clone()
     return {k: v.double() if v.is_floating_point() else v for k, v in full.items()}
 
 

@@ -137,10 +137,10 @@ class SequenceParallelAttention:
                 f"model instance, and it was not; call session.apply_long_context(model) with the session "
                 f"register_with_transformers returned (or drop {SECTION}.long_context)"
             )
-        if self.watch is not None:
-            kwargs = {**self.watch.batch, **{k: v for k, v in kwargs.items() if v is not None}}
-        if kwargs.get("position_ids") is None and self.vision is not None:  # HunYuan-VL's layers pass none
-            kwargs = {**kwargs, "position_ids": self.vision.text_positions(None)}
+        if self.watch is not None or self.vision is not None:
+            model = self.watch.batch if self.watch is not None else {}
+            cut = self.vision.batch if self.vision is not None else {}
+            kwargs = {**model, **cut, **{k: v for k, v in kwargs.items() if v is not None}}
         spec = attention_mask if isinstance(attention_mask, MaskSpec) else None
         if spec is not None:  # the mask is the truth (eager and sdpa follow it, not the sliding_window argument)
             sliding_window = spec.window

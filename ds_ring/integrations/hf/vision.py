@@ -211,7 +211,14 @@ class VisionLanguage:
         """The position ids the last cut handed the language model (this rank's rows; MRoPE's ``[4, b, s/p]``)."""
         self._text: torch.Tensor | None = None
         """This rank's rows ``[b, s/p]`` of the last cut's text positions (``arange(S)`` per row)."""
-        self._handle = language_model.register_forward_pre_hook(self._cut, with_kwargs=True)
+        self.batch: dict[str, torch.Tensor] = {}
+        """While the language model runs (cut): ``position_ids [b, S/p]``, this rank's rows of the whole sequence's
+        text positions, for attention calls whose decoder layer passes none on (Cohere Compass hands its layers only
+        the rotary embeddings); the attention's own keyword arguments take precedence."""
+        self._handles = [
+            language_model.register_forward_pre_hook(self._cut, with_kwargs=True),
+            language_model.register_forward_hook(self._uncut, always_call=True),
+        ]
         outside = [m for m in model.modules() if id(m) not in inside]
         encoders = frame_encoders(outside) if divide else []
         self.splits = [FrameSplit(encoder, topology, disable_in_eval=disable_in_eval) for encoder in encoders]
@@ -219,7 +226,9 @@ class VisionLanguage:
 
     def remove(self) -> None:
         """Take the hooks off the language model and the vision encoders."""
-        self._handle.remove()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
         for split in self.splits:
             split.remove()
 
@@ -273,7 +282,12 @@ class VisionLanguage:
                 cut[key] = shard_sequence(value, group, layout=self.layout, dim=1)
             elif _features(value):
                 cut[key] = self._feature_rows(key, value, flags, rows, seq_len)
+        positions = cut["position_ids"]
+        self.batch = {"position_ids": self._text if positions.dim() == 3 else positions}
         return (), cut
+
+    def _uncut(self, _module: nn.Module, _args: tuple, _output: Any) -> None:
+        self.batch = {}
 
     def _feature_rows(self, key: str, value: Any, flags: list[torch.Tensor], rows: int, seq_len: int) -> Any:
         """This rank's rows of ``value`` (a tensor, or a list / tuple / dict of them, each ``[image tokens, ...]``):

@@ -34,8 +34,8 @@ __all__ = ["FrameSplit", "frame_encoders", "frame_plan"]
 
 
 def frame_encoders(modules: Sequence[nn.Module]) -> list[nn.Module]:
-    """The Qwen-style vision encoders among ``modules``: a ``spatial_merge_size`` and a ``forward(hidden_states,
-    grid_thw, ...)``; the outermost only (an encoder inside another is not split twice). A module that merges frames
+    """The Qwen-style vision encoders among ``modules``: a ``spatial_merge_size`` and a ``forward(<patch rows>,
+    grid_thw, ...)`` (the first input ``hidden_states`` or, Muse's, ``pixel_values``); the outermost only (an encoder inside another is not split twice). A module that merges frames
     (``temporal_merge_size`` > 1: ERNIE 4.5-VL's resampler, after its encoder) does not treat them independently and
     is not one."""
     found = [
@@ -129,14 +129,17 @@ class FrameSplit:
         self.disable_in_eval = disable_in_eval
         self.merge = int(encoder.spatial_merge_size) ** 2
         self.pixels = next(iter(inspect.signature(encoder.forward).parameters))
-        """The name of ``forward``'s first parameter, the patches (``hidden_states``; MiniMax-M3-VL's
-        ``pixel_values``, which its model passes by name)."""
+        """The name of ``forward``'s first parameter, the patches (``hidden_states``; MiniMax-M3-VL's and Muse's
+        ``pixel_values``, which their models pass by name)."""
         self._plans: list[tuple[Plan | None, tuple, dict[str, Any]]] = []  # with the call's own inputs
         self.whole = False
         """Encode every call whole from now on: a call's output was no model output with named fields, or had a
         field of neither a row per patch nor per merged patch (MiniMax-M3-VL's ``[1, patches, hidden]`` and its
         ``pooler_output``, its first patch's row), which no gather of rows makes the whole call's; found alike on
         every rank before any exchange, and that call encoded again whole."""
+        merge_size = getattr(encoder, "merge_size", None)  # Muse's pixel shuffle after a spatial_merge_size of 1
+        self.merges = tuple(sorted({self.merge} | ({int(merge_size) ** 2} if isinstance(merge_size, int) else set())))
+        """Patches per output row the encoder's merges make: its ``spatial_merge_size``² and ``merge_size``²."""
         self._handles = [
             encoder.register_forward_pre_hook(self._divide, with_kwargs=True),
             encoder.register_forward_hook(self._gather, with_kwargs=True, always_call=True),
@@ -174,13 +177,11 @@ class FrameSplit:
             for index, tensor in [(None, value)] if isinstance(value, torch.Tensor) else enumerate(value or ()):
                 if not isinstance(tensor, torch.Tensor):
                     continue
-                if tensor.shape[0] == mine:
-                    rows.append(plan.patches)
-                elif tensor.shape[0] * plan.merge == mine:
-                    rows.append(tuple(p // plan.merge for p in plan.patches))
-                else:  # every rank finds it alike (before any exchange): this call, and every later, whole
+                merge = next((m for m in (1, *self.merges) if tensor.shape[0] * m == mine), None)
+                if merge is None:  # every rank finds it alike (before any exchange): this call, and every later, whole
                     self.whole = True
                     return self.encoder.forward(*whole_args, **whole_kwargs)
+                rows.append(tuple(p // merge for p in plan.patches))
                 fields.append((name, index))
                 tensors.append(tensor)
         if not tensors:
