@@ -122,6 +122,22 @@ def _per_row(size: int) -> Callable[[int], dict[str, torch.Tensor]]:
     return make
 
 
+def _positioned(side: int, patch: int) -> Callable[[int], dict[str, torch.Tensor]]:
+    """Gemma 4's patches ``[n, side², 3·patch²]`` of ``n`` images of ``side × side`` patches and their ``(x, y)``
+    positions ``image_position_ids [n, side², 2]``."""
+
+    def make(n: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(2)
+        y, x = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+        positions = torch.stack([x.flatten(), y.flatten()], dim=-1)
+        return {
+            "pixel_values": torch.rand(n, side * side, 3 * patch * patch, generator=generator),
+            "image_position_ids": positions.expand(n, side * side, 2).clone(),
+        }
+
+    return make
+
+
 @dataclass(frozen=True)
 class Recipe:
     """How to build one family tiny and feed it images: its vision config's fields, its text config's and the
@@ -134,6 +150,8 @@ class Recipe:
     mm_token_type_ids: bool = False  # Qwen's processors: 1 at image tokens (MRoPE's groups)
     token_type_ids: str = ""  # "image": 1 at image tokens (Gemma 3); "suffix": 1 after the prefix (PaliGemma)
     image_sizes: int = 0  # Pixtral's image_sizes [n, 2] of this side
+    init: dict[str, Any] = field(default_factory=dict)  # the config's constructor's arguments; a text_config here
+    # is the whole text config (Gemma 4's per-layer head_dim is set at construction only)
 
 
 _QFORMER = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
@@ -216,7 +234,13 @@ RECIPES: dict[str, Recipe] = {
 RECIPES.update({  # group a
 })  # fmt: skip
 
+_GEMMA4_TEXT = dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, sliding_window=16,
+                    use_bidirectional_attention="vision", global_head_dim=16)  # fmt: skip
+"""Gemma 4's text model tiny: its per-layer embeddings, a sliding window shorter than the row, bidirectional images."""
 RECIPES.update({  # group b
+    "gemma4": Recipe(_positioned(6, 4), {"patch_size": 4, "pooling_kernel_size": 2, "position_embedding_size": 16,
+                                         "num_key_value_heads": 2},
+                     init={"vision_config": {}, "text_config": {**TEXT, **_GEMMA4_TEXT}}, mm_token_type_ids=True),
 })  # fmt: skip
 
 RECIPES.update({  # group c
@@ -268,8 +292,9 @@ def tiny_config(family: str) -> Any:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     recipe = RECIPES[family]
-    config = CONFIG_MAPPING[family]()
-    _set(config.text_config, {**TEXT, **recipe.text})
+    config = CONFIG_MAPPING[family](**recipe.init)
+    if "text_config" not in recipe.init:
+        _set(config.text_config, {**TEXT, **recipe.text})
     _set(config.vision_config, {**VISION, **recipe.vision})
     ids = dict(image_token_id=IMAGE, image_token_index=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
                vision_end_token_id=END, boi_token_index=START, eoi_token_index=END, pad_token_id=0)  # fmt: skip
