@@ -241,6 +241,10 @@ RECIPES.update({  # group b
     "gemma4": Recipe(_positioned(6, 4), {"patch_size": 4, "pooling_kernel_size": 2, "position_embedding_size": 16,
                                          "num_key_value_heads": 2},
                      init={"vision_config": {}, "text_config": {**TEXT, **_GEMMA4_TEXT}}, mm_token_type_ids=True),
+    "gemma4_unified": Recipe(_positioned(3, 4), {"patch_size": 2, "pooling_kernel_size": 2, "mm_embed_dim": 32,
+                                                 "output_proj_dims": 32, "mm_posemb_size": 16},
+                             init={"vision_config": {}, "text_config": {**TEXT, **_GEMMA4_TEXT}},
+                             mm_token_type_ids=True),
 })  # fmt: skip
 
 RECIPES.update({  # group c
