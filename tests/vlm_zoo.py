@@ -432,17 +432,25 @@ def run_family(rank: int, world: int, family: str, strategies: list[str]) -> lis
 def refused_config(family: str) -> str:
     """``"refused: <why>"`` when ``register_with_transformers`` refuses the family from its default config alone,
     whatever its inputs: an encoder-decoder vision model
-    (:func:`~ds_ring.integrations.hf.vision.refuse_encoder_decoder`, the check registration makes first), or a
-    language model that cross-attends to the images (:func:`~ds_ring.integrations.hf.vision.refuse_cross_attention`
-    on the model built on the meta device); ``""`` otherwise."""
+    (:func:`~ds_ring.integrations.hf.vision.refuse_encoder_decoder`, the check registration makes first), a model
+    whose ``forward`` takes ``decoder_input_ids`` (:func:`~ds_ring.integrations.hf.vision.refuse_decoder_inputs`, on
+    its class), or a language model that cross-attends to the images
+    (:func:`~ds_ring.integrations.hf.vision.refuse_cross_attention` on the model built on the meta device); ``""``
+    otherwise."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
-    from ds_ring.integrations.hf.vision import find_language_model, refuse_cross_attention, refuse_encoder_decoder
+    from ds_ring.integrations.hf.vision import (
+        find_language_model,
+        refuse_cross_attention,
+        refuse_decoder_inputs,
+        refuse_encoder_decoder,
+    )
 
     config = CONFIG_MAPPING[family]()
     try:
         refuse_encoder_decoder(config)
+        refuse_decoder_inputs(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)])
     except ValueError as err:
         return f"refused: {err}"
     try:

@@ -36,6 +36,7 @@ from ds_ring.integrations.hf.recurrent import install_recurrent, sequence_parall
 from ds_ring.integrations.hf.session import SequenceParallelSession, installed_sessions
 from ds_ring.integrations.hf.vision import (
     find_language_model,
+    refuse_decoder_inputs,
     refuse_encoder_decoder,
     vision_language,
     whole_image_mask,
@@ -164,6 +165,7 @@ def register_with_transformers(
     model_config, unrouted = _model_config(model_name_or_path, core_attn_implementation)
     if section.enabled:
         refuse_encoder_decoder(model_config)
+        refuse_decoder_inputs(model_name_or_path)
     _refuse_vision_by_config(model_name_or_path, model_config, section.enabled)
     if model_config is not None and section.enabled:
         _audit_modules(model_name_or_path, model_config, core_attn_implementation, position_wise, unrouted)
