@@ -152,6 +152,7 @@ class Recipe:
     image_sizes: int = 0  # Pixtral's image_sizes [n, 2] of this side
     init: dict[str, Any] = field(default_factory=dict)  # the config's constructor's arguments; a text_config here
     # is the whole text config (Gemma 4's per-layer head_dim is set at construction only)
+    whole_model_fails: str = ""  # why transformers' own whole model fails on this family: listed while it does
 
 
 _QFORMER = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
@@ -245,6 +246,14 @@ RECIPES.update({  # group b
                                                  "output_proj_dims": 32, "mm_posemb_size": 16},
                              init={"vision_config": {}, "text_config": {**TEXT, **_GEMMA4_TEXT}},
                              mm_token_type_ids=True),
+    "llama4": Recipe(_square(16), {"image_size": 16, "patch_size": 4, "intermediate_size": 128,
+                                   "vision_output_dim": 32, "projector_input_dim": 32, "projector_output_dim": 32},
+                     init={"text_config": {**TEXT, "num_local_experts": 4, "intermediate_size_mlp": 128,
+                                           "no_rope_layer_interval": 2, "attention_chunk_size": 16,
+                                           "floor_scale": 8}},
+                     whole_model_fails="transformers 5.24's Llama4ForConditionalGeneration.forward reads "
+                     "image_outputs from its language model's MoeCausalLMOutputWithPast, which has none (with "
+                     "return_dict=False its output decorator calls to_tuple() on the tuple it returns)"),
 })  # fmt: skip
 
 RECIPES.update({  # group c
@@ -338,7 +347,9 @@ def image_tokens(model: torch.nn.Module, images: dict[str, torch.Tensor]) -> int
     """How many placeholder tokens each image takes: the rows the model's own image features have, per image."""
     inner = getattr(model, "model", model)
     features = inner.get_image_features(**images, return_dict=True)
-    pooled = features.pooler_output if hasattr(features, "pooler_output") else features
+    pooled = getattr(features, "pooler_output", features)
+    if pooled is None:  # Llama 4: its projector runs in the model's forward, on the vision model's last hidden state
+        pooled = features.last_hidden_state
     parts = pooled if isinstance(pooled, list | tuple) else [pooled]
     rows = sum(part.reshape(-1, part.shape[-1]).shape[0] for part in parts)
     return rows // (BATCH * IMAGES_PER_ROW)
@@ -469,8 +480,8 @@ def refused_config(family: str) -> str:
 
 
 def not_run(names: list[str]) -> dict[str, str]:
-    """Family → why it is not run here: ds_ring refuses its config (:func:`refused_config`), no recipe, or a tiny
-    build that fails."""
+    """Family → why it is not run here: ds_ring refuses its config (:func:`refused_config`), no recipe, a tiny
+    build that fails, or transformers' own whole model failing as its recipe's ``whole_model_fails`` says."""
     why = {}
     for family in names:
         if family not in RECIPES:
@@ -480,9 +491,17 @@ def not_run(names: list[str]) -> dict[str, str]:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                build(family)
+                model = build(family)
         except Exception as err:  # noqa: BLE001 - every reason is listed
             why[family] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+            continue
+        failure = RECIPES[family].whole_model_fails
+        if failure:  # checked, not trusted: once transformers' model runs, the family runs here
+            try:
+                with torch.no_grad(), Float64Throughout():
+                    model(**_inputs(batch(family, model)))
+            except Exception as err:  # noqa: BLE001 - the failure it has
+                why[family] = f"no reference: {failure} ({type(err).__name__}: {str(err).splitlines()[0][:100]})"
     return why
 
 
