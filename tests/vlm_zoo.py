@@ -138,6 +138,11 @@ def _positioned(side: int, patch: int) -> Callable[[int], dict[str, torch.Tensor
     return make
 
 
+def _text(n: int) -> dict[str, torch.Tensor]:
+    """No images: a family of the mapping without a vision tower (Mistral 4's causal LM)."""
+    return {}
+
+
 @dataclass(frozen=True)
 class Recipe:
     """How to build one family tiny and feed it images: its vision config's fields, its text config's and the
@@ -238,6 +243,10 @@ RECIPES.update({  # group a
 _GEMMA4_TEXT = dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, sliding_window=16,
                     use_bidirectional_attention="vision", global_head_dim=16)  # fmt: skip
 """Gemma 4's text model tiny: its per-layer embeddings, a sliding window shorter than the row, bidirectional images."""
+_YARN_LLAMA4 = {"type": "yarn", "rope_type": "yarn", "rope_theta": 10_000.0, "factor": 16.0,
+                "original_max_position_embeddings": 16, "max_position_embeddings": 4 * SEQ, "beta_fast": 32.0,
+                "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}  # fmt: skip
+"""Mistral 4's YaRN with its Llama-4 query scaling by position, which steps every 16 tokens here."""
 RECIPES.update({  # group b
     "gemma4": Recipe(_positioned(6, 4), {"patch_size": 4, "pooling_kernel_size": 2, "position_embedding_size": 16,
                                          "num_key_value_heads": 2},
@@ -246,6 +255,10 @@ RECIPES.update({  # group b
                                                  "output_proj_dims": 32, "mm_posemb_size": 16},
                              init={"vision_config": {}, "text_config": {**TEXT, **_GEMMA4_TEXT}},
                              mm_token_type_ids=True),
+    "mistral4": Recipe(_text, init={**TEXT, "num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 32,
+                                    "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+                                    "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                    "rope_parameters": _YARN_LLAMA4}),
     "llama4": Recipe(_square(16), {"image_size": 16, "patch_size": 4, "intermediate_size": 128,
                                    "vision_output_dim": 32, "projector_input_dim": 32, "projector_output_dim": 32},
                      init={"text_config": {**TEXT, "num_local_experts": 4, "intermediate_size_mlp": 128,
@@ -306,9 +319,9 @@ def tiny_config(family: str) -> Any:
 
     recipe = RECIPES[family]
     config = CONFIG_MAPPING[family](**recipe.init)
-    if "text_config" not in recipe.init:
+    if "text_config" not in recipe.init and hasattr(config, "text_config"):  # else: the recipe's init made it
         _set(config.text_config, {**TEXT, **recipe.text})
-    _set(config.vision_config, {**VISION, **recipe.vision})
+    _set(getattr(config, "vision_config", None), {**VISION, **recipe.vision})
     ids = dict(image_token_id=IMAGE, image_token_index=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
                vision_end_token_id=END, boi_token_index=START, eoi_token_index=END, pad_token_id=0)  # fmt: skip
     _set(config, {**ids, **recipe.top})
@@ -363,14 +376,16 @@ def batch(family: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     images = recipe.images(BATCH * IMAGES_PER_ROW)
     if recipe.image_sizes:
         images["image_sizes"] = torch.tensor([[recipe.image_sizes] * 2] * (BATCH * IMAGES_PER_ROW))
-    with torch.no_grad(), Float64Throughout():
-        tokens = image_tokens(model, {k: v.double() if v.is_floating_point() else v for k, v in images.items()})
+    tokens = 0  # a text-only family of the mapping (Mistral 4): rows of text
+    if images:
+        with torch.no_grad(), Float64Throughout():
+            tokens = image_tokens(model, {k: v.double() if v.is_floating_point() else v for k, v in images.items()})
     starts = [4, SEQ // 2 - tokens // 2]
-    if tokens == 0 or starts[0] + tokens >= starts[1] - 1:
+    if images and (tokens == 0 or starts[0] + tokens >= starts[1] - 1):
         raise ValueError(f"{tokens} tokens per image do not fit twice in {SEQ}")
     input_ids = torch.randint(8, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     is_image = torch.zeros(BATCH, SEQ, dtype=torch.bool)
-    for start in starts:
+    for start in starts if images else []:
         input_ids[:, start - 1], input_ids[:, start + tokens] = START, END
         is_image[:, start : start + tokens] = True
     input_ids[is_image] = IMAGE
