@@ -259,6 +259,14 @@ RECIPES.update({  # group b
                                     "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
                                     "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                     "rope_parameters": _YARN_LLAMA4}),
+    "mistral_large4": Recipe(_square(32), {"image_size": 32, "patch_size": 4}, top={"spatial_merge_size": 2},
+                             image_sizes=32,
+                             init={"text_config": {**TEXT, "num_key_value_heads": 4, "kv_lora_rank": 16,
+                                                   "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+                                                   "n_routed_experts": 4, "num_experts_per_tok": 2,
+                                                   "moe_intermediate_size": 32, "index_topk": 16,
+                                                   "index_head_dim": 16, "index_n_heads": 2,
+                                                   "no_rope_layer_interval": 2}}),
     "llama4": Recipe(_square(16), {"image_size": 16, "patch_size": 4, "intermediate_size": 128,
                                    "vision_output_dim": 32, "projector_input_dim": 32, "projector_output_dim": 32},
                      init={"text_config": {**TEXT, "num_local_experts": 4, "intermediate_size_mlp": 128,
@@ -284,6 +292,8 @@ EXPECTED_REFUSALS.update({  # group a
 })  # fmt: skip
 
 EXPECTED_REFUSALS.update({  # group b
+    # its DeepSeek sparse attention: an indexer picks each query's top-k keys into the mask, as DeepSeek-V3.2's
+    "mistral_large4": r"uses its attention mask as a tensor .* train this model without sequence parallelism",
 })  # fmt: skip
 
 EXPECTED_REFUSALS.update({  # group c
