@@ -138,6 +138,20 @@ def _positioned(side: int, patch: int) -> Callable[[int], dict[str, torch.Tensor
     return make
 
 
+def _patch_images(grid: int, patch: int) -> Callable[[int], dict[str, torch.Tensor]]:
+    """PaddleOCR-VL's patches ``[n·grid², 3, patch, patch]`` of ``n`` images of ``1 × grid × grid`` patches, and
+    their grids."""
+
+    def make(n: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(2)
+        return {
+            "pixel_values": torch.randn(n * grid * grid, 3, patch, patch, generator=generator),
+            "image_grid_thw": torch.tensor([[1, grid, grid]] * n),
+        }
+
+    return make
+
+
 def _text(n: int) -> dict[str, torch.Tensor]:
     """No images: a family of the mapping without a vision tower (Mistral 4's causal LM)."""
     return {}
@@ -267,6 +281,10 @@ RECIPES.update({  # group b
                                                    "moe_intermediate_size": 32, "index_topk": 16,
                                                    "index_head_dim": 16, "index_n_heads": 2,
                                                    "no_rope_layer_interval": 2}}),
+    "ovis2": Recipe(_square(16), {"image_size": 16, "patch_size": 4, "vocab_size": 32},
+                    top={"hidden_size": 64, "vocab_size": VOCAB, "visual_indicator_token_ids": (START, END, 7, 1, 2)}),
+    "paddleocr_vl": Recipe(_patch_images(8, 4), {"image_size": 16, "patch_size": 4, "spatial_merge_size": 2},
+                           {"rope_parameters": MROPE}, mm_token_type_ids=True),
     "llama4": Recipe(_square(16), {"image_size": 16, "patch_size": 4, "intermediate_size": 128,
                                    "vision_output_dim": 32, "projector_input_dim": 32, "projector_output_dim": 32},
                      init={"text_config": {**TEXT, "num_local_experts": 4, "intermediate_size_mlp": 128,
