@@ -285,6 +285,7 @@ RECIPES.update({  # group b
                     top={"hidden_size": 64, "vocab_size": VOCAB, "visual_indicator_token_ids": (START, END, 7, 1, 2)}),
     "paddleocr_vl": Recipe(_patch_images(8, 4), {"image_size": 16, "patch_size": 4, "spatial_merge_size": 2},
                            {"rope_parameters": MROPE}, mm_token_type_ids=True),
+    "pp_chart2table": Recipe(_square(32), {"image_size": 32, "patch_size": 4, "mlp_dim": 64}),  # GOT-OCR2's model
     "llama4": Recipe(_square(16), {"image_size": 16, "patch_size": 4, "intermediate_size": 128,
                                    "vision_output_dim": 32, "projector_input_dim": 32, "projector_output_dim": 32},
                      init={"text_config": {**TEXT, "num_local_experts": 4, "intermediate_size_mlp": 128,
@@ -312,6 +313,7 @@ EXPECTED_REFUSALS.update({  # group a
 EXPECTED_REFUSALS.update({  # group b
     # its DeepSeek sparse attention: an indexer picks each query's top-k keys into the mask, as DeepSeek-V3.2's
     "mistral_large4": r"uses its attention mask as a tensor .* train this model without sequence parallelism",
+    "pp_chart2table": r"does not match the model's config._attn_implementation 'eager'",  # GOT-OCR2's SAM: no sdpa
 })  # fmt: skip
 
 EXPECTED_REFUSALS.update({  # group c
