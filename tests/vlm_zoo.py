@@ -286,6 +286,14 @@ RECIPES.update({  # group b
     "paddleocr_vl": Recipe(_patch_images(8, 4), {"image_size": 16, "patch_size": 4, "spatial_merge_size": 2},
                            {"rope_parameters": MROPE}, mm_token_type_ids=True),
     "pp_chart2table": Recipe(_square(32), {"image_size": 32, "patch_size": 4, "mlp_dim": 64}),  # GOT-OCR2's model
+    "unlimited_ocr": Recipe(_square(32), {"sam_config": {**VISION, "output_channels": 16, "image_size": 32,
+                                                         "patch_size": 4, "window_size": 4, "global_attn_indexes": (1,),
+                                                         "mlp_dim": 64, "downsample_channels": (32, 32)},
+                                          "encoder_config": {**VISION, "image_size": 28, "patch_size": 14}},
+                            init={"text_config": {**TEXT, "num_key_value_heads": 4, "n_routed_experts": 4,
+                                                  "num_experts_per_tok": 2,
+                                                  "moe_intermediate_size": 32, "n_shared_experts": 1,
+                                                  "sliding_window": 16}}),
     "llama4": Recipe(_square(16), {"image_size": 16, "patch_size": 4, "intermediate_size": 128,
                                    "vision_output_dim": 32, "projector_input_dim": 32, "projector_output_dim": 32},
                      init={"text_config": {**TEXT, "num_local_experts": 4, "intermediate_size_mlp": 128,
@@ -314,6 +322,8 @@ EXPECTED_REFUSALS.update({  # group b
     # its DeepSeek sparse attention: an indexer picks each query's top-k keys into the mask, as DeepSeek-V3.2's
     "mistral_large4": r"uses its attention mask as a tensor .* train this model without sequence parallelism",
     "pp_chart2table": r"does not match the model's config._attn_implementation 'eager'",  # GOT-OCR2's SAM: no sdpa
+    # its "reference" sliding window: the window OR'd with the prefill (all of it, in training: causal)
+    "unlimited_ocr": r"UnlimitedOcrTextAttention is given a mask with an OR of masks .*create_reference_sliding_window",
 })  # fmt: skip
 
 EXPECTED_REFUSALS.update({  # group c
