@@ -152,6 +152,20 @@ def _patch_images(grid: int, patch: int) -> Callable[[int], dict[str, torch.Tens
     return make
 
 
+def _packed(grid: int, patch: int) -> Callable[[int], dict[str, torch.Tensor]]:
+    """MiniCPM's NaViT-packed patches of ``n`` images of ``grid × grid`` patches side by side, ``[1, 3, patch,
+    n·grid²·patch]``, and their ``target_sizes [n, 2]`` (in patches)."""
+
+    def make(n: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(2)
+        return {
+            "pixel_values": torch.randn(1, 3, patch, n * grid * grid * patch, generator=generator),
+            "target_sizes": torch.tensor([[grid, grid]] * n),
+        }
+
+    return make
+
+
 def _text(n: int) -> dict[str, torch.Tensor]:
     """No images: a family of the mapping without a vision tower (Mistral 4's causal LM)."""
     return {}
@@ -294,6 +308,9 @@ RECIPES.update({  # group b
                                                   "num_experts_per_tok": 2,
                                                   "moe_intermediate_size": 32, "n_shared_experts": 1,
                                                   "sliding_window": 16}}),
+    "minicpm_ocr": Recipe(_packed(8, 4), {"image_size": 32, "patch_size": 4},
+                          {"rope_parameters": {**MROPE, "mrope_interleaved": True},
+                           "layer_types": ["linear_attention", "full_attention"]}),
     "llama4": Recipe(_square(16), {"image_size": 16, "patch_size": 4, "intermediate_size": 128,
                                    "vision_output_dim": 32, "projector_input_dim": 32, "projector_output_dim": 32},
                      init={"text_config": {**TEXT, "num_local_experts": 4, "intermediate_size_mlp": 128,
