@@ -311,6 +311,8 @@ RECIPES.update({  # group b
     "minicpm_ocr": Recipe(_packed(8, 4), {"image_size": 32, "patch_size": 4},
                           {"rope_parameters": {**MROPE, "mrope_interleaved": True},
                            "layer_types": ["linear_attention", "full_attention"]}),
+    "fast_vlm": Recipe(_square(128), {"hidden_size": 64, "model_args": {  # FastViT-HD through timm, 4 tokens
+        "inference_mode": True, "layers": (1, 1, 1, 1, 1), "embed_dims": (8, 16, 16, 32, 32)}}),
     "llama4": Recipe(_square(16), {"image_size": 16, "patch_size": 4, "intermediate_size": 128,
                                    "vision_output_dim": 32, "projector_input_dim": 32, "projector_output_dim": 32},
                      init={"text_config": {**TEXT, "num_local_experts": 4, "intermediate_size_mlp": 128,
