@@ -567,7 +567,8 @@ def not_run(names: list[str]) -> dict[str, str]:
                 warnings.simplefilter("ignore")
                 model = build(family)
         except Exception as err:  # noqa: BLE001 - every reason is listed
-            why[family] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+            first = next((line for line in str(err).splitlines() if line.strip()), "")  # transformers' start "\n"
+            why[family] = f"{type(err).__name__}: {first[:160]}"
             continue
         failure = RECIPES[family].whole_model_fails
         if failure:  # checked, not trusted: once transformers' model runs, the family runs here
