@@ -313,6 +313,10 @@ RECIPES.update({  # group b
                            "layer_types": ["linear_attention", "full_attention"]}),
     "fast_vlm": Recipe(_square(128), {"hidden_size": 64, "model_args": {  # FastViT-HD through timm, 4 tokens
         "inference_mode": True, "layers": (1, 1, 1, 1, 1), "embed_dims": (8, 16, 16, 32, 32)}}),
+    "perception_lm": Recipe(lambda n: {"pixel_values": _square(32)(n)["pixel_values"][:, None]},  # 1 tile each
+                            {"architecture": "vit_pe_core_tiny_patch16_384", "model_args": {
+                                "embed_dim": 32, "depth": 2, "num_heads": 2, "img_size": 32, "patch_size": 8,
+                                "ref_feat_shape": (4, 4), "global_pool": ""}}),
     "llama4": Recipe(_square(16), {"image_size": 16, "patch_size": 4, "intermediate_size": 128,
                                    "vision_output_dim": 32, "projector_input_dim": 32, "projector_output_dim": 32},
                      init={"text_config": {**TEXT, "num_local_experts": 4, "intermediate_size_mlp": 128,
