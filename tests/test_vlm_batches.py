@@ -7,7 +7,8 @@ is called with this rank's rows of the whole sequence's ``get_rope_index`` ids (
 that fall in the shard. Refused: packed position ids, ``pad_to_multiple`` on a length that needs it, a
 vision-language config given by name (before any communication); an encoder-decoder vision model (Florence-2,
 Pix2Struct, T5Gemma 2, a ``VisionEncoderDecoderModel``), config or instance, for its decoder's cross-attention; a
-language model with cross-attention layers to the images (Mllama).
+model that decodes a second sequence from ``decoder_input_ids`` (DiffusionGemma's canvas); a language model with
+cross-attention layers to the images (Mllama).
 """
 
 from __future__ import annotations
@@ -145,3 +146,22 @@ def test_a_language_model_that_cross_attends_to_the_images_is_refused():
         model = MllamaForConditionalGeneration(MllamaConfig())
     with pytest.raises(ValueError, match="model.language_model. cross-attends to the image features"):
         vision_language(model, None, "contiguous")
+
+
+def test_a_model_decoding_a_second_sequence_is_refused_before_any_communication():
+    """DiffusionGemma (config not ``is_encoder_decoder``): its decoder denoises a canvas (``decoder_input_ids``)
+    against the encoder's KV cache of ``input_ids``, which the cut would leave a shard of; its logits are the
+    canvas's."""
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+
+    from ds_ring.integrations.hf import register_with_transformers
+
+    text = {**vlm_zoo.TEXT, "num_hidden_layers": 1, "vocab_size_per_layer_input": vlm_zoo.VOCAB,
+            "hidden_size_per_layer_input": 8, "global_head_dim": 16, "num_experts": 2, "top_k_experts": 1,
+            "moe_intermediate_size": 16}  # fmt: skip
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
+    with torch.device("meta"):
+        model = DiffusionGemmaForBlockDiffusion(DiffusionGemmaConfig(text_config=text, vision_config=vision))
+    with pytest.raises(ValueError, match="DiffusionGemmaForBlockDiffusion's forward takes decoder_input_ids"):
+        register_with_transformers(model, config={"ring_attention": {"strategy": "ring"}})

@@ -173,9 +173,25 @@ def _flattened(side: int, patch: int) -> Callable[[int], dict[str, torch.Tensor]
     return make
 
 
+def _positioned(side: int, patch: int) -> Callable[[int], dict[str, torch.Tensor]]:
+    """Gemma 4's patches ``[n, side², 3·patch²]`` of ``n`` images of ``side × side`` patches and their ``(x, y)``
+    positions ``image_position_ids [n, side², 2]``."""
+
+    def make(n: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(2)
+        y, x = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+        positions = torch.stack([x.flatten(), y.flatten()], dim=-1)
+        return {
+            "pixel_values": torch.rand(n, side * side, 3 * patch * patch, generator=generator),
+            "image_position_ids": positions.expand(n, side * side, 2).clone(),
+        }
+
+    return make
+
+
 def _patch_images(grid: int, patch: int) -> Callable[[int], dict[str, torch.Tensor]]:
-    """Kimi-K2.5-style patches ``[n·grid², 3, patch, patch]`` of ``n`` images of ``1 × grid × grid`` patches, and
-    their grids."""
+    """Kimi-K2.5's and PaddleOCR-VL's patches ``[n·grid², 3, patch, patch]`` of ``n`` images of ``1 × grid × grid``
+    patches, and their grids."""
 
     def make(n: int) -> dict[str, torch.Tensor]:
         generator = torch.Generator().manual_seed(2)
@@ -250,6 +266,11 @@ def _tubelets(temporal: int, patch: int) -> Callable[[int], dict[str, torch.Tens
     }
 
 
+def _text(n: int) -> dict[str, torch.Tensor]:
+    """No images: a family of the mapping without a vision tower (Mistral 4's causal LM)."""
+    return {}
+
+
 @dataclass(frozen=True)
 class Recipe:
     """How to build one family tiny and feed it images: its vision config's fields, its text config's and the
@@ -268,6 +289,9 @@ class Recipe:
     placeholder: int = IMAGE  # the token id the images' features replace (InstructBLIP-Video: VIDEO)
     image_mask: str = ""  # the input that is 1 at the image tokens, if any (Kosmos-2: image_embeds_position_mask)
     seq: int = SEQ  # tokens per row: more where two images of the family's fixed token count do not fit in SEQ
+    init: dict[str, Any] = field(default_factory=dict)  # the config's constructor's arguments; a text_config here
+    # is the whole text config (Gemma 4's per-layer head_dim is set at construction only)
+    whole_model_fails: str = ""  # why transformers' own whole model fails on this family: listed while it does
 
 
 _QFORMER = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
@@ -390,7 +414,63 @@ RECIPES.update({  # group a
                                 features="get_video_features", placeholder=VIDEO),
 })  # fmt: skip
 
+_GEMMA4_TEXT = dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, sliding_window=16,
+                    use_bidirectional_attention="vision", global_head_dim=16)  # fmt: skip
+"""Gemma 4's text model tiny: its per-layer embeddings, a sliding window shorter than the row, bidirectional images."""
+_YARN_LLAMA4 = {"type": "yarn", "rope_type": "yarn", "rope_theta": 10_000.0, "factor": 16.0,
+                "original_max_position_embeddings": 16, "max_position_embeddings": 4 * SEQ, "beta_fast": 32.0,
+                "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}  # fmt: skip
+"""Mistral 4's YaRN with its Llama-4 query scaling by position, which steps every 16 tokens here."""
 RECIPES.update({  # group b
+    "gemma4": Recipe(_positioned(6, 4), {"patch_size": 4, "pooling_kernel_size": 2, "position_embedding_size": 16,
+                                         "num_key_value_heads": 2},
+                     init={"vision_config": {}, "text_config": {**TEXT, **_GEMMA4_TEXT}}, mm_token_type_ids=True),
+    "gemma4_unified": Recipe(_positioned(3, 4), {"patch_size": 2, "pooling_kernel_size": 2, "mm_embed_dim": 32,
+                                                 "output_proj_dims": 32, "mm_posemb_size": 16},
+                             init={"vision_config": {}, "text_config": {**TEXT, **_GEMMA4_TEXT}},
+                             mm_token_type_ids=True),
+    "mistral4": Recipe(_text, init={**TEXT, "num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 32,
+                                    "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+                                    "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                    "rope_parameters": _YARN_LLAMA4}),
+    "mistral_large4": Recipe(_square(32), {"image_size": 32, "patch_size": 4}, top={"spatial_merge_size": 2},
+                             image_sizes=32,
+                             init={"text_config": {**TEXT, "num_key_value_heads": 4, "kv_lora_rank": 16,
+                                                   "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+                                                   "n_routed_experts": 4, "num_experts_per_tok": 2,
+                                                   "moe_intermediate_size": 32, "index_topk": 16,
+                                                   "index_head_dim": 16, "index_n_heads": 2,
+                                                   "no_rope_layer_interval": 2}}),
+    "ovis2": Recipe(_square(16), {"image_size": 16, "patch_size": 4, "vocab_size": 32},
+                    top={"hidden_size": 64, "vocab_size": VOCAB, "visual_indicator_token_ids": (START, END, 7, 1, 2)}),
+    "paddleocr_vl": Recipe(_patch_images(8, 4), {"image_size": 16, "patch_size": 4, "spatial_merge_size": 2},
+                           {"rope_parameters": MROPE}, mm_token_type_ids=True),
+    "pp_chart2table": Recipe(_square(32), {"image_size": 32, "patch_size": 4, "mlp_dim": 64}),  # GOT-OCR2's model
+    "unlimited_ocr": Recipe(_square(32), {"sam_config": {**VISION, "output_channels": 16, "image_size": 32,
+                                                         "patch_size": 4, "window_size": 4, "global_attn_indexes": (1,),
+                                                         "mlp_dim": 64, "downsample_channels": (32, 32)},
+                                          "encoder_config": {**VISION, "image_size": 28, "patch_size": 14}},
+                            init={"text_config": {**TEXT, "num_key_value_heads": 4, "n_routed_experts": 4,
+                                                  "num_experts_per_tok": 2,
+                                                  "moe_intermediate_size": 32, "n_shared_experts": 1,
+                                                  "sliding_window": 16}}),
+    "minicpm_ocr": Recipe(_packed(8, 4), {"image_size": 32, "patch_size": 4},
+                          {"rope_parameters": {**MROPE, "mrope_interleaved": True},
+                           "layer_types": ["linear_attention", "full_attention"]}),
+    "fast_vlm": Recipe(_square(128), {"hidden_size": 64, "model_args": {  # FastViT-HD through timm, 4 tokens
+        "inference_mode": True, "layers": (1, 1, 1, 1, 1), "embed_dims": (8, 16, 16, 32, 32)}}),
+    "perception_lm": Recipe(lambda n: {"pixel_values": _square(32)(n)["pixel_values"][:, None]},  # 1 tile each
+                            {"architecture": "vit_pe_core_tiny_patch16_384", "model_args": {
+                                "embed_dim": 32, "depth": 2, "num_heads": 2, "img_size": 32, "patch_size": 8,
+                                "ref_feat_shape": (4, 4), "global_pool": ""}}),
+    "llama4": Recipe(_square(16), {"image_size": 16, "patch_size": 4, "intermediate_size": 128,
+                                   "vision_output_dim": 32, "projector_input_dim": 32, "projector_output_dim": 32},
+                     init={"text_config": {**TEXT, "num_local_experts": 4, "intermediate_size_mlp": 128,
+                                           "no_rope_layer_interval": 2, "attention_chunk_size": 16,
+                                           "floor_scale": 8}},
+                     whole_model_fails="transformers 5.24's Llama4ForConditionalGeneration.forward reads "
+                     "image_outputs from its language model's MoeCausalLMOutputWithPast, which has none (with "
+                     "return_dict=False its output decorator calls to_tuple() on the tuple it returns)"),
 })  # fmt: skip
 
 RECIPES.update({  # group c
@@ -543,6 +623,11 @@ EXPECTED_REFUSALS.update({  # group a
 })  # fmt: skip
 
 EXPECTED_REFUSALS.update({  # group b
+    # its DeepSeek sparse attention: an indexer picks each query's top-k keys into the mask, as DeepSeek-V3.2's
+    "mistral_large4": r"uses its attention mask as a tensor .* train this model without sequence parallelism",
+    "pp_chart2table": r"does not match the model's config._attn_implementation 'eager'",  # GOT-OCR2's SAM: no sdpa
+    # its "reference" sliding window: the window OR'd with the prefill (all of it, in training: causal)
+    "unlimited_ocr": r"UnlimitedOcrTextAttention is given a mask with an OR of masks .*create_reference_sliding_window",
 })  # fmt: skip
 
 EXPECTED_REFUSALS.update({  # group c
@@ -584,8 +669,9 @@ def tiny_config(family: str) -> Any:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     recipe = RECIPES[family]
-    config = CONFIG_MAPPING[family]()
-    _set(getattr(config, "text_config", config), {**TEXT, **recipe.text})  # Chameleon's text fields are its own
+    config = CONFIG_MAPPING[family](**recipe.init)
+    if "text_config" not in recipe.init and (hasattr(config, "text_config") or not recipe.init):  # else: init made it
+        _set(getattr(config, "text_config", config), {**TEXT, **recipe.text})  # Chameleon's text fields are its own
     if getattr(config, "vision_config", None) is not None:  # Fuyu's vision side is one linear layer, no config
         _set(config.vision_config, {**VISION, **recipe.vision})
     ids = dict(image_token_id=IMAGE, image_token_index=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
@@ -627,7 +713,9 @@ def image_tokens(model: torch.nn.Module, images: dict[str, torch.Tensor], method
     image."""
     inner = getattr(model, "model", model)
     features = getattr(inner, method)(**images, return_dict=True)
-    pooled = features.pooler_output if hasattr(features, "pooler_output") else features
+    pooled = getattr(features, "pooler_output", features)
+    if pooled is None:  # Llama 4: its projector runs in the model's forward, on the vision model's last hidden state
+        pooled = features.last_hidden_state
     parts = pooled if isinstance(pooled, list | tuple) else [pooled]
     rows = sum(part.reshape(-1, part.shape[-1]).shape[0] for part in parts)
     return rows // (BATCH * IMAGES_PER_ROW)
@@ -642,18 +730,18 @@ def batch(family: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     images = recipe.images(BATCH * IMAGES_PER_ROW)
     if recipe.image_sizes:
         images["image_sizes"] = torch.tensor([[recipe.image_sizes] * 2] * (BATCH * IMAGES_PER_ROW))
-    tokens = recipe.tokens_per_image
-    if not tokens:
+    tokens = recipe.tokens_per_image  # a text-only family of the mapping (Mistral 4), no images: rows of text
+    if images and not tokens:
         with torch.no_grad(), Float64Throughout():
             doubled = {k: v.double() if v.is_floating_point() else v for k, v in images.items()}
             tokens = image_tokens(model, doubled, recipe.features)
     seq = recipe.seq
     starts = [4, seq // 2 - tokens // 2]
-    if tokens == 0 or starts[0] + tokens >= starts[1] - 1:
+    if images and (tokens == 0 or starts[0] + tokens >= starts[1] - 1):
         raise ValueError(f"{tokens} tokens per image do not fit twice in {seq}")
     input_ids = torch.randint(8, VOCAB, (BATCH, seq), generator=torch.Generator().manual_seed(1))
     is_image = torch.zeros(BATCH, seq, dtype=torch.bool)
-    for start in starts:
+    for start in starts if images else []:
         input_ids[:, start - 1], input_ids[:, start + tokens] = START, END
         is_image[:, start : start + tokens] = True
     input_ids[is_image] = recipe.placeholder
@@ -741,18 +829,21 @@ def run_family(rank: int, world: int, family: str, strategies: list[str]) -> lis
 def refused_config(family: str) -> str:
     """``"refused: <why>"`` when ``register_with_transformers`` refuses the family from its default config alone,
     whatever its inputs: an encoder-decoder model
-    (:func:`~ds_ring.integrations.hf.vision.refuse_encoder_decoder`, the check registration makes first), or what
-    :func:`~ds_ring.integrations.hf.vision.vision_language` refuses of the model built on the meta device (no language
-    model to cut before, the merge inside its decoder, a language model that cross-attends to the images); ``""``
+    (:func:`~ds_ring.integrations.hf.vision.refuse_encoder_decoder`, the check registration makes first), a model
+    whose ``forward`` takes ``decoder_input_ids`` (:func:`~ds_ring.integrations.hf.vision.refuse_decoder_inputs`, on
+    its class), or what :func:`~ds_ring.integrations.hf.vision.vision_language` refuses of the model built on the meta
+    device (no language model to cut before, the merge inside its decoder, a language model that cross-attends to the
+    images); ``""``
     otherwise."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
-    from ds_ring.integrations.hf.vision import refuse_encoder_decoder, vision_language
+    from ds_ring.integrations.hf.vision import refuse_decoder_inputs, refuse_encoder_decoder, vision_language
 
     config = CONFIG_MAPPING[family]()
     try:
         refuse_encoder_decoder(config)
+        refuse_decoder_inputs(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)])
     except ValueError as err:
         return f"refused: {err}"
     try:
@@ -771,8 +862,8 @@ def refused_config(family: str) -> str:
 
 
 def not_run(names: list[str]) -> dict[str, str]:
-    """Family → why it is not run here: ds_ring refuses its config (:func:`refused_config`), no recipe, or a tiny
-    build that fails."""
+    """Family → why it is not run here: ds_ring refuses its config (:func:`refused_config`), no recipe, a tiny
+    build that fails, or transformers' own whole model failing as its recipe's ``whole_model_fails`` says."""
     why = {}
     for family in names:
         if family not in RECIPES:
@@ -782,9 +873,18 @@ def not_run(names: list[str]) -> dict[str, str]:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                build(family)
+                model = build(family)
         except Exception as err:  # noqa: BLE001 - every reason is listed
-            why[family] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+            first = next((line for line in str(err).splitlines() if line.strip()), "")  # transformers' start "\n"
+            why[family] = f"{type(err).__name__}: {first[:160]}"
+            continue
+        failure = RECIPES[family].whole_model_fails
+        if failure:  # checked, not trusted: once transformers' model runs, the family runs here
+            try:
+                with torch.no_grad(), Float64Throughout():
+                    model(**_inputs(batch(family, model)))
+            except Exception as err:  # noqa: BLE001 - the failure it has
+                why[family] = f"no reference: {failure} ({type(err).__name__}: {str(err).splitlines()[0][:100]})"
     return why
 
 

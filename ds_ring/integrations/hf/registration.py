@@ -38,6 +38,7 @@ from ds_ring.integrations.hf.vision import (
     _is_composite,
     cut_point,
     find_language_model,
+    refuse_decoder_inputs,
     refuse_encoder_decoder,
     vision_language,
     whole_image_mask,
@@ -167,6 +168,7 @@ def register_with_transformers(
     if section.enabled:
         refuse_encoder_decoder(model_config)
         cut_point(model_name_or_path)  # a multimodal instance ds_ring cannot cut: refused before it is probed
+        refuse_decoder_inputs(model_name_or_path)
     _refuse_vision_by_config(model_name_or_path, model_config, section.enabled)
     if model_config is not None and section.enabled:
         _audit_modules(model_name_or_path, model_config, core_attn_implementation, position_wise, unrouted)

@@ -38,6 +38,7 @@ __all__ = [
     "find_language_model",
     "model_inputs",
     "refuse_cross_attention",
+    "refuse_decoder_inputs",
     "refuse_encoder_decoder",
     "refuse_merge_inside",
     "towers",
@@ -82,6 +83,27 @@ def refuse_encoder_decoder(config: Any) -> None:
         f"to the encoder's whole output, which is not a shard of the decoder's sequence, and ds_ring shards only a "
         f"decoder-only sequence with the images merged into it; train this model without sequence parallelism"
     )
+
+
+def refuse_decoder_inputs(model: Any) -> None:
+    """``ValueError`` for a vision-language model (an instance, or a model class) whose ``forward`` takes
+    ``decoder_input_ids``: it decodes a second sequence (DiffusionGemma's block-diffusion canvas) against the encoded
+    ``input_ids`` (their hidden states or their KV cache), whose keys would be only a shard of them under ds_ring's cut,
+    and its logits are that second sequence's, not the next tokens of ``input_ids`` that :func:`causal_lm_loss`
+    takes; its config need not say ``is_encoder_decoder``."""
+    if isinstance(model, type):
+        name, inputs = model.__name__, frozenset(inspect.signature(model.forward).parameters)
+    elif isinstance(model, nn.Module) and _is_composite(getattr(model, "config", None)):
+        name, inputs = type(model).__name__, model_inputs(model)
+    else:
+        return
+    if "decoder_input_ids" in inputs:
+        raise ValueError(
+            f"{name}'s forward takes decoder_input_ids: it decodes a second sequence against the whole encoded "
+            f"input_ids (their hidden states or KV cache), and its logits are that sequence's, not the next tokens of "
+            f"input_ids; ds_ring shards one decoder-only sequence with the images merged into it, so the decoder "
+            f"would read only this rank's shard of the encoded input; train this model without sequence parallelism"
+        )
 
 
 _CROSS_ATTENTION = re.compile(r"cross_?att|encoder_?attn", re.IGNORECASE)

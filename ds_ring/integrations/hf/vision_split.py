@@ -35,9 +35,9 @@ __all__ = ["FrameSplit", "frame_encoders", "frame_plan"]
 
 def frame_encoders(modules: Sequence[nn.Module]) -> list[nn.Module]:
     """The Qwen-style vision encoders among ``modules``: a ``spatial_merge_size`` and a ``forward(<patch rows>,
-    grid_thw, ...)`` (the first input ``hidden_states`` or, Muse's, ``pixel_values``); the outermost only (an encoder inside another is not split twice). A module that merges frames
-    (``temporal_merge_size`` > 1: ERNIE 4.5-VL's resampler, after its encoder) does not treat them independently and
-    is not one."""
+    grid_thw, ...)`` (the first input ``hidden_states`` or, Muse's, ``pixel_values``); the outermost only (an encoder
+    inside another is not split twice). A module that merges frames (``temporal_merge_size`` > 1: ERNIE 4.5-VL's
+    resampler, after its encoder) does not treat them independently and is not one."""
     found = [
         m
         for m in modules
