@@ -33,6 +33,7 @@ REASONS = {
     "mask of masks": r"is given a mask with an OR of masks",
     "eager only": r"does not match the model's config._attn_implementation 'eager'",
     "positions counted": r"computes positions from the shard's own token index",
+    "no cut point": r"finds no language model in it|and no language model of its own",
 }
 """Why ds_ring refuses a family: a key of :data:`EXPECTED_REFUSALS` → the message it gives."""
 
@@ -53,8 +54,8 @@ EXPECTED_REFUSALS: dict[str, str] = {
         ],
         "sequence mixer",
     ),  # fmt: skip
-    # an image embedding inside its language model (the vision side of other families runs whole: hf/vision.py)
-    "phi4_multimodal": "sequence mixer",
+    # an image tower whose output its decoder takes in itself (GIT's, Phi-4-multimodal's): no call to cut before
+    **dict.fromkeys(["git", "phi4_multimodal"], "no cut point"),
     "blt": "bidirectional",  # its cross-attention between bytes and patches
     "got_ocr2": "eager only",  # its vision tower has no sdpa, so the model stays eager
     **dict.fromkeys(
