@@ -662,15 +662,63 @@ def main(
     parser.add_argument("--out", default=out)
     parser.add_argument("--families", nargs="*", help="only these (default: every family)")
     parser.add_argument("--strategies", nargs="*", default=list(strategies))
+    parser.add_argument("--update", action="store_true", help="rewrite only these families' rows of --out")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     outcomes, left_out = zoo(args.families or every(), args.strategies)
     width = max((len(o.family) for o in outcomes), default=0)
     for o in outcomes:
         print(f"{o.family:{width}s} {o.strategy:8s} {o.status:8s} {o.detail}")
+    fresh = page(outcomes, left_out, time.perf_counter() - start)
+    if args.update:
+        fresh = updated_page(Path(args.out).read_text(), fresh, every())
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(page(outcomes, left_out, time.perf_counter() - start))
+    Path(args.out).write_text(fresh)
     print(f"wrote {args.out}")
+
+
+def _parts(page: str) -> tuple[list[str], list[str], dict[str, str], list[str], dict[str, str]]:
+    """A zoo page (:func:`page`) cut into its lines before the totals, the family table's header, its rows (family →
+    line), the left-out section's header and its rows."""
+    lines = page.rstrip("\n").split("\n")
+    totals = next(i for i, line in enumerate(lines) if line.startswith("| |"))
+    header = next(i for i in range(totals, len(lines)) if lines[i].startswith("| family |"))
+    left = next(i for i in range(header, len(lines)) if lines[i].startswith("## "))
+
+    def rows(block: list[str]) -> dict[str, str]:
+        return {line.split(" | ")[0][2:]: line for line in block if line.startswith("| ") and not line.startswith("|-")}
+
+    return (
+        lines[:totals],
+        lines[header : header + 2],
+        rows(lines[header + 2 : left]),
+        lines[left : left + 4],
+        rows(lines[left + 4 :]),
+    )
+
+
+def updated_page(old: str, fresh: str, order: list[str]) -> str:
+    """``old`` with the rows of the families ``fresh`` (a page of some families' run) has replaced by its rows, in
+    ``order``, and the totals counted again from every row; ``old``'s run-time line kept (it timed the whole run)."""
+    before, header, rows, left_header, left = _parts(old)
+    _, _, new_rows, _, new_left = _parts(fresh)
+    for family in {**new_rows, **new_left}:
+        rows.pop(family, None)
+        left.pop(family, None)
+    rows, left = {**rows, **new_rows}, {**left, **new_left}
+    rank = {name: i for i, name in enumerate(order)}
+    rows = dict(sorted(rows.items(), key=lambda item: rank.get(item[0], len(rank))))
+    left = dict(sorted(left.items(), key=lambda item: rank.get(item[0], len(rank))))
+    strategies = header[0].split(" | ")[1:-1]
+    statuses = [line.split(" | ")[1 : 1 + len(strategies)] for line in rows.values()]
+    totals = ["| | " + " | ".join(strategies) + " |", "|---|" + "---|" * len(strategies)]
+    for status in ("equal", "refused", "wrong", "crash", "no reference"):
+        counts = [sum(1 for row in statuses if row[i] == status) for i in range(len(strategies))]
+        totals.append(f"| {status} | " + " | ".join(map(str, counts)) + " |")
+    title = left_header[0].rsplit(" (", 1)[0]  # a count in the title ("Not run here (66)") is counted again
+    left_header = [f"{title} ({len(left)})" if left_header[0].endswith(")") else left_header[0], *left_header[1:]]
+    lines = [*before, *totals, "", *header, *rows.values(), "", *left_header, *left.values()]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
