@@ -61,7 +61,7 @@ def _ranks(rank: int, world: int) -> dict:
     return {"seen": seen, "outcomes": [(o.status, o.detail) for o in outcomes]}
 
 
-@pytest.mark.slow  # ~70 s on 2 loaded cores: CI's second step
+@pytest.mark.slow  # 31 s on 2 cores at a load of 18: CI's second step
 @pytest.mark.timeout(1200)
 def test_attention_without_position_ids_reads_the_cut_positions_and_equals_the_whole_model():
     for rank, result in enumerate(rank_results(spawn_ranks(_ranks, 2, timeout_s=1200))):
