@@ -269,7 +269,7 @@ class VisionLanguage:
                 continue
             if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (rows, seq_len):
                 cut[key] = shard_sequence(value, group, layout=self.layout, dim=1)
-            elif _features(value):
+            elif key != "attention_mask" and _features(value):  # a mask per layer type (Gemma 3's) is a mask
                 cut[key] = self._feature_rows(key, value, flags, rows, seq_len)
         return (), cut
 
