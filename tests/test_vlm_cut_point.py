@@ -3,8 +3,9 @@
 A model whose vision side has no ``vision_config`` is still cut before its language model: Fuyu (one linear layer over
 the patches, its language model built from a nested ``text_config``), Chameleon and Emu3 (a VQ-VAE built from
 ``vq_config``: a *tower*, a sub-model with a config of its own). Refused before registration probes the model, naming
-why: a tower feeding a decoder built from the model's own config (Chameleon, Evolla: no call before the decoder takes
-only the merged embeddings), a vision-language model inside with no language model to cut before (Pi0), any
+why: a tower feeding a decoder built from the model's own config (Chameleon: no call before the decoder takes only the
+merged embeddings; Evolla's cross-attends to its protein encoder's output), a vision-language model inside with no
+language model to cut before (Pi0), any
 encoder-decoder (UDOP: no tower's config nested), and at the cut a language model given image features it merges
 itself (Kosmos-2's ``image_embeds``). A text model built of sub-models (BLT) stays a text model. On 2 ranks (slow):
 Fuyu and Granite 4 Vision (deepstack features as ``{layer: [image tokens, hidden]}``, cut to this rank's rows) equal the
@@ -70,7 +71,7 @@ def test_a_tower_feeding_a_decoder_built_from_the_model_s_own_config_is_refused_
 @pytest.mark.parametrize(
     ("family", "refusal"),
     [
-        ("evolla", r"EvollaForProteinText2Text has a tower \(model.protein_encoder.model, built from SaProtConfig\)"),
+        ("evolla", r"EvollaForProteinText2Text's language model \(model\) cross-attends to the image features"),
         ("pi0", r"PI0ForConditionalGeneration has a vision or audio tower, and ds_ring finds no language model"),
         ("git", r"GitForCausalLM has a vision or audio tower, and ds_ring finds no language model"),
     ],

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -110,11 +110,17 @@ _CROSS_ATTENTION = re.compile(r"cross_?att|encoder_?attn", re.IGNORECASE)
 """Names of cross-attention modules (Mllama's ``cross_attn``, BART-style ``encoder_attn``) and their classes."""
 
 
-def refuse_cross_attention(model_class: str, path: str, language_model: nn.Module) -> None:
+def refuse_cross_attention(
+    model_class: str, path: str, language_model: nn.Module, towers_inside: Sequence[nn.Module] = ()
+) -> None:
     """``ValueError`` for a language model with cross-attention layers (Mllama): their keys are the image features,
     which are not a shard of the sequence, so ds_ring's attention would exchange them over the ranks as if they were;
-    found by the module's name or class (``cross_attn``, ``encoder_attn``, ``...CrossAttention``)."""
+    found by the module's name or class (``cross_attn``, ``encoder_attn``, ``...CrossAttention``), outside
+    ``towers_inside`` (Chameleon's VQ-VAE inside its decoder's module: its ``EncoderAttnBlock`` attends over pixels)."""
+    skipped = {id(m) for tower in towers_inside for m in tower.modules()}
     for name, module in language_model.named_modules():
+        if id(module) in skipped:
+            continue
         if _CROSS_ATTENTION.search(name.rsplit(".", 1)[-1]) or _CROSS_ATTENTION.search(type(module).__name__):
             raise ValueError(
                 f"{model_class}'s language model ({path}) cross-attends to the image features "
@@ -146,7 +152,7 @@ def towers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def refuse_merge_inside(model: nn.Module, path: str, language_model: nn.Module) -> None:
     """``ValueError`` for a model whose decoder layers run in the module built from the model's own config (no nested
-    text config) while it holds a tower (Chameleon, Evolla): that module takes the tower's output in itself (merges
+    text config) while it holds a tower (Chameleon): that module takes the tower's output in itself (merges
     it at the image tokens, or attends to it), so no call before the decoder takes only the merged embeddings, and
     cutting its call into shards would cut the sequence before the merge."""
     if getattr(language_model, "config", None) is not getattr(model, "config", None):
@@ -302,7 +308,7 @@ class VisionLanguage:
                 continue
             if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (rows, seq_len):
                 cut[key] = shard_sequence(value, group, layout=self.layout, dim=1)
-            elif _features(value):
+            elif key != "attention_mask" and _features(value):  # a mask per layer type (Gemma 3's) is a mask
                 cut[key] = self._feature_rows(key, value, flags, rows, seq_len)
         positions = cut["position_ids"]
         self.batch = {"position_ids": self._text if positions.dim() == 3 else positions}
@@ -439,8 +445,9 @@ def cut_point(model: Any) -> tuple[str, nn.Module] | None:
             f"sub-model with the text config and decoder layers) before which to cut the sequence; train this model "
             f"without sequence parallelism"
         )
+    inside = {id(m) for m in found[1].modules()}
+    refuse_cross_attention(type(model).__name__, *found, [t for _, t in held if id(t) in inside])
     refuse_merge_inside(model, *found)
-    refuse_cross_attention(type(model).__name__, *found)
     return found
 
 
