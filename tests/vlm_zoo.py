@@ -304,6 +304,10 @@ RECIPES.update({  # group c
                         "qk_head_dim": 32, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
                         "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
                         "num_key_value_heads": 4, "n_group": 1, "topk_group": 1}, top={"projection_hidden_size": 32}),
+    "step3p7": Recipe(_square(32), {"image_size": 32, "patch_size": 4, "max_position_embeddings": 64},
+                      {"query_pre_attn_scalar": 16, "num_local_experts": 4, "n_routed_experts": 4,
+                       "num_experts_per_tok": 2, "moe_intermediate_size": 32, "share_expert_dim": 32,
+                       "mlp_layer_types": ["dense", "sparse"], "sliding_window": 16}),  # sliding: built, unused
 })  # fmt: skip
 
 RECIPES.update({  # group d
