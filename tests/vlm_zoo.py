@@ -136,6 +136,27 @@ def _patch_images(grid: int, patch: int) -> Callable[[int], dict[str, torch.Tens
     return make
 
 
+def _pooled_crops(patches: int, width: int) -> Callable[[int], dict[str, torch.Tensor]]:
+    """Molmo2-style crops ``[n, patches, width]`` (one crop per image), the patches each of an image's 8 tokens pools
+    (``image_token_pooling [8n, 4]``: 4 tokens of 4 patches, 4 of 2 patches and 2 padding slots, ``-1``) and their
+    grids ``[n, 4]`` (2 × 2 pooled tokens, twice)."""
+
+    def make(n: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(2)
+        pooling = []
+        for image in range(n):
+            first = image * patches
+            pooling += [[first + 4 * t + k for k in range(4)] for t in range(4)]
+            pooling += [[first + 2 * t, first + patches - 1 - t, -1, -1] for t in range(4)]
+        return {
+            "pixel_values": torch.randn(n, patches, width, generator=generator),
+            "image_token_pooling": torch.tensor(pooling),
+            "image_grids": torch.tensor([[2, 2, 2, 2]] * n),
+        }
+
+    return make
+
+
 @dataclass(frozen=True)
 class Recipe:
     """How to build one family tiny and feed it images: its vision config's fields, its text config's and the
@@ -308,6 +329,13 @@ RECIPES.update({  # group c
                       {"query_pre_attn_scalar": 16, "num_local_experts": 4, "n_routed_experts": 4,
                        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "share_expert_dim": 32,
                        "mlp_layer_types": ["dense", "sparse"], "sliding_window": 16}),  # sliding: built, unused
+    # Molmo2: every image token of a row attends to every other (one bidirectional block over the row's images)
+    "molmo2": Recipe(_pooled_crops(16, 48), {"image_size": [16, 16], "patch_size": 4, "num_position_embeddings": 16,
+                                             "num_key_value_heads": 2},
+                     top={"adapter_config": {"vision_feature_layer": [-1], "hidden_size": 32, "num_attention_heads": 2,
+                                             "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 64,
+                                             "text_hidden_size": 64},
+                          "image_patch_id": IMAGE}, mm_token_type_ids=True),  # not video_token_id's, mapped alike
 })  # fmt: skip
 
 RECIPES.update({  # group d
@@ -328,6 +356,7 @@ EXPECTED_REFUSALS.update({  # group c
     "qwen4_exp": r"Conv1d \(at layers.0.linear_attn.conv1d\) mixes information along the sequence",  # as its text model
     "glm5_next": r"Conv1d \(at layers.0.self_attn.conv1d\) mixes information along the sequence",  # its KDA layers
     "hy_v4_vl": r"uses its attention mask as a tensor",  # its DSA indexer's top-k mask, as HY-V4's text model
+    "molmo2": r"a block \(id 0\) of tokens that are not consecutive",  # a row's 2 images: one block with text between
 })  # fmt: skip
 
 EXPECTED_REFUSALS.update({  # group d
