@@ -170,6 +170,8 @@ class Recipe:
     moe_mm_token_type_ids: bool = False  # ERNIE 4.5-VL's: 1 at image tokens and their start / end (its experts)
     token_type_ids: str = ""  # "image": 1 at image tokens (Gemma 3); "suffix": 1 after the prefix (PaliGemma)
     image_sizes: int = 0  # Pixtral's image_sizes [n, 2] of this side
+    build: dict[str, Any] = field(default_factory=dict)  # the config's constructor arguments (Dots3 Note derives
+    # its per-layer configs there)
 
 
 _QFORMER = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
@@ -252,6 +254,15 @@ RECIPES: dict[str, Recipe] = {
 _AUDIO = dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, num_mel_bins=16,
               output_dim=64, max_source_positions=64, n_window=8)  # fmt: skip
 """The Qwen omni thinkers' audio tower, tiny."""
+
+_DOTS3_TEXT = dict(head_dim=32, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16,
+                   qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=32, n_shared_experts=1, shared_experts_intermediate_size=32, index_topk=16,
+                   index_head_dim=16, index_n_heads=2, use_sliding_window=False)  # fmt: skip
+_DOTS3_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=2,
+                     adapter_in_dim=32, adapter_out_dim=64, moe_intermediate_size=32,
+                     pyramid_num_routed=[-1, 4])  # fmt: skip
+"""Dots3 Note's text and vision configs, tiny, at construction (its per-layer MLA and expert configs derive there)."""
 
 RECIPES.update({  # group a
 })  # fmt: skip
@@ -336,6 +347,12 @@ RECIPES.update({  # group c
                                              "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 64,
                                              "text_hidden_size": 64},
                           "image_patch_id": IMAGE}, mm_token_type_ids=True),  # not video_token_id's, mapped alike
+    "dots3_note": Recipe(_patches(8, 12), {"patch_size": 2}, {"head_dim": 32, "num_key_value_heads": 4},
+                         build={"text_config": {**TEXT, **_DOTS3_TEXT}, "vision_config": _DOTS3_VISION,
+                                "audio_config": {**_AUDIO, "hidden_size": 32, "intermediate_size": 64,
+                                                 "num_hidden_layers": 1, "num_attention_heads": 2,
+                                                 "adapter_input_size": 32, "adapter_out_dim": 64,
+                                                 "downsample_hidden_size": 16, "feature_size": 16}}),
 })  # fmt: skip
 
 RECIPES.update({  # group d
@@ -356,6 +373,7 @@ EXPECTED_REFUSALS.update({  # group c
     "qwen4_exp": r"Conv1d \(at layers.0.linear_attn.conv1d\) mixes information along the sequence",  # as its text model
     "glm5_next": r"Conv1d \(at layers.0.self_attn.conv1d\) mixes information along the sequence",  # its KDA layers
     "hy_v4_vl": r"uses its attention mask as a tensor",  # its DSA indexer's top-k mask, as HY-V4's text model
+    "dots3_note": r"uses its attention mask as a tensor",  # its DSA indexer's top-k mask, as its text model
     "molmo2": r"a block \(id 0\) of tokens that are not consecutive",  # a row's 2 images: one block with text between
 })  # fmt: skip
 
@@ -388,7 +406,7 @@ def tiny_config(family: str) -> Any:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     recipe = RECIPES[family]
-    config = CONFIG_MAPPING[family]()
+    config = CONFIG_MAPPING[family](**recipe.build)
     _set(config.text_config, {**TEXT, **recipe.text})
     _set(config.vision_config, {**VISION, **recipe.vision})
     ids = dict(image_token_id=IMAGE, image_token_index=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
