@@ -217,6 +217,27 @@ def _low_and_high(low: int, high: int) -> Callable[[int], dict[str, torch.Tensor
     return make
 
 
+def _pooled_crops(patches: int, width: int) -> Callable[[int], dict[str, torch.Tensor]]:
+    """Molmo2-style crops ``[n, patches, width]`` (one crop per image), the patches each of an image's 8 tokens pools
+    (``image_token_pooling [8n, 4]``: 4 tokens of 4 patches, 4 of 2 patches and 2 padding slots, ``-1``) and their
+    grids ``[n, 4]`` (2 × 2 pooled tokens, twice)."""
+
+    def make(n: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(2)
+        pooling = []
+        for image in range(n):
+            first = image * patches
+            pooling += [[first + 4 * t + k for k in range(4)] for t in range(4)]
+            pooling += [[first + 2 * t, first + patches - 1 - t, -1, -1] for t in range(4)]
+        return {
+            "pixel_values": torch.randn(n, patches, width, generator=generator),
+            "image_token_pooling": torch.tensor(pooling),
+            "image_grids": torch.tensor([[2, 2, 2, 2]] * n),
+        }
+
+    return make
+
+
 def _packed(grid: int, patch: int) -> Callable[[int], dict[str, torch.Tensor]]:
     """MiniCPM-V's NaViT-packed patches of ``n`` images of ``grid × grid`` patches in one row
     ``[1, 3, patch, n·grid²·patch]``, and their ``target_sizes [n, 2]`` in patches."""
@@ -379,6 +400,15 @@ _AUDIO = dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_f
               output_dim=64, max_source_positions=64, n_window=8)  # fmt: skip
 """The Qwen omni thinkers' audio tower, tiny."""
 
+_DOTS3_TEXT = dict(head_dim=32, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16,
+                   qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=32, n_shared_experts=1, shared_experts_intermediate_size=32, index_topk=16,
+                   index_head_dim=16, index_n_heads=2, use_sliding_window=False)  # fmt: skip
+_DOTS3_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=2,
+                     adapter_in_dim=32, adapter_out_dim=64, moe_intermediate_size=32,
+                     pyramid_num_routed=[-1, 4])  # fmt: skip
+"""Dots3 Note's text and vision configs, tiny, at construction (its per-layer MLA and expert configs derive there)."""
+
 RECIPES.update({  # group a
     "kosmos-2": Recipe(_square(16), {"image_size": 16, "patch_size": 4},
                        {"embed_dim": 64, "layers": 2, "ffn_dim": 128, "attention_heads": 4},
@@ -539,6 +569,23 @@ RECIPES.update({  # group c
                         "qk_head_dim": 32, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
                         "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
                         "num_key_value_heads": 4, "n_group": 1, "topk_group": 1}, top={"projection_hidden_size": 32}),
+    "step3p7": Recipe(_square(32), {"image_size": 32, "patch_size": 4, "max_position_embeddings": 64},
+                      {"query_pre_attn_scalar": 16, "num_local_experts": 4, "n_routed_experts": 4,
+                       "num_experts_per_tok": 2, "moe_intermediate_size": 32, "share_expert_dim": 32,
+                       "mlp_layer_types": ["dense", "sparse"], "sliding_window": 16}),  # sliding: built, unused
+    # Molmo2: every image token of a row attends to every other (one bidirectional block over the row's images)
+    "molmo2": Recipe(_pooled_crops(16, 48), {"image_size": [16, 16], "patch_size": 4, "num_position_embeddings": 16,
+                                             "num_key_value_heads": 2},
+                     top={"adapter_config": {"vision_feature_layer": [-1], "hidden_size": 32, "num_attention_heads": 2,
+                                             "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 64,
+                                             "text_hidden_size": 64},
+                          "image_patch_id": IMAGE}, mm_token_type_ids=True),  # not video_token_id's, mapped alike
+    "dots3_note": Recipe(_patches(8, 12), {"patch_size": 2}, {"head_dim": 32, "num_key_value_heads": 4},
+                         init={"text_config": {**TEXT, **_DOTS3_TEXT}, "vision_config": _DOTS3_VISION,
+                                "audio_config": {**_AUDIO, "hidden_size": 32, "intermediate_size": 64,
+                                                 "num_hidden_layers": 1, "num_attention_heads": 2,
+                                                 "adapter_input_size": 32, "adapter_out_dim": 64,
+                                                 "downsample_hidden_size": 16, "feature_size": 16}}),
 })  # fmt: skip
 
 _INKLING2_VISION = dict(patch_size=2, spatial_merge_size=2, posemb_grid_size=4, projection_hidden_dim=64,
@@ -634,6 +681,8 @@ EXPECTED_REFUSALS.update({  # group c
     "qwen4_exp": r"Conv1d \(at layers.0.linear_attn.conv1d\) mixes information along the sequence",  # as its text model
     "glm5_next": r"Conv1d \(at layers.0.self_attn.conv1d\) mixes information along the sequence",  # its KDA layers
     "hy_v4_vl": r"uses its attention mask as a tensor",  # its DSA indexer's top-k mask, as HY-V4's text model
+    "dots3_note": r"uses its attention mask as a tensor",  # its DSA indexer's top-k mask, as its text model
+    "molmo2": r"a block \(id 0\) of tokens that are not consecutive",  # a row's 2 images: one block with text between
 })  # fmt: skip
 
 _EAGER_ONLY = r"computes attention in its own code \(transformers offers it no attention implementation but eager"
