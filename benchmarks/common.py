@@ -129,12 +129,17 @@ def causal_pairs(m: int, causal: bool) -> int:
     return m * (m + 1) // 2 if causal else m * m
 
 
-def pairs_dilated(seq: int, heads: int, segs: Sequence[int], rates: Sequence[int], causal: bool) -> int:
-    """Pairs of LongNet dilated attention, every head running every branch at offset ``h % r`` (ds_ring)."""
+def pairs_dilated(seq: int, heads: int, segs: Sequence[int], rates: Sequence[int], causal: bool,
+                  split_heads: bool = False) -> int:  # fmt: skip
+    """Pairs of LongNet dilated attention, every head running every branch at offset ``h % r`` (ds_ring); with
+    ``split_heads`` head group i (``heads // n``, the first ``heads % n`` one more) runs branch i at offset ``i % r``
+    (dilated-attention-pytorch)."""
     total = 0
-    for w, r in zip(segs, rates, strict=True):
+    for i, (w, r) in enumerate(zip(segs, rates, strict=True)):
         lens = [w] * (seq // w) + ([seq % w] if seq % w else [])
-        total += sum(causal_pairs(kept_positions(n, h % r, r), causal) for h in range(heads) for n in lens)
+        n = len(rates)
+        offsets = [i % r] * (heads // n + (i < heads % n)) if split_heads else [h % r for h in range(heads)]
+        total += sum(causal_pairs(kept_positions(m, o, r), causal) for o in offsets for m in lens)
     return total
 
 
