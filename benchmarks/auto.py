@@ -16,12 +16,12 @@ from benchmarks.auto_fit import agreed_link
 from benchmarks.common import Case, figure, fmt_seq, qkv_dout
 from benchmarks.driver import Benchmark, Column, Session, main, markdown_table
 from benchmarks.hosts import HOST_RANKS, time_two_hosts
+from benchmarks.strategies import STRATEGIES
 from ds_ring import testing
 from ds_ring.auto import strategy as auto
 from ds_ring.comm import cores
 
 GRID_HEADS = ((8, 8), (8, 2))
-STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
 
 
 def interleaved_rank(rank: int, world: int, cases: list[Case], rounds: int, timeout_s: float,
@@ -114,7 +114,7 @@ def _verdict(point: dict[str, Any], times: dict[str, list[float]], choice: dict,
 def memory_check(args: Any) -> list[dict[str, Any]]:
     """Measured slope (q-shards, :func:`benchmarks.auto_fit.measure_memory`) vs the model's, per strategy."""
     lengths = tuple(args.memory_lengths)
-    rows = auto_fit.measure_memory(args.memory_ranks, 8, 8, lengths, args.timeout_s, list(STRATEGIES))
+    rows = auto_fit.measure_memory(args.memory_ranks, 8, 8, lengths, args.timeout_s, STRATEGIES)
     for row in rows:
         measured, predicted = row["measured_q_shards"], auto_fit.predict_memory(row)
         row.update(predicted_q_shards=predicted, error=predicted / measured - 1 if measured else None,
@@ -175,7 +175,6 @@ BENCHMARK = Benchmark(
     name="auto", module="benchmarks.auto", title="strategy='auto' vs every strategy, fp32 causal, head dim 64",
     plan=plan, build=strategies.build, report=report, plots=plots, add_args=add_args,
     seqs=([2048, 4096], [2048]), worlds=[2, 4], calls=3,
-    label=lambda c: f"{c.impl} p={c.world}{f' dp{c.data}' * (c.data > 1)} {fmt_seq(c.seq)} {c.heads}/{c.kv_heads}h",
 )  # fmt: skip
 if __name__ == "__main__":
     raise SystemExit(main(BENCHMARK))

@@ -23,6 +23,7 @@ import torch
 from benchmarks import memory
 from benchmarks.common import Case, read_json, script_args, ulysses_degree, write_json
 from benchmarks.driver import Column, markdown_table
+from benchmarks.strategies import STRATEGIES
 from ds_ring import testing
 from ds_ring.auto.model import BUFFERS, Calibration, Link, Option, Problem, memory_q_shards, plan_options
 from ds_ring.auto.probe import agree_link, measure_link
@@ -40,7 +41,6 @@ GRIDS: dict[str, dict[str, Any]] = {
         "memory": [(w, 8, 2, (4096, 8192)) for w in (2, 3, 4)],
     },
 }
-STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
 COMMUNICATION = {"ring": "ring", "allgather": "allgather", "ulysses": None, "hybrid": "ring"}
 LINK_KEYS = ("latency_s", "bandwidth", "flops")
 BASELINE_CALIBRATION = {"compute": 1.0, "comm": 1.0}  # what auto computed with before any fit: the probe as measured

@@ -129,12 +129,17 @@ def causal_pairs(m: int, causal: bool) -> int:
     return m * (m + 1) // 2 if causal else m * m
 
 
-def pairs_dilated(seq: int, heads: int, segs: Sequence[int], rates: Sequence[int], causal: bool) -> int:
-    """Pairs of LongNet dilated attention, every head running every branch at offset ``h % r`` (ds_ring)."""
+def pairs_dilated(seq: int, heads: int, segs: Sequence[int], rates: Sequence[int], causal: bool,
+                  split_heads: bool = False) -> int:  # fmt: skip
+    """Pairs of LongNet dilated attention, every head running every branch at offset ``h % r`` (ds_ring); with
+    ``split_heads`` head group i (``heads // n``, the first ``heads % n`` one more) runs branch i at offset ``i % r``
+    (dilated-attention-pytorch)."""
     total = 0
-    for w, r in zip(segs, rates, strict=True):
+    for i, (w, r) in enumerate(zip(segs, rates, strict=True)):
         lens = [w] * (seq // w) + ([seq % w] if seq % w else [])
-        total += sum(causal_pairs(kept_positions(n, h % r, r), causal) for h in range(heads) for n in lens)
+        n = len(rates)
+        offsets = [i % r] * (heads // n + (i < heads % n)) if split_heads else [h % r for h in range(heads)]
+        total += sum(causal_pairs(kept_positions(m, o, r), causal) for o in offsets for m in lens)
     return total
 
 
@@ -288,11 +293,12 @@ def ulysses_degree(strategy: str, world: int) -> int:
 
 
 def script_args(doc: str, *options: tuple[str, dict[str, Any]], argv: list[str] | None = None,
-                timeout_s: float = 600) -> argparse.Namespace:  # fmt: skip
+                timeout_s: float | None = 600) -> argparse.Namespace:  # fmt: skip
     """The command line of a benchmark with its own main: ``options`` (flag, ``add_argument`` keywords), then
-    ``--timeout-s`` (every wait, s) and ``--out`` (the results' folder)."""
+    ``--timeout-s`` (every wait, s; none where ``timeout_s`` is None) and ``--out`` (the results' folder)."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for flag, kwargs in (*options, ("--timeout-s", {"type": float, "default": timeout_s}), ("--out", {"type": Path})):
+    waits = [] if timeout_s is None else [("--timeout-s", {"type": float, "default": timeout_s})]
+    for flag, kwargs in (*options, *waits, ("--out", {"type": Path})):
         p.add_argument(flag, **kwargs)
     args = p.parse_args(argv)
     args.out = args.out or RESULTS

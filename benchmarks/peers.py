@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from deepspeed.sequence.layer import DistributedAttention
 from torch import Tensor
 
-from benchmarks.common import AttentionFn, Case, Skip, causal_pairs, kept_positions, useful_gflop
+from benchmarks.common import AttentionFn, Case, Skip, pairs_dilated, useful_gflop
 
 RAP, DAP = "ring-attention-pytorch==0.5.20", "dilated-attention-pytorch==0.2.0"
 PEERS = [RAP, DAP, "einops>=0.8.0", "beartype", "jaxtyping"]  # installed with --no-deps
@@ -73,15 +73,11 @@ def dap_attention(case: Case) -> AttentionFn:
 
 
 def flop(case: Case) -> float:
-    """Useful fwd+bwd GFLOP of one call; dap's head group i (``heads // n``, the first ``heads % n`` one more)
-    runs branch i at offset i % r."""
+    """Useful fwd+bwd GFLOP of one call; dap splits the heads among the branches."""
     if case.impl != "dap":
         return useful_gflop(case)
-    n, pairs = len(case.dilation_rates or ()), 0
-    for i, (w, r) in enumerate(zip(case.segment_lengths or (), case.dilation_rates or (), strict=True)):
-        heads = case.heads // n + (i < case.heads % n)
-        pairs += heads * (case.seq // w) * causal_pairs(kept_positions(w, i % r, r), case.causal)
-    return useful_gflop(case, pairs)
+    segs, rates = case.segment_lengths or (), case.dilation_rates or ()
+    return useful_gflop(case, pairs_dilated(case.seq, case.heads, segs, rates, case.causal, split_heads=True))
 
 
 def _install_fake_xformers() -> None:

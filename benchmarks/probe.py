@@ -13,12 +13,8 @@ from ds_ring.testing import rank_results, spawn_ranks
 
 
 def _probe_rank(rank: int, world: int, repeats: int) -> list[dict[str, Any]]:
-    """``repeats`` agreed probes of the world group (what ``auto``'s first call measures), each with the load."""
-    rows = []
-    for _ in range(repeats):
-        load = os.getloadavg()[0]
-        rows.append({**agreed_link(), "load": load})
-    return rows
+    """``repeats`` agreed probes of the world group (what ``auto``'s first call measures), each with the load before."""
+    return [{"load": os.getloadavg()[0], **agreed_link()} for _ in range(repeats)]
 
 
 def spread(values: list[float]) -> dict[str, float]:

@@ -1,7 +1,6 @@
 """``python -m benchmarks.trainer``: tokens/s of ``SequenceParallelTrainer`` vs the hand-written loop, same job, the
 two alternated round by round (``benchmarks/SUITE.md``); prints the median of the per-round ratios Trainer ÷ loop."""
 
-import argparse
 import json
 import os
 import re
@@ -10,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.common import RESULTS, ROOT, figure, rel, write_json
+from benchmarks.common import ROOT, figure, rel, script_args, write_json
 
 JOBS = {
     "hand-written loop": ("launch/train_hf.py", "ds_configs/hf_ring.json", r"rank 0:\s+(\d+) tokens/s"),
@@ -30,11 +29,8 @@ def tokens_per_s(script: str, config: str, pattern: str, steps: int, seq: int) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for flag, default in (("--rounds", 4), ("--steps", 30), ("--seq", 2048)):
-        p.add_argument(flag, type=int, default=default)
-    p.add_argument("--out", type=Path, default=RESULTS)
-    args = p.parse_args(argv)
+    flags = (("--rounds", 4), ("--steps", 30), ("--seq", 2048))
+    args = script_args(__doc__, *((f, {"type": int, "default": d}) for f, d in flags), argv=argv, timeout_s=None)
     rounds = []
     for r in range(args.rounds):
         rounds.append({name: tokens_per_s(*job, args.steps, args.seq) for name, job in JOBS.items()})
