@@ -275,6 +275,10 @@ _YARN_LLAMA4 = {"type": "yarn", "rope_type": "yarn", "rope_theta": 10_000.0, "fa
                 "original_max_position_embeddings": 16, "max_position_embeddings": 4 * SEQ, "beta_fast": 32.0,
                 "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}  # fmt: skip
 """Mistral 4's YaRN with its Llama-4 query scaling by position, which steps every 16 tokens here."""
+_GEMMA3N_TEXT = dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, sliding_window=16,
+                     num_hidden_layers=3, num_kv_shared_layers=1, laurel_rank=8, activation_sparsity_pattern=[0.0] * 3,
+                     layer_types=["sliding_attention", "full_attention", "sliding_attention"])  # fmt: skip
+"""Gemma 3n's text model tiny: its per-layer inputs, a third layer sharing the first's keys and values."""
 RECIPES.update({  # group b
     "gemma4": Recipe(_positioned(6, 4), {"patch_size": 4, "pooling_kernel_size": 2, "position_embedding_size": 16,
                                          "num_key_value_heads": 2},
@@ -317,6 +321,13 @@ RECIPES.update({  # group b
                             {"architecture": "vit_pe_core_tiny_patch16_384", "model_args": {
                                 "embed_dim": 32, "depth": 2, "num_heads": 2, "img_size": 32, "patch_size": 8,
                                 "ref_feat_shape": (4, 4), "global_pool": ""}}),
+    "gemma3n": Recipe(_square(64), {"hidden_size": 2048, "vocab_offset": VOCAB, "model_args": {  # MobileNetV5 (timm)
+        "channel_multiplier": 0.05, "msfa_output_resolution": 4}},  # its fusion adapter's 2048 channels are fixed
+                      init={"text_config": {**TEXT, **_GEMMA3N_TEXT},
+                            "audio_config": {"hidden_size": 32, "vocab_offset": VOCAB + 128,
+                                             "conf_num_hidden_layers": 1, "conf_num_attention_heads": 2,
+                                             "sscp_conv_channel_size": (8, 8)}},
+                      top={"vision_soft_tokens_per_image": 16}),
     "llama4": Recipe(_square(16), {"image_size": 16, "patch_size": 4, "intermediate_size": 128,
                                    "vision_output_dim": 32, "projector_input_dim": 32, "projector_output_dim": 32},
                      init={"text_config": {**TEXT, "num_local_experts": 4, "intermediate_size_mlp": 128,
