@@ -270,6 +270,9 @@ RECIPES.update({  # group a
 
 _GEMMA4_TEXT = dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, sliding_window=16,
                     use_bidirectional_attention="vision", global_head_dim=16)  # fmt: skip
+_GEMMA4_LARGE = dict(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "full_attention"],
+                     num_kv_shared_layers=1, attention_k_eq_v=True, num_global_key_value_heads=1,
+                     enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)  # fmt: skip
 """Gemma 4's text model tiny: its per-layer embeddings, a sliding window shorter than the row, bidirectional images."""
 _YARN_LLAMA4 = {"type": "yarn", "rope_type": "yarn", "rope_theta": 10_000.0, "factor": 16.0,
                 "original_max_position_embeddings": 16, "max_position_embeddings": 4 * SEQ, "beta_fast": 32.0,
@@ -282,7 +285,8 @@ _GEMMA3N_TEXT = dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_inp
 RECIPES.update({  # group b
     "gemma4": Recipe(_positioned(6, 4), {"patch_size": 4, "pooling_kernel_size": 2, "position_embedding_size": 16,
                                          "num_key_value_heads": 2},
-                     init={"vision_config": {}, "text_config": {**TEXT, **_GEMMA4_TEXT}}, mm_token_type_ids=True),
+                     init={"vision_config": {}, "text_config": {**TEXT, **_GEMMA4_TEXT, **_GEMMA4_LARGE}},
+                     mm_token_type_ids=True),
     "gemma4_unified": Recipe(_positioned(3, 4), {"patch_size": 2, "pooling_kernel_size": 2, "mm_embed_dim": 32,
                                                  "output_proj_dims": 32, "mm_posemb_size": 16},
                              init={"vision_config": {}, "text_config": {**TEXT, **_GEMMA4_TEXT}},
