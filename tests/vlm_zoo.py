@@ -270,10 +270,11 @@ RECIPES.update({  # group a
 
 _GEMMA4_TEXT = dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, sliding_window=16,
                     use_bidirectional_attention="vision", global_head_dim=16)  # fmt: skip
+"""Gemma 4's text model tiny: its per-layer embeddings, a sliding window shorter than the row, bidirectional images."""
 _GEMMA4_LARGE = dict(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "full_attention"],
                      num_kv_shared_layers=1, attention_k_eq_v=True, num_global_key_value_heads=1,
                      enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)  # fmt: skip
-"""Gemma 4's text model tiny: its per-layer embeddings, a sliding window shorter than the row, bidirectional images."""
+"""What its larger checkpoints add: MoE, keys as values with one K/V head in global layers, a KV-shared last layer."""
 _YARN_LLAMA4 = {"type": "yarn", "rope_type": "yarn", "rope_theta": 10_000.0, "factor": 16.0,
                 "original_max_position_embeddings": 16, "max_position_embeddings": 4 * SEQ, "beta_fast": 32.0,
                 "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}  # fmt: skip
@@ -313,9 +314,8 @@ RECIPES.update({  # group b
                                                          "mlp_dim": 64, "downsample_channels": (32, 32)},
                                           "encoder_config": {**VISION, "image_size": 28, "patch_size": 14}},
                             init={"text_config": {**TEXT, "num_key_value_heads": 4, "n_routed_experts": 4,
-                                                  "num_experts_per_tok": 2,
-                                                  "moe_intermediate_size": 32, "n_shared_experts": 1,
-                                                  "sliding_window": 16}}),
+                                                  "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                                  "n_shared_experts": 1, "sliding_window": 16}}),
     "minicpm_ocr": Recipe(_packed(8, 4), {"image_size": 32, "patch_size": 4},
                           {"rope_parameters": {**MROPE, "mrope_interleaved": True},
                            "layer_types": ["linear_attention", "full_attention"]}),
