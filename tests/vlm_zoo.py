@@ -332,6 +332,10 @@ RECIPES.update({  # group b
                                              "conf_num_hidden_layers": 1, "conf_num_attention_heads": 2,
                                              "sscp_conv_channel_size": (8, 8)}},
                       top={"vision_soft_tokens_per_image": 16}),
+    "diffusion_gemma": Recipe(_positioned(6, 4), {"patch_size": 4, "pooling_kernel_size": 2,  # refused: listed
+                                                  "position_embedding_size": 16, "num_key_value_heads": 2},
+                              init={"text_config": {**TEXT, **_GEMMA4_TEXT, "num_experts": 4, "top_k_experts": 2,
+                                                    "moe_intermediate_size": 32}}),
     "llama4": Recipe(_square(16), {"image_size": 16, "patch_size": 4, "intermediate_size": 128,
                                    "vision_output_dim": 32, "projector_input_dim": 32, "projector_output_dim": 32},
                      init={"text_config": {**TEXT, "num_local_experts": 4, "intermediate_size_mlp": 128,
@@ -536,25 +540,18 @@ def run_family(rank: int, world: int, family: str, strategies: list[str]) -> lis
 def refused_config(family: str) -> str:
     """``"refused: <why>"`` when ``register_with_transformers`` refuses the family from its default config alone,
     whatever its inputs: an encoder-decoder vision model
-    (:func:`~ds_ring.integrations.hf.vision.refuse_encoder_decoder`, the check registration makes first), a model
-    whose ``forward`` takes ``decoder_input_ids`` (:func:`~ds_ring.integrations.hf.vision.refuse_decoder_inputs`, on
-    its class), or a language model that cross-attends to the images
+    (:func:`~ds_ring.integrations.hf.vision.refuse_encoder_decoder`, the check registration makes first), or a
+    language model that cross-attends to the images
     (:func:`~ds_ring.integrations.hf.vision.refuse_cross_attention` on the model built on the meta device); ``""``
     otherwise."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
-    from ds_ring.integrations.hf.vision import (
-        find_language_model,
-        refuse_cross_attention,
-        refuse_decoder_inputs,
-        refuse_encoder_decoder,
-    )
+    from ds_ring.integrations.hf.vision import find_language_model, refuse_cross_attention, refuse_encoder_decoder
 
     config = CONFIG_MAPPING[family]()
     try:
         refuse_encoder_decoder(config)
-        refuse_decoder_inputs(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)])
     except ValueError as err:
         return f"refused: {err}"
     try:
@@ -574,7 +571,11 @@ def refused_config(family: str) -> str:
 
 def not_run(names: list[str]) -> dict[str, str]:
     """Family → why it is not run here: ds_ring refuses its config (:func:`refused_config`), no recipe, a tiny
-    build that fails, or transformers' own whole model failing as its recipe's ``whole_model_fails`` says."""
+    build that fails, ds_ring refusing the tiny instance whatever its inputs
+    (:func:`~ds_ring.integrations.hf.vision.refuse_decoder_inputs`), or transformers' own whole model failing as its
+    recipe's ``whole_model_fails`` says."""
+    from ds_ring.integrations.hf.vision import refuse_decoder_inputs
+
     why = {}
     for family in names:
         if family not in RECIPES:
@@ -588,6 +589,11 @@ def not_run(names: list[str]) -> dict[str, str]:
         except Exception as err:  # noqa: BLE001 - every reason is listed
             first = next((line for line in str(err).splitlines() if line.strip()), "")  # transformers' start "\n"
             why[family] = f"{type(err).__name__}: {first[:160]}"
+            continue
+        try:  # refused at registration from the instance, whatever its inputs (DiffusionGemma's second sequence)
+            refuse_decoder_inputs(model)
+        except ValueError as err:
+            why[family] = f"refused: {err}"
             continue
         failure = RECIPES[family].whole_model_fails
         if failure:  # checked, not trusted: once transformers' model runs, the family runs here
