@@ -55,6 +55,16 @@ def test_a_spec_used_as_a_tensor_raises_a_value_error():
             use()
 
 
+def test_a_spec_indexed_whole_is_itself():
+    """Gemma 4 slices its masks to ``logits_to_keep`` before its KV-shared layers: ``0`` in training, all of it."""
+    spec = MaskSpec(causal=True, window=16)
+    assert spec[:, :, slice(-0, None), :] is spec
+    assert spec[..., :] is spec
+    for part in (slice(-4, None), slice(0, 8), slice(None, None, 2), 0):
+        with pytest.raises(ValueError, match="uses its attention mask as a tensor"):
+            spec[:, :, part, :]
+
+
 def _mask(tokens, window=None, allow=None):
     distance = tokens[:, None] - tokens[None, :]
     ok = distance >= 0

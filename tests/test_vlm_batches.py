@@ -155,6 +155,7 @@ def test_a_model_decoding_a_second_sequence_is_refused_before_any_communication(
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 
     from ds_ring.integrations.hf import register_with_transformers
+    from ds_ring.integrations.hf.vision import refuse_decoder_inputs
 
     text = {**vlm_zoo.TEXT, "num_hidden_layers": 1, "vocab_size_per_layer_input": vlm_zoo.VOCAB,
             "hidden_size_per_layer_input": 8, "global_head_dim": 16, "num_experts": 2, "top_k_experts": 1,
@@ -163,5 +164,8 @@ def test_a_model_decoding_a_second_sequence_is_refused_before_any_communication(
               "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
     with torch.device("meta"):
         model = DiffusionGemmaForBlockDiffusion(DiffusionGemmaConfig(text_config=text, vision_config=vision))
-    with pytest.raises(ValueError, match="DiffusionGemmaForBlockDiffusion's forward takes decoder_input_ids"):
+    with pytest.raises(ValueError, match="DiffusionGemmaForBlockDiffusion's forward takes decoder_input_ids and its "
+                       "decoder .DiffusionGemmaDecoderModel. is not its language model"):  # fmt: skip
         register_with_transformers(model, config={"ring_attention": {"strategy": "ring"}})
+    with torch.device("meta"):  # BLIP-2 names decoder_input_ids (for a T5) but decodes with its language model
+        refuse_decoder_inputs(vlm_zoo.build("blip-2"))

@@ -447,14 +447,23 @@ RECIPES.update({  # group a
 _GEMMA4_TEXT = dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, sliding_window=16,
                     use_bidirectional_attention="vision", global_head_dim=16)  # fmt: skip
 """Gemma 4's text model tiny: its per-layer embeddings, a sliding window shorter than the row, bidirectional images."""
+_GEMMA4_LARGE = dict(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "full_attention"],
+                     num_kv_shared_layers=1, attention_k_eq_v=True, num_global_key_value_heads=1,
+                     enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)  # fmt: skip
+"""What its larger checkpoints add: MoE, keys as values with one K/V head in global layers, a KV-shared last layer."""
 _YARN_LLAMA4 = {"type": "yarn", "rope_type": "yarn", "rope_theta": 10_000.0, "factor": 16.0,
                 "original_max_position_embeddings": 16, "max_position_embeddings": 4 * SEQ, "beta_fast": 32.0,
                 "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}  # fmt: skip
 """Mistral 4's YaRN with its Llama-4 query scaling by position, which steps every 16 tokens here."""
+_GEMMA3N_TEXT = dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, sliding_window=16,
+                     num_hidden_layers=3, num_kv_shared_layers=1, laurel_rank=8, activation_sparsity_pattern=[0.0] * 3,
+                     layer_types=["sliding_attention", "full_attention", "sliding_attention"])  # fmt: skip
+"""Gemma 3n's text model tiny: its per-layer inputs, a third layer sharing the first's keys and values."""
 RECIPES.update({  # group b
     "gemma4": Recipe(_positioned(6, 4), {"patch_size": 4, "pooling_kernel_size": 2, "position_embedding_size": 16,
                                          "num_key_value_heads": 2},
-                     init={"vision_config": {}, "text_config": {**TEXT, **_GEMMA4_TEXT}}, mm_token_type_ids=True),
+                     init={"vision_config": {}, "text_config": {**TEXT, **_GEMMA4_TEXT, **_GEMMA4_LARGE}},
+                     mm_token_type_ids=True),
     "gemma4_unified": Recipe(_positioned(3, 4), {"patch_size": 2, "pooling_kernel_size": 2, "mm_embed_dim": 32,
                                                  "output_proj_dims": 32, "mm_posemb_size": 16},
                              init={"vision_config": {}, "text_config": {**TEXT, **_GEMMA4_TEXT}},
@@ -481,9 +490,8 @@ RECIPES.update({  # group b
                                                          "mlp_dim": 64, "downsample_channels": (32, 32)},
                                           "encoder_config": {**VISION, "image_size": 28, "patch_size": 14}},
                             init={"text_config": {**TEXT, "num_key_value_heads": 4, "n_routed_experts": 4,
-                                                  "num_experts_per_tok": 2,
-                                                  "moe_intermediate_size": 32, "n_shared_experts": 1,
-                                                  "sliding_window": 16}}),
+                                                  "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                                  "n_shared_experts": 1, "sliding_window": 16}}),
     "minicpm_ocr": Recipe(_packed(8, 4), {"image_size": 32, "patch_size": 4},
                           {"rope_parameters": {**MROPE, "mrope_interleaved": True},
                            "layer_types": ["linear_attention", "full_attention"]}),
@@ -493,6 +501,17 @@ RECIPES.update({  # group b
                             {"architecture": "vit_pe_core_tiny_patch16_384", "model_args": {
                                 "embed_dim": 32, "depth": 2, "num_heads": 2, "img_size": 32, "patch_size": 8,
                                 "ref_feat_shape": (4, 4), "global_pool": ""}}),
+    "gemma3n": Recipe(_square(64), {"hidden_size": 2048, "vocab_offset": VOCAB, "model_args": {  # MobileNetV5 (timm)
+        "channel_multiplier": 0.05, "msfa_output_resolution": 4}},  # its fusion adapter's 2048 channels are fixed
+                      init={"text_config": {**TEXT, **_GEMMA3N_TEXT},
+                            "audio_config": {"hidden_size": 32, "vocab_offset": VOCAB + 128,
+                                             "conf_num_hidden_layers": 1, "conf_num_attention_heads": 2,
+                                             "sscp_conv_channel_size": (8, 8)}},
+                      top={"vision_soft_tokens_per_image": 16}),
+    "diffusion_gemma": Recipe(_positioned(6, 4), {"patch_size": 4, "pooling_kernel_size": 2,  # refused: listed
+                                                  "position_embedding_size": 16, "num_key_value_heads": 2},
+                              init={"text_config": {**TEXT, **_GEMMA4_TEXT, "num_experts": 4, "top_k_experts": 2,
+                                                    "moe_intermediate_size": 32}}),
     "llama4": Recipe(_square(16), {"image_size": 16, "patch_size": 4, "intermediate_size": 128,
                                    "vision_output_dim": 32, "projector_input_dim": 32, "projector_output_dim": 32},
                      init={"text_config": {**TEXT, "num_local_experts": 4, "intermediate_size_mlp": 128,
@@ -878,21 +897,18 @@ def run_family(rank: int, world: int, family: str, strategies: list[str]) -> lis
 def refused_config(family: str) -> str:
     """``"refused: <why>"`` when ``register_with_transformers`` refuses the family from its default config alone,
     whatever its inputs: an encoder-decoder model
-    (:func:`~ds_ring.integrations.hf.vision.refuse_encoder_decoder`, the check registration makes first), a model
-    whose ``forward`` takes ``decoder_input_ids`` (:func:`~ds_ring.integrations.hf.vision.refuse_decoder_inputs`, on
-    its class), or what :func:`~ds_ring.integrations.hf.vision.vision_language` refuses of the model built on the meta
-    device (no language model to cut before, the merge inside its decoder, a language model that cross-attends to the
-    images); ``""``
+    (:func:`~ds_ring.integrations.hf.vision.refuse_encoder_decoder`, the check registration makes first), or what
+    :func:`~ds_ring.integrations.hf.vision.vision_language` refuses of the model built on the meta device (no language
+    model to cut before, the merge inside its decoder, a language model that cross-attends to the images); ``""``
     otherwise."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
-    from ds_ring.integrations.hf.vision import refuse_decoder_inputs, refuse_encoder_decoder, vision_language
+    from ds_ring.integrations.hf.vision import refuse_encoder_decoder, vision_language
 
     config = CONFIG_MAPPING[family]()
     try:
         refuse_encoder_decoder(config)
-        refuse_decoder_inputs(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)])
     except ValueError as err:
         return f"refused: {err}"
     try:
@@ -912,7 +928,11 @@ def refused_config(family: str) -> str:
 
 def not_run(names: list[str]) -> dict[str, str]:
     """Family → why it is not run here: ds_ring refuses its config (:func:`refused_config`), no recipe, a tiny
-    build that fails, or transformers' own whole model failing as its recipe's ``whole_model_fails`` says."""
+    build that fails, ds_ring refusing the tiny instance whatever its inputs
+    (:func:`~ds_ring.integrations.hf.vision.refuse_decoder_inputs`), or transformers' own whole model failing as its
+    recipe's ``whole_model_fails`` says."""
+    from ds_ring.integrations.hf.vision import refuse_decoder_inputs
+
     why = {}
     for family in names:
         if family not in RECIPES:
@@ -926,6 +946,11 @@ def not_run(names: list[str]) -> dict[str, str]:
         except Exception as err:  # noqa: BLE001 - every reason is listed
             first = next((line for line in str(err).splitlines() if line.strip()), "")  # transformers' start "\n"
             why[family] = f"{type(err).__name__}: {first[:160]}"
+            continue
+        try:  # refused at registration from the instance, whatever its inputs (DiffusionGemma's second sequence)
+            refuse_decoder_inputs(model)
+        except ValueError as err:
+            why[family] = f"refused: {err}"
             continue
         failure = RECIPES[family].whole_model_fails
         if failure:  # checked, not trusted: once transformers' model runs, the family runs here

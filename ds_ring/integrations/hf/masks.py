@@ -91,6 +91,8 @@ class MaskSpec:
         raise _builds_on_mask(f".{name}")
 
     def __getitem__(self, index: Any) -> Any:
+        if all(_whole(part) for part in (index if isinstance(index, tuple) else (index,))):
+            return self  # Gemma 4 slices its mask to the logits it keeps before KV-shared layers: in training, all
         raise _builds_on_mask("[...]")
 
     def _operator(self, *_: Any) -> Any:
@@ -102,6 +104,13 @@ class MaskSpec:
     def __torch_function__(cls, func: Any, _types: Any, _args: Any = (), _kwargs: Any = None) -> Any:
         # a torch function given the spec where it wants a mask tensor (Falcon's own F.scaled_dot_product_attention)
         raise _builds_on_mask(f"{getattr(func, '__name__', func)}(...)")
+
+
+def _whole(part: Any) -> bool:
+    """Whether an index of one dimension keeps all of it (``...``, ``:``, ``0:``)."""
+    return part is Ellipsis or (
+        isinstance(part, slice) and part.start in (None, 0) and part.stop is None and part.step in (None, 1)
+    )
 
 
 class MaskUsedAsTensor(ValueError, AttributeError):

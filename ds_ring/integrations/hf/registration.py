@@ -427,12 +427,20 @@ def check_model_config(config: Any, section: RingAttentionConfig, world_size: in
             field and the fix.
     """
     config = _text_config(config)
-    name = type(config).__name__
-    heads = getattr(config, "num_attention_heads", None)
-    if heads is None:  # no attention heads to split (the model's sequence mixers were checked on their own)
-        return
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    try:
-        section.check(world_size=world_size, num_heads=heads, num_kv_heads=kv_heads)
-    except ValueError as err:
-        raise ValueError(f"{name}.num_attention_heads = {heads}: {err}") from None
+    for where, layer in _layer_configs(config):
+        heads = getattr(layer, "num_attention_heads", None)
+        if heads is None:  # no attention heads to split (the model's sequence mixers were checked on their own)
+            return
+        kv_heads = getattr(layer, "num_key_value_heads", None) or heads
+        try:
+            section.check(world_size=world_size, num_heads=heads, num_kv_heads=kv_heads)
+        except ValueError as err:
+            raise ValueError(f"{type(config).__name__}{where}.num_attention_heads = {heads}: {err}") from None
+
+
+def _layer_configs(config: Any) -> list[tuple[str, Any]]:
+    """Each decoder layer's config of a heterogeneous config (transformers' ``per_layer_config``: Gemma 4's global
+    layers with their own K/V heads, which the config itself refuses to give), with where it is; else the config."""
+    if getattr(config, "is_heterogeneous", False):
+        return [(f".per_layer_config[{i}]", config.per_layer_config[i]) for i in range(config.num_hidden_layers)]
+    return [("", config)]

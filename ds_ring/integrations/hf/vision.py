@@ -86,24 +86,31 @@ def refuse_encoder_decoder(config: Any) -> None:
 
 
 def refuse_decoder_inputs(model: Any) -> None:
-    """``ValueError`` for a vision-language model (an instance, or a model class) whose ``forward`` takes
-    ``decoder_input_ids``: it decodes a second sequence (DiffusionGemma's block-diffusion canvas) against the encoded
-    ``input_ids`` (their hidden states or their KV cache), whose keys would be only a shard of them under ds_ring's cut,
-    and its logits are that second sequence's, not the next tokens of ``input_ids`` that :func:`causal_lm_loss`
-    takes; its config need not say ``is_encoder_decoder``."""
-    if isinstance(model, type):
-        name, inputs = model.__name__, frozenset(inspect.signature(model.forward).parameters)
-    elif isinstance(model, nn.Module) and _is_composite(getattr(model, "config", None)):
-        name, inputs = type(model).__name__, model_inputs(model)
-    else:
+    """``ValueError`` for a vision-language model instance whose ``forward`` takes ``decoder_input_ids`` and whose
+    decoder (``get_decoder()``) is not its language model (neither holds the other): it decodes a second sequence
+    (DiffusionGemma's block-diffusion canvas) against the encoded ``input_ids`` (their hidden states or their KV cache),
+    whose keys would be only a shard of them under ds_ring's cut, and its logits are that second sequence's, not the
+    next tokens of ``input_ids`` that :func:`causal_lm_loss` takes; its config need not say ``is_encoder_decoder``.
+    BLIP-2 names ``decoder_input_ids`` for a T5 language model, and with OPT its decoder is its language model: not
+    refused here."""
+    if not isinstance(model, nn.Module) or not _is_composite(getattr(model, "config", None)):
         return
-    if "decoder_input_ids" in inputs:
-        raise ValueError(
-            f"{name}'s forward takes decoder_input_ids: it decodes a second sequence against the whole encoded "
-            f"input_ids (their hidden states or KV cache), and its logits are that sequence's, not the next tokens of "
-            f"input_ids; ds_ring shards one decoder-only sequence with the images merged into it, so the decoder "
-            f"would read only this rank's shard of the encoded input; train this model without sequence parallelism"
-        )
+    if "decoder_input_ids" not in model_inputs(model) or not hasattr(model, "get_decoder"):
+        return
+    found = find_language_model(model)
+    decoder = model.get_decoder()
+    if found is None or not isinstance(decoder, nn.Module):
+        return
+    language_model = found[1]
+    if any(m is language_model for m in decoder.modules()) or any(m is decoder for m in language_model.modules()):
+        return
+    raise ValueError(
+        f"{type(model).__name__}'s forward takes decoder_input_ids and its decoder ({type(decoder).__name__}) is not "
+        f"its language model: it decodes a second sequence against the whole encoded input_ids (their hidden states "
+        f"or KV cache), and its logits are that sequence's, not the next tokens of input_ids; ds_ring shards one "
+        f"decoder-only sequence with the images merged into it, so the decoder would read only this rank's shard of "
+        f"the encoded input; train this model without sequence parallelism"
+    )
 
 
 _CROSS_ATTENTION = re.compile(r"cross_?att|encoder_?attn", re.IGNORECASE)
