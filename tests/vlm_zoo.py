@@ -864,7 +864,10 @@ def sequence_parallel(
         if OWN_NAME not in ALL_ATTENTION_FUNCTIONS:  # tests/zoo.py does, and sdpa for the vision tower
             ALL_ATTENTION_FUNCTIONS[OWN_NAME] = ALL_ATTENTION_FUNCTIONS["sdpa"]
         implementation = OWN_NAME
-        model.set_attn_implementation({"": OWN_NAME, "text_config": OWN_NAME, "vision_config": "sdpa"})
+        try:
+            model.set_attn_implementation({"": OWN_NAME, "text_config": OWN_NAME, "vision_config": "sdpa"})
+        except ValueError:  # a tower that allows no sdpa either (Apertus 1.5's VQ tokenizer, Inkling 2): the model
+            implementation = "sdpa"  # stays eager, and registration judges it
     config = {"train_micro_batch_size_per_gpu": BATCH, "ring_attention": {"timeout_s": 60, **section}}
     session = register_with_transformers(model, core_attn_implementation=implementation, config=config,
                                          topology=topology, divide_vision=divide_vision)  # fmt: skip
