@@ -866,8 +866,9 @@ def sequence_parallel(
         implementation = OWN_NAME
         try:
             model.set_attn_implementation({"": OWN_NAME, "text_config": OWN_NAME, "vision_config": "sdpa"})
-        except ValueError:  # a tower that allows no sdpa either (Apertus 1.5's VQ tokenizer, Inkling 2): the model
-            implementation = "sdpa"  # stays eager, and registration judges it
+        except ValueError:  # a tower that allows no sdpa (Apertus 1.5's VQ tokenizer): sdpa for the text model only,
+            implementation = "sdpa"  # the towers eager, and registration judges it
+            model.set_attn_implementation({"text_config": "sdpa"})
     config = {"train_micro_batch_size_per_gpu": BATCH, "ring_attention": {"timeout_s": 60, **section}}
     session = register_with_transformers(model, core_attn_implementation=implementation, config=config,
                                          topology=topology, divide_vision=divide_vision)  # fmt: skip
