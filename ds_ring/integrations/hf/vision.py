@@ -405,11 +405,17 @@ class VisionLanguage:
 
 
 def _features(value: Any) -> bool:
-    """Whether ``value`` is a tensor of 2 dimensions or more, or a non-empty list / tuple / dict of such tensors."""
+    """Whether ``value`` is a floating tensor of 2 dimensions or more, or a non-empty list / tuple / dict of such
+    tensors: features. Integer tensors are ids and labels (the Trainer's ``shift_labels``, already this rank's rows,
+    reach the language model through ``**kwargs``) and pass as they are."""
+
+    def feature(t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and t.dim() >= 2 and t.is_floating_point()
+
     if isinstance(value, torch.Tensor):
-        return value.dim() >= 2
+        return feature(value)
     items = list(value.values()) if isinstance(value, dict) else value if isinstance(value, list | tuple) else []
-    return bool(items) and all(isinstance(t, torch.Tensor) and t.dim() >= 2 for t in items)
+    return bool(items) and all(feature(t) for t in items)
 
 
 def _sections(module: nn.Module) -> bool:
