@@ -8,9 +8,14 @@ config refuses to give a global ``num_key_value_heads``: registration read it an
 from __future__ import annotations
 
 import pytest
+import transformers
 
 import ds_ring
 from ds_ring.integrations.hf.registration import check_model_config
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(transformers, "Gemma4TextConfig"), reason="this transformers has no Gemma 4 (per-layer configs)"
+)
 
 
 def _gemma4(global_kv_heads: int):  # noqa: ANN202 - a transformers config
