@@ -233,24 +233,15 @@ class CallAudit:
 
 class ModelWatch(ForwardWatch):
     """A forward pre-hook on the registered model instance: ``batch`` holds, while its forward runs, the call's
-    :data:`BATCH_KEYS`, for attention modules that receive no ``**kwargs``.
+    :data:`BATCH_KEYS`, for attention modules that receive no ``**kwargs`` (a vision-language model's language model
+    gets this rank's positions from its cut instead: :attr:`~ds_ring.integrations.hf.vision.VisionLanguage.batch`)."""
 
-    ``language_model``: a vision-language model's language model (:mod:`~ds_ring.integrations.hf.vision`), whose call
-    (after the cut to this rank's rows) overrides them: the model computed its position ids itself (Fuyu), and only
-    its language model's call carries this rank's.
-    """
-
-    def __init__(self, model: nn.Module, language_model: nn.Module | None = None) -> None:
+    def __init__(self, model: nn.Module) -> None:
         self.batch: Mapping[str, Any] = {}
         super().__init__(model)
-        if language_model is not None:  # registered after the cut's hook: it sees the cut call
-            self._handles.append(language_model.register_forward_pre_hook(self._cut_call, with_kwargs=True))
 
     def _enter(self, _module: nn.Module, _args: tuple, kwargs: Mapping[str, Any]) -> None:
         self.batch = {key: kwargs[key] for key in BATCH_KEYS if kwargs.get(key) is not None}
-
-    def _cut_call(self, _module: nn.Module, _args: tuple, kwargs: Mapping[str, Any]) -> None:
-        self.batch = {**self.batch, **{key: kwargs[key] for key in BATCH_KEYS if kwargs.get(key) is not None}}
 
     def _leave(self, _module: nn.Module, _args: Any, _out: Any) -> None:
         self.batch = {}

@@ -210,7 +210,7 @@ def register_with_transformers(
     replaced = [set_item(ALL_ATTENTION_FUNCTIONS._local_mapping, core_attn_implementation, attention, library=LIB)]
     attention.audit = CallAudit(vision.whole_modules if vision is not None else ())
     if isinstance(model_name_or_path, torch.nn.Module):
-        attention.watch = ModelWatch(model_name_or_path, vision.language_model if vision is not None else None)
+        attention.watch = ModelWatch(model_name_or_path)
     if topology.get_sequence_parallel_world_size() > 1:  # ALST's tutorial loss, right at every ZeRO stage
         from transformers.loss.loss_utils import LOSS_MAPPING
 
