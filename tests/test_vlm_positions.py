@@ -54,7 +54,7 @@ def test_the_mrope_rows_the_cut_handed_are_read_by_their_text_row():
     assert handed.shape == (4, 2, 8) and torch.equal(handed[1:], mrope)
     assert torch.equal(vision.text_positions(handed[1:]), torch.arange(8).expand(2, 8))
     assert vision.text_positions(handed[1:] + 1) is None  # not the rows it handed: the attention refuses them
-    assert vision.text_positions(None) is None  # its layers are handed the text row: passing none is not the cut's
+    assert torch.equal(vision.batch["position_ids"], torch.arange(8).expand(2, 8))  # for a layer passing none
 
 
 def test_xd_rope_ids_of_four_axes_go_without_a_text_row_and_the_attention_reads_the_cuts():
@@ -63,7 +63,7 @@ def test_xd_rope_ids_of_four_axes_go_without_a_text_row_and_the_attention_reads_
     xd = torch.stack([torch.arange(8), torch.tensor([0, 1, 0, 1, 0, 1, 6, 7])] * 2)[:, None].expand(4, 2, 8)
     _, cut = vision._cut(language_model, (), {"inputs_embeds": torch.zeros(2, 8, 4), "position_ids": xd})
     assert torch.equal(cut["position_ids"], xd)
-    assert torch.equal(vision.text_positions(None), torch.arange(8).expand(2, 8))
+    assert torch.equal(vision.batch["position_ids"], torch.arange(8).expand(2, 8))  # what its attention reads
 
 
 @pytest.mark.slow

@@ -359,7 +359,7 @@ class VisionLanguage:
         their rotary (``[4, b, S]``, row 0 ``arange(S)``: one document per row); without it they would pass the
         attention none. Ids of another count of axes (:attr:`mrope_axes`: HunYuan-VL's 4) have no such convention
         (HunYuan-VL's language model raises on a fifth row) and go as they are: their language model passes its
-        attention no positions, and the attention reads the cut's text row (:meth:`text_positions`).
+        attention no positions, and the attention reads the cut's text row (:attr:`batch`).
         """
         text = torch.arange(seq_len, device=device).expand(rows, seq_len)
         if positions is None:
@@ -375,16 +375,14 @@ class VisionLanguage:
         self._handed = shard_sequence(positions, group, layout=self.layout, dim=positions.dim() - 1)
         return self._handed
 
-    def text_positions(self, positions: torch.Tensor | None) -> torch.Tensor | None:
+    def text_positions(self, positions: torch.Tensor) -> torch.Tensor | None:
         """This rank's text positions ``[b, s/p]`` of the last cut, for the ``positions`` a decoder layer passes its
         attention when they are MRoPE ids the cut handed the language model: their rows ``[axes, b, s/p]``
-        (GLM-4V-MoE's language model hands its layers those, having read its rotary from them), or none at all where
-        the cut handed MRoPE ids without a text row (HunYuan-VL's). ``None`` for anything else."""
+        (GLM-4V-MoE's language model hands its layers those, having read its rotary from them). ``None`` for anything
+        else. (A layer that passes none, HunYuan-VL's, gets the text positions from :attr:`batch`.)"""
         handed = self._handed
         if handed is None or handed.dim() != 3:
             return None
-        if positions is None:
-            return self._text if handed.shape[0] == self.mrope_axes else None
         if positions.dim() != 3 or handed.shape[0] < positions.shape[0]:
             return None
         rows = handed[handed.shape[0] - positions.shape[0] :]
