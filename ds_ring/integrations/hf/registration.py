@@ -430,7 +430,7 @@ def check_model_config(config: Any, section: RingAttentionConfig, world_size: in
     for where, layer in _layer_configs(config):
         heads = getattr(layer, "num_attention_heads", None)
         if heads is None:  # no attention heads to split (the model's sequence mixers were checked on their own)
-            return
+            continue
         kv_heads = getattr(layer, "num_key_value_heads", None) or heads
         try:
             section.check(world_size=world_size, num_heads=heads, num_kv_heads=kv_heads)
