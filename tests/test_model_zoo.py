@@ -57,7 +57,6 @@ EXPECTED_REFUSALS: dict[str, str] = {
     # an image tower whose output its decoder takes in itself (GIT's, Phi-4-multimodal's): no call to cut before
     **dict.fromkeys(["git", "phi4_multimodal"], "no cut point"),
     "blt": "bidirectional",  # its cross-attention between bytes and patches
-    "got_ocr2": "eager only",  # its vision tower has no sdpa, so the model stays eager
     **dict.fromkeys(
         [
             "big_bird",

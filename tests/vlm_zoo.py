@@ -677,9 +677,7 @@ RECIPES.update({  # group d
                                                "depths": [1, 1, 1, 1], "out_hidden_size": 64}}),
 })  # fmt: skip
 
-EXPECTED_REFUSALS: dict[str, str] = {
-    "got_ocr2": r"does not match the model's config._attn_implementation 'eager'",  # its SAM encoder has no sdpa
-}
+EXPECTED_REFUSALS: dict[str, str] = {}
 """Family → the refusal it gets (Gemma 3's image spans and PaliGemma's prefix are computed: issue 45)."""
 
 EXPECTED_REFUSALS.update({  # group a
@@ -691,7 +689,6 @@ EXPECTED_REFUSALS.update({  # group a
 EXPECTED_REFUSALS.update({  # group b
     # its DeepSeek sparse attention: an indexer picks each query's top-k keys into the mask, as DeepSeek-V3.2's
     "mistral_large4": r"uses its attention mask as a tensor .* train this model without sequence parallelism",
-    "pp_chart2table": r"does not match the model's config._attn_implementation 'eager'",  # GOT-OCR2's SAM: no sdpa
     # its "reference" sliding window: the window OR'd with the prefill (all of it, in training: causal)
     "unlimited_ocr": r"UnlimitedOcrTextAttention is given a mask with an OR of masks .*create_reference_sliding_window",
 })  # fmt: skip

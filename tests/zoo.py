@@ -332,9 +332,10 @@ def _implementation(model: torch.nn.Module) -> str:
         return "sdpa"
     with contextlib.suppress(ValueError, ImportError):
         model.set_attn_implementation("sdpa")
-    if model.config._attn_implementation != "sdpa":  # the family allows no sdpa
+    text = model.config.get_text_config()  # the language model's: a vision tower may stay eager (GOT-OCR2's)
+    if text._attn_implementation != "sdpa":  # the family allows no sdpa
         model.set_attn_implementation("ds_ring")
-    used = model.config._attn_implementation
+    used = text._attn_implementation
     return "sdpa" if used == "eager" else used  # eager only: registration says why it cannot run
 
 

@@ -288,7 +288,7 @@ def _model_config(model_name_or_path: Any, implementation: str) -> tuple[Any, Va
         return model_name_or_path, None
     if hasattr(model_name_or_path, "config"):  # a built model, or a wrapper of one (PEFT): check what it calls
         config = model_name_or_path.config
-        used = getattr(config, "_attn_implementation", None)
+        used = getattr(_text_config(config), "_attn_implementation", None)  # the language model's, which is sharded
         if used == "eager" and getattr(model_name_or_path, "_supports_attention_backend", True) is False:
             return config, ValueError(
                 f"{type(model_name_or_path).__name__} computes attention in its own code (transformers offers it no "
@@ -298,9 +298,11 @@ def _model_config(model_name_or_path: Any, implementation: str) -> tuple[Any, Va
             )
         if used is not None and used != implementation:  # None: a wrapper's config that does not say
             return config, ValueError(
-                f"core_attn_implementation {implementation!r} does not match the model's config._attn_implementation "
-                f"{used!r}; build the model with attn_implementation={implementation!r} (or register {used!r}) so "
-                f"that its attention calls the replaced entry"
+                f"core_attn_implementation {implementation!r} does not match the {_which(config)}_attn_implementation "
+                f"{used!r}; build the model with attn_implementation={implementation!r} (a model whose vision tower "
+                f"allows no {implementation!r}: attn_implementation={{'text_config': {implementation!r}}}) "
+                + ("" if used == "eager" else f"or register {used!r} ")
+                + "so that its language model's attention calls the replaced entry"
             )
         return config, None
     return AutoConfig.from_pretrained(model_name_or_path), None
@@ -414,6 +416,11 @@ def _module_tree(model_name_or_path: Any, config: Any) -> torch.nn.Module:
 
 def _text_config(config: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _which(config: Any) -> str:
+    """How a message names the language model's config: ``config.`` or ``config.text_config.``."""
+    return "model's config." if _text_config(config) is config else "model's config.text_config."
 
 
 def check_model_config(config: Any, section: RingAttentionConfig, world_size: int) -> None:
