@@ -31,7 +31,6 @@ REASONS = {
     "padded positions": r"position embedding with padding_idx",
     "bidirectional": r"attends bidirectionally but ring_attention.causal is True",
     "mask of masks": r"is given a mask with an OR of masks",
-    "eager only": r"does not match the model's config._attn_implementation 'eager'",
     "positions counted": r"computes positions from the shard's own token index",
     "no cut point": r"finds no language model in it|and no language model of its own",
 }
