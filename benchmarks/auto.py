@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from benchmarks import auto_fit, strategies
 from benchmarks.common import Case, figure, fmt_seq, qkv_dout
-from benchmarks.driver import Benchmark, Column, Session, main, markdown_table
+from benchmarks.driver import Benchmark, Session, main
 from benchmarks.strategies import STRATEGIES
 from ds_ring.auto import strategy as auto
 from ds_ring.comm import cores
@@ -142,24 +142,20 @@ def memory_check(args: Any) -> list[dict[str, Any]]:
 
 def _dp(point: dict[str, Any]) -> str:
     """The point's data parallelism and hosts, when there are more than one."""
-    return f" (dp {point['data']})" * (point.get("data", 1) > 1) + " (2 hosts)" * (point.get("hosts", 1) > 1)
+    return f" (dp {point['data']})" * (point["data"] > 1) + " (2 hosts)" * (point["hosts"] > 1)
 
 
 def report(session: Session) -> str:
-    point = Column("point", lambda v: f"p={v['ranks']}{_dp(v)} {fmt_seq(v['seq'])} {v['heads']}/{v['kv_heads']} heads")
-    times = Column("median ms", lambda v: "  ".join(f"{k} {s * 1e3:.0f}" for k, s in v["measured_s"].items())
-                   + f"; auto {v['auto_s'] * 1e3:.0f}")  # fmt: skip
-    return "\n\n".join([
-        markdown_table(session.extra["timing"], [
-            point, times, Column("auto picks", lambda v: v["pick"]),
-            Column("× best", lambda v: v["ratio_to_best"], "{:.2f}"), Column("within 1.10", lambda v: v["within_1_10"]),
-            Column("never worst", lambda v: v["never_worst"])]),
-        markdown_table(session.extra["memory"], [
-            Column("strategy", lambda m: m["strategy"]), Column("p", lambda m: m["ranks"]),
-            Column("measured q-shards", lambda m: m["measured_q_shards"], "{:.2f}"),
-            Column("predicted q-shards", lambda m: m["predicted_q_shards"], "{:.2f}"),
-            Column("within 15 %", lambda m: m["within_15pct"])]),
-    ])  # fmt: skip
+    timing = [{
+        "point": f"p={v['ranks']}{_dp(v)} {fmt_seq(v['seq'])} {v['heads']}/{v['kv_heads']} heads",
+        "median ms": "  ".join(f"{k} {s * 1e3:.0f}" for k, s in {**v["measured_s"], "auto": v["auto_s"]}.items()),
+        "auto picks": v["pick"], "× best": v["ratio_to_best"], "within 1.10": v["within_1_10"],
+        "never worst": v["never_worst"],
+    } for v in session.extra["timing"]]  # fmt: skip
+    memory = [{"strategy": m["strategy"], "p": m["ranks"], "measured q-shards": m["measured_q_shards"],
+               "predicted q-shards": m["predicted_q_shards"], "within 15 %": m["within_15pct"]}
+              for m in session.extra["memory"]]  # fmt: skip
+    return f"{auto_fit.dict_table(timing)}\n\n{auto_fit.dict_table(memory)}"
 
 
 def plots(session: Session) -> None:

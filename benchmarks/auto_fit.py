@@ -40,8 +40,8 @@ GRIDS: dict[str, dict[str, Any]] = {
 COMMUNICATION = {"ring": "ring", "allgather": "allgather", "ulysses": None, "hybrid": "ring"}
 LINK_KEYS = ("latency_s", "bandwidth", "flops")
 BASELINE_CALIBRATION = {"compute": 1.0, "comm": 1.0}  # what auto computed with before any fit: the probe as measured
+# the memory coefficients before this fit (calibrated by hand on 4 ranks, 8/8 heads, 4K→8K rows)
 BASELINE_BUFFERS = {"ring": 0.75, "ring_dilated": 0.9, "allgather": 0.45, "ulysses": 0.0, "hybrid_ring": 1.0}
-"""The memory coefficients before this fit (calibrated by hand on 4 ranks, 8/8 heads, 4K→8K rows)."""
 
 
 def problem(world: int, seq: int, heads: int, kv_heads: int, oversubscription: float = 1.0):
@@ -105,11 +105,8 @@ def predict_times(point: dict, calibration=None) -> dict[str, float]:
 
 def time_ratios(points: list[dict], calibration=None) -> list[float]:
     """Measured ÷ predicted over every strategy of every point."""
-    ratios = []
-    for point in points:
-        predicted = predict_times(point, calibration)
-        ratios += [point["measured_s"][s] / predicted[s] for s in point["measured_s"]]
-    return ratios
+    predicted = [predict_times(point, calibration) for point in points]
+    return [m / p[s] for point, p in zip(points, predicted, strict=True) for s, m in point["measured_s"].items()]
 
 
 def fit_time(points: list[dict]) -> tuple[float, float]:
@@ -162,10 +159,6 @@ def fit_memory(rows: list[dict]) -> dict[str, float]:
     return fitted
 
 
-def median_abs_log(ratios: list[float]) -> float:
-    return statistics.median(abs(math.log(r)) for r in ratios)
-
-
 def coefficients(results: dict) -> dict[str, Any]:
     """Fitted on the ``fit`` grid, then gated on the ``heldout`` grid: a fit is *used* (what the model carries) only
     where its median |log(measured / predicted)| on the held-out grid is below the baseline's, else the baseline."""
@@ -173,6 +166,7 @@ def coefficients(results: dict) -> dict[str, Any]:
     compute, comm = fit_time(fit["timing"])
     fitted = {"calibration_cpu": {"compute": compute, "comm": comm}, "buffers": fit_memory(fit["memory"])}
     baseline = {"calibration_cpu": BASELINE_CALIBRATION, "buffers": BASELINE_BUFFERS}
+    median_abs_log = lambda ratios: statistics.median(abs(math.log(r)) for r in ratios)
     errors = {
         "time": lambda c: median_abs_log(time_ratios(held["timing"], Calibration(**c))),
         "memory": lambda b: median_abs_log([r["measured_q_shards"] / predict_memory(r, b) for r in held["memory"]]),
@@ -184,11 +178,10 @@ def coefficients(results: dict) -> dict[str, Any]:
     return {"fitted": fitted, "heldout_median_abs_log": error, "used": used}
 
 
-def _print_table(title: str, rows: list[dict[str, Any]]) -> None:
-    """``rows`` (one dict of cells each, the first row's keys the headers) as a markdown table under ``title``."""
-    print(
-        f"\n### {title}\n\n" + markdown_table(rows, [Column(h, lambda r, h=h: r.get(h)) for h in rows[:1] and rows[0]])
-    )
+def dict_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown table of ``rows`` (the first row's keys are the headers; floats to 2 decimals), "" for no rows."""
+    two = lambda v: f"{v:.2f}" if isinstance(v, float) else str(v)
+    return markdown_table(rows, [Column(h, lambda r, h=h: r[h], two) for h in rows[0]]) if rows else ""
 
 
 def report(results: dict) -> dict[str, Any]:
@@ -205,7 +198,7 @@ def report(results: dict) -> dict[str, Any]:
             ratios["time_pick"].append(measured[pick] / predicted[pick])
             ratios["pick_over_best"].append(measured[pick] / min(measured.values()))
             ms = {s: f"{measured[s] * 1e3:.0f} / {predicted[s] * 1e3:.0f} ({measured[s] / predicted[s]:.2f})"
-                  if s in measured else None for s in STRATEGIES}  # fmt: skip
+                  if s in measured else "" for s in STRATEGIES}  # fmt: skip
             times.append({"point": f"p={point['ranks']}, {point['seq']}, {point['heads']}/{point['kv_heads']}",
                           "load": f"{statistics.median(point['loads']):.1f}",
                           "probe GFLOP/s": f"{point['link']['flops'] / 1e9:.1f}", **ms,
@@ -215,10 +208,10 @@ def report(results: dict) -> dict[str, Any]:
             ratios["memory"].append(r["measured_q_shards"] / (predicted := predict_memory(r)))
             memories.append({"strategy": r["strategy"], "p": r["ranks"], "heads": f"{r['heads']}/{r['kv_heads']}",
                              "rows per rank": "{}→{}".format(*r["tokens_per_rank"]),
-                             "measured": f"{r['measured_q_shards']:.2f}", "predicted": f"{predicted:.2f}",
-                             "measured / predicted": f"{ratios['memory'][-1]:.2f}"})  # fmt: skip
-        _print_table(f"{grid}: time (ms), measured / predicted", times)
-        _print_table(f"{grid}: memory (q-shards), measured / predicted", memories)
+                             "measured": r["measured_q_shards"], "predicted": predicted,
+                             "measured / predicted": ratios["memory"][-1]})  # fmt: skip
+        print(f"\n### {grid}: time (ms), measured / predicted\n\n{dict_table(times)}")
+        print(f"\n### {grid}: memory (q-shards), measured / predicted\n\n{dict_table(memories)}")
         summary[grid] = {k: {**spread(v), "n": len(v)} for k, v in ratios.items()}
         print(f"\n{grid}: {json.dumps(summary[grid])}")
     return summary

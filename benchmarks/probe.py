@@ -3,6 +3,7 @@
 python -m benchmarks.probe --worlds 2 4 --repeats 20"""
 
 import collections
+import itertools
 import os
 import statistics
 from typing import Any
@@ -29,19 +30,19 @@ def stability(world: int, probes: list[dict[str, Any]], seqs: list[int]) -> list
     links = [Link(**{key: p[key] for key in LINK_KEYS}, source="probe") for p in probes]
     median = Link(**{key: statistics.median(p[key] for p in probes) for key in LINK_KEYS})
     rows = []
-    for seq in seqs:
-        for heads, kv in ((8, 8), (8, 2)):
-            call = problem(world, seq, heads, kv, 2.0 if world == 4 else 1.0)
-            picks = collections.Counter(plan_options(call, link)[0].label for link in links)
-            ranked = [o for o in plan_options(call, median) if o.error is None]
-            best, second = ranked[0], next((o for o in ranked[1:] if o.strategy != ranked[0].strategy), None)
-            row = {"seq": seq, "heads": heads, "kv_heads": kv, "choices": dict(picks),
-                   "same_choice": picks.most_common(1)[0][1] / len(links), "median_choice": best.label}  # fmt: skip
-            if second is not None:
-                times = [{o.label: o.time_s for o in plan_options(call, link)} for link in links]
-                ratios = [t[second.label] / t[best.label] for t in times]
-                row.update(second=second.label, gap=second.time_s / best.time_s - 1, ratio_spread=ranges(ratios))
-            rows.append(row)
+    for seq, (heads, kv) in itertools.product(seqs, ((8, 8), (8, 2))):
+        call = problem(world, seq, heads, kv, 2.0 if world == 4 else 1.0)
+        options = [plan_options(call, link) for link in links]
+        picks = collections.Counter(o[0].label for o in options)
+        ranked = [o for o in plan_options(call, median) if o.error is None]
+        best, second = ranked[0], next((o for o in ranked[1:] if o.strategy != ranked[0].strategy), None)
+        row = {"seq": seq, "heads": heads, "kv_heads": kv, "choices": dict(picks),
+               "same_choice": picks.most_common(1)[0][1] / len(links), "median_choice": best.label}  # fmt: skip
+        if second is not None:
+            times = [{o.label: o.time_s for o in opts} for opts in options]
+            ratios = [t[second.label] / t[best.label] for t in times]
+            row.update(second=second.label, gap=second.time_s / best.time_s - 1, ratio_spread=ranges(ratios))
+        rows.append(row)
     return rows
 
 
@@ -61,10 +62,8 @@ def main() -> None:
         s = {key: ranges([p[key] for p in probes]) for key in (*LINK_KEYS, "load")}  # agreed: the same on every rank
         grid = stability(world, probes, args.seqs)
         results.append({"world": world, "probes": probes, "spread": s, "grid": grid})
-        print(
-            f"p={world}: {args.repeats} probes; "
-            + ", ".join(f"{k} {v['min']:.3g}-{v['max']:.3g}" for k, v in s.items())
-        )
+        text = ", ".join(f"{key} {r['min']:.3g}-{r['max']:.3g} (×{r['max_over_min']:.1f})" for key, r in s.items())
+        print(f"p={world}: {args.repeats} probes; {text}", flush=True)
         for row in grid:
             print(f"  {row['seq']:6d} {row['heads']}/{row['kv_heads']}: same choice {row['same_choice']:.2f} "
                   f"{row['choices']}  gap to {row.get('second')} {row.get('gap', 0):.3f}", flush=True)  # fmt: skip
