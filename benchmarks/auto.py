@@ -29,10 +29,9 @@ _CAUSE = re.compile(r"terminate called|what\(\)|Aborted|Fatal Python error|Error
 
 def interleaved_rank(rank: int, world: int, cases: list[Case], rounds: int, timeout_s: float,
                      probes: int = 0) -> dict[str, Any]:  # fmt: skip
-    """Rank function: every case of one grid point built side by side, warmed up once, then ``rounds`` rounds of one
-    fwd+bwd call each (all ranks starting together, the order reversed every other round; ``SUITE.md``). Returns
-    every case's slowest-rank seconds per round and ``auto``'s pick, or with ``probes`` (``benchmarks.auto_fit``)
-    that many agreed probes and the load average before each round, and the oversubscription."""
+    """Rank function: ``rounds`` interleaved fwd+bwd calls of every case of one grid point (``SUITE.md``); every
+    case's slowest-rank seconds per round and ``auto``'s pick, or with ``probes`` (``benchmarks.auto_fit``) that many
+    agreed probes and the load average before each round, and the oversubscription."""
     c, gen = cases[0], torch.Generator().manual_seed(1000 + rank)
     q, k, v, dout = qkv_dout(gen, c.batch, c.seq * c.data // world, c.heads, c.kv_heads, c.head_dim)
     calls = {case.impl: strategies.build(case, rank, timeout_s) for case in cases}
@@ -54,17 +53,16 @@ def interleaved_rank(rank: int, world: int, cases: list[Case], rounds: int, time
     if probes:
         over = cores.oversubscription(range(world))
         return {"times_s": times, "links": links, "loads": loads, "oversubscription": over}
-    chosen = auto.decisions()[-1] if "auto" in calls else None
-    pick = chosen and {"pick": chosen.strategy, "pick_label": chosen.label, "predicted_s": chosen.time_s,
-                       "link": vars(chosen.link), "oversubscription": chosen.oversubscription}  # fmt: skip
+    chose = auto.decisions()[-1]  # the "auto" case's
+    pick = {"pick": chose.strategy, "pick_label": chose.label, "predicted_s": chose.time_s, "link": vars(chose.link),
+            "oversubscription": chose.oversubscription}  # fmt: skip
     return {"times_s": times, "choice": pick}
 
 
 def grid_cases(seq: int, world: int, data: int, heads: int, kv_heads: int, ulysses: int) -> list[Case]:
-    """The cases of one grid point: every strategy the heads and ranks admit, and ``auto``."""
-    sp = world // data  # hybrid needs 2 × 2 sequence-parallel ranks; Ulysses the heads split over them
-    names = [s for s in STRATEGIES if (s != "hybrid" or sp == 4) and (s != "ulysses" or heads % sp == 0)]
-    u = ulysses if sp == 4 else 1
+    """The cases of one grid point: every strategy the model admits on its sequence-parallel ranks, and ``auto``."""
+    names = auto_fit.strategies_of(world // data, seq, heads, kv_heads)
+    u = ulysses if world // data == 4 else 1  # the hybrid's degrees on 4 sequence-parallel ranks
     return [Case(name, seq, world, ulysses=u, heads=heads, kv_heads=kv_heads, data=data) for name in [*names, "auto"]]
 
 
@@ -114,8 +112,8 @@ def _verdict(session: Session, got: dict[str, Any]) -> None:
     strategy and ``auto``; none while one is missing."""
     point = {k: v for k, v in got.items() if k not in ("times_s", "choice")}
     med = {name: statistics.median(t) for name, t in got["times_s"].items() if t}
-    by_name, choice = {k: v for k, v in med.items() if k != "auto"}, got["choice"] or {}
-    if "auto" in med and choice.get("pick") in by_name:
+    by_name, choice = {k: v for k, v in med.items() if k != "auto"}, got["choice"]
+    if "auto" in med and choice["pick"] in by_name:
         best, worst, auto_s = min(by_name.values()), max(by_name.values()), med["auto"]
         session.extra["timing"].append(got := {
             **point, "measured_s": by_name, "auto_s": auto_s, "pick": choice["pick_label"],
