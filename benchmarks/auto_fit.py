@@ -5,8 +5,6 @@ protocol, the grids, the gate and the outcome: ``docs/auto.md``, "Fitted, then h
     python -m benchmarks.auto_fit --grid heldout --timing --memory
     python -m benchmarks.auto_fit --fit --report"""
 
-from __future__ import annotations
-
 import collections
 import json
 import math

@@ -10,6 +10,7 @@ from typing import Any
 
 from benchmarks.auto_fit import LINK_KEYS, agreed_link, problem, rank0, spread
 from benchmarks.common import read_json, script_args, write_json
+from ds_ring.auto.model import Link, plan_options
 
 
 def _probe_rank(rank: int, world: int, repeats: int, timeout_s: float) -> list[dict[str, Any]]:
@@ -25,8 +26,6 @@ def ranges(values: list[float]) -> dict[str, float]:
 def stability(world: int, probes: list[dict[str, Any]], seqs: list[int]) -> list[dict[str, Any]]:
     """``auto``'s choice under every probe on the grid (1-thread ranks, ``oversubscription`` 2 at 4 ranks on this
     machine's 2 cores, as the topology records it)."""
-    from ds_ring.auto.model import Link, plan_options
-
     links = [Link(**{key: p[key] for key in LINK_KEYS}, source="probe") for p in probes]
     median = Link(**{key: statistics.median(p[key] for p in probes) for key in LINK_KEYS})
     rows = []
