@@ -3,35 +3,35 @@
 never the worst; the model within 15 % of the slope :func:`benchmarks.memory.measure` measures): ``docs/auto.md``."""
 
 import itertools
+import json
 import os
+import re
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from benchmarks import auto_fit, strategies
-from benchmarks.auto_fit import agreed_link
 from benchmarks.common import Case, figure, fmt_seq, qkv_dout
-from benchmarks.driver import Benchmark, Column, Session, main, markdown_table
-from benchmarks.hosts import HOST_RANKS, time_two_hosts
+from benchmarks.driver import Benchmark, Session, main
 from benchmarks.strategies import STRATEGIES
-from ds_ring import testing
 from ds_ring.auto import strategy as auto
 from ds_ring.comm import cores
 
 GRID_HEADS = ((8, 8), (8, 2))
+HOST_RANKS = 2  # per host, with --two-hosts
+_CAUSE = re.compile(r"terminate called|what\(\)|Aborted|Fatal Python error|Error:")
 
 
 def interleaved_rank(rank: int, world: int, cases: list[Case], rounds: int, timeout_s: float,
                      probes: int = 0) -> dict[str, Any]:  # fmt: skip
-    """Rank function: every case of one grid point (each strategy and ``auto``, same shapes) built side by side in
-    this process, warmed up once each (round 0), then ``rounds`` rounds of one fwd+bwd call per case, the order
-    reversed every other round, all ranks starting each call together. Returns every case's slowest-rank seconds per
-    round and ``auto``'s pick: slow drifts of a shared machine hit every strategy alike, where separate launches do
-    not. With ``probes`` (``benchmarks.auto_fit``): that many agreed probes and the load average before each timed
-    round (what auto's first call runs, under the calls' load), and the oversubscription the topology records."""
+    """Rank function: ``rounds`` interleaved fwd+bwd calls of every case of one grid point (``SUITE.md``); every
+    case's slowest-rank seconds per round and ``auto``'s pick, or with ``probes`` (``benchmarks.auto_fit``) that many
+    agreed probes and the load average before each round, and the oversubscription."""
     c, gen = cases[0], torch.Generator().manual_seed(1000 + rank)
     q, k, v, dout = qkv_dout(gen, c.batch, c.seq * c.data // world, c.heads, c.kv_heads, c.head_dim)
     calls = {case.impl: strategies.build(case, rank, timeout_s) for case in cases}
@@ -40,7 +40,7 @@ def interleaved_rank(rank: int, world: int, cases: list[Case], rounds: int, time
     for r in range(rounds + 1):
         if r and probes:
             loads.append(os.getloadavg()[0])
-            links.extend(agreed_link(timeout_s) for _ in range(probes))
+            links.extend(auto_fit.agreed_link(timeout_s) for _ in range(probes))
         for name in list(calls) if r % 2 == 0 else list(calls)[::-1]:
             q.grad = k.grad = v.grad = None
             dist.barrier()
@@ -53,62 +53,78 @@ def interleaved_rank(rank: int, world: int, cases: list[Case], rounds: int, time
     if probes:
         over = cores.oversubscription(range(world))
         return {"times_s": times, "links": links, "loads": loads, "oversubscription": over}
-    chosen = auto.decisions()[-1] if "auto" in calls else None
-    pick = None if chosen is None else {
-        "pick": chosen.strategy, "pick_label": chosen.label, "predicted_s": chosen.time_s, "link": vars(chosen.link),
-        "oversubscription": chosen.oversubscription,
-    }  # fmt: skip
+    chose = auto.decisions()[-1]  # the "auto" case's
+    pick = {"pick": chose.strategy, "pick_label": chose.label, "predicted_s": chose.time_s, "link": vars(chose.link),
+            "oversubscription": chose.oversubscription}  # fmt: skip
     return {"times_s": times, "choice": pick}
 
 
 def grid_cases(seq: int, world: int, data: int, heads: int, kv_heads: int, ulysses: int) -> list[Case]:
-    """The cases of one grid point: every strategy the heads and ranks admit, and ``auto``."""
-    sp = world // data  # hybrid needs 2 × 2 sequence-parallel ranks; Ulysses the heads split over them
-    names = [s for s in STRATEGIES if (s != "hybrid" or sp == 4) and (s != "ulysses" or heads % sp == 0)]
-    u = ulysses if sp == 4 else 1
+    """The cases of one grid point: every strategy the model admits on its sequence-parallel ranks, and ``auto``."""
+    names = auto_fit.strategies_of(world // data, seq, heads, kv_heads)
+    u = ulysses if world // data == 4 else 1  # the hybrid's degrees on 4 sequence-parallel ranks
     return [Case(name, seq, world, ulysses=u, heads=heads, kv_heads=kv_heads, data=data) for name in [*names, "auto"]]
 
 
 def plan(session: Session) -> None:
-    args, timing = session.args, session.extra.setdefault("timing", [])
+    args, session.extra["timing"] = session.args, []
     # (ranks, data-parallel replicas): every world asked for, and 4 ranks as 2 replicas of 2 sequence-parallel ranks
     setups = [] if args.no_timing else [(w, 1) for w in args.worlds] + [(4, 2)] * (4 in args.worlds and args.data)
     for (world, data), seq, (heads, kv_heads) in itertools.product(setups, args.seqs, GRID_HEADS):
         cases = grid_cases(seq, world, data, heads, kv_heads, ulysses=2)
-        kwargs = {"cases": cases, "rounds": args.rounds, "timeout_s": args.timeout_s}
-        outcomes = testing.spawn_ranks(interleaved_rank, world, timeout_s=args.timeout_s, kwargs=kwargs)
-        got = testing.rank_results(outcomes)[0]
+        got = auto_fit.rank0(interleaved_rank, world, args.timeout_s, cases=cases, rounds=args.rounds)
         point = {"ranks": world, "data": data, "hosts": 1, "seq": seq, "heads": heads, "kv_heads": kv_heads}
-        timing += _verdict(point, got["times_s"], got["choice"] or {}, args.rounds)
-        print(f"{point}: {timing[-1] if timing else got}", flush=True)
-        session.write_json()
+        _verdict(session, {**point, **got})
     if args.two_hosts and not args.no_timing:
         points = time_two_hosts(args.seqs, args.rounds, args.timeout_s)
         if isinstance(points, str):
             print(f"no two-host points: {points}", flush=True)
-            session.extra["two_hosts_skipped"] = points
-        for p in [] if isinstance(points, str) else points:
-            point = {"ranks": 2 * HOST_RANKS, "data": 1, "hosts": 2, **{k: p[k] for k in ("seq", "heads", "kv_heads")}}
-            timing += _verdict(point, p["times_s"], p["choice"] or {}, args.rounds)
-            print(f"two hosts {point}: {timing[-1] if timing else ''}", flush=True)
+            session.extra["two_hosts_skipped"], points = points, []
+        for got in points:
+            _verdict(session, got)
     session.extra["memory"] = [] if args.no_memory else memory_check(args)
 
 
-def _verdict(point: dict[str, Any], times: dict[str, list[float]], choice: dict, rounds: int) -> list[dict[str, Any]]:
-    """One grid point's verdict from its rounds' times per strategy (and ``auto``), or none while one is missing."""
-    med = {name: statistics.median(t) for name, t in times.items() if t}
-    by_name = {k: v for k, v in med.items() if k != "auto"}
-    if "auto" not in med or choice.get("pick") not in by_name:
-        return []
-    best, worst, auto_s = min(by_name.values()), max(by_name.values()), med["auto"]
-    return [{
-        **point, "measured_s": by_name, "auto_s": auto_s, "pick": choice["pick_label"],
-        "pick_s": by_name[choice["pick"]], "rounds": rounds, "best": min(by_name, key=by_name.get),
-        "ratio_to_best": auto_s / best,
-        "within_1_10": auto_s <= 1.10 * best, "never_worst": len(by_name) == 1 or auto_s < worst,
-        "predicted_pick_s": choice["predicted_s"], "link": choice.get("link"),
-        "oversubscription": choice.get("oversubscription"),
-    }]  # fmt: skip
+def time_two_hosts(seqs: list[int], rounds: int, timeout_s: float) -> list[dict[str, Any]] | str:
+    """The grid points of ``benchmarks.hosts`` (on two hosts, :data:`HOST_RANKS` each, one launch), or why the two
+    hosts could not run (no namespaces here, or the launch failed: its error lines and the logs' tails)."""
+    from tests.multihost.hosts import TwoHosts, unavailable
+
+    if (reason := unavailable()) is not None:
+        return f"two hosts on one machine: {reason}"
+    with tempfile.TemporaryDirectory() as tmp:
+        out, hosts = Path(tmp), TwoHosts()
+        try:
+            hosts.open()
+            hosts.torchrun(["-m", "benchmarks.hosts", tmp, str(rounds), str(timeout_s), *map(str, seqs)], out,
+                           nproc=HOST_RANKS)  # fmt: skip
+            if (codes := hosts.wait(timeout_s)) != [0, 0] or not (out / "hosts.json").exists():
+                logs = [hosts.output(0), hosts.output(1)]
+                causes = [line for log in logs for line in log.splitlines() if _CAUSE.search(line)][:20]
+                return f"two-host launch exited {codes}; {causes}: {logs[0][-1500:]}{logs[1][-1500:]}"
+            return json.loads((out / "hosts.json").read_text())
+        finally:
+            hosts.close()
+
+
+def _verdict(session: Session, got: dict[str, Any]) -> None:
+    """Adds a grid point's verdict from its rounds' times (``got``: the point, ``times_s`` and ``choice``) per
+    strategy and ``auto``; none while one is missing."""
+    point = {k: v for k, v in got.items() if k not in ("times_s", "choice")}
+    med = {name: statistics.median(t) for name, t in got["times_s"].items() if t}
+    by_name, choice = {k: v for k, v in med.items() if k != "auto"}, got["choice"]
+    if "auto" in med and choice["pick"] in by_name:
+        best, worst, auto_s = min(by_name.values()), max(by_name.values()), med["auto"]
+        session.extra["timing"].append(got := {
+            **point, "measured_s": by_name, "auto_s": auto_s, "pick": choice["pick_label"],
+            "pick_s": by_name[choice["pick"]], "rounds": session.args.rounds, "best": min(by_name, key=by_name.get),
+            "ratio_to_best": auto_s / best,
+            "within_1_10": auto_s <= 1.10 * best, "never_worst": len(by_name) == 1 or auto_s < worst,
+            "predicted_pick_s": choice["predicted_s"], "link": choice["link"],
+            "oversubscription": choice["oversubscription"],
+        })  # fmt: skip
+    print(f"{point}: {got}", flush=True)
+    session.write_json()
 
 
 def memory_check(args: Any) -> list[dict[str, Any]]:
@@ -124,24 +140,20 @@ def memory_check(args: Any) -> list[dict[str, Any]]:
 
 def _dp(point: dict[str, Any]) -> str:
     """The point's data parallelism and hosts, when there are more than one."""
-    return f" (dp {point['data']})" * (point.get("data", 1) > 1) + " (2 hosts)" * (point.get("hosts", 1) > 1)
+    return f" (dp {point['data']})" * (point["data"] > 1) + " (2 hosts)" * (point["hosts"] > 1)
 
 
 def report(session: Session) -> str:
-    point = Column("point", lambda v: f"p={v['ranks']}{_dp(v)} {fmt_seq(v['seq'])} {v['heads']}/{v['kv_heads']} heads")
-    times = Column("median ms", lambda v: "  ".join(f"{k} {s * 1e3:.0f}" for k, s in v["measured_s"].items())
-                   + f"; auto {v['auto_s'] * 1e3:.0f}")  # fmt: skip
-    return "\n\n".join([
-        markdown_table(session.extra["timing"], [
-            point, times, Column("auto picks", lambda v: v["pick"]),
-            Column("× best", lambda v: v["ratio_to_best"], "{:.2f}"), Column("within 1.10", lambda v: v["within_1_10"]),
-            Column("never worst", lambda v: v["never_worst"])]),
-        markdown_table(session.extra["memory"], [
-            Column("strategy", lambda m: m["strategy"]), Column("p", lambda m: m["ranks"]),
-            Column("measured q-shards", lambda m: m["measured_q_shards"], "{:.2f}"),
-            Column("predicted q-shards", lambda m: m["predicted_q_shards"], "{:.2f}"),
-            Column("within 15 %", lambda m: m["within_15pct"])]),
-    ])  # fmt: skip
+    timing = [{
+        "point": f"p={v['ranks']}{_dp(v)} {fmt_seq(v['seq'])} {v['heads']}/{v['kv_heads']} heads",
+        "median ms": "  ".join(f"{k} {s * 1e3:.0f}" for k, s in {**v["measured_s"], "auto": v["auto_s"]}.items()),
+        "auto picks": v["pick"], "× best": v["ratio_to_best"], "within 1.10": v["within_1_10"],
+        "never worst": v["never_worst"],
+    } for v in session.extra["timing"]]  # fmt: skip
+    memory = [{"strategy": m["strategy"], "p": m["ranks"], "measured q-shards": m["measured_q_shards"],
+               "predicted q-shards": m["predicted_q_shards"], "within 15 %": m["within_15pct"]}
+              for m in session.extra["memory"]]  # fmt: skip
+    return f"{auto_fit.dict_table(timing)}\n\n{auto_fit.dict_table(memory)}"
 
 
 def plots(session: Session) -> None:

@@ -1,21 +1,15 @@
-"""``auto``'s cost and memory model fitted on one grid and checked on a held-out one (the protocol, the grids and the
-gate: ``docs/auto.md``, "Fitted, then held out"). Writes ``DIR/auto_fit.json``: per grid (``fit``, ``heldout``) the
-timing points (every strategy the point admits timed side by side, ``--probes`` agreed probes before each of
-``--rounds`` rounds, the raw link kept so the fit can be redone) and the memory rows (:func:`benchmarks.memory.measure`
-against :func:`ds_ring.auto.model.memory_q_shards`). ``--fit`` (no measurement): the time calibration and the memory
-coefficients fitted on ``fit``, each used only if it predicts ``heldout`` better than the model did before
-(:func:`coefficients`; ``tests/test_auto_fit.py`` checks the model carries them). ``--report``: measured against
-predicted with the model's constants, per grid.
+"""``auto``'s cost and memory model fitted on one grid and checked on a held-out one: ``DIR/auto_fit.json`` (the
+protocol, the grids, the gate and the outcome: ``docs/auto.md``, "Fitted, then held out").
 
     python -m benchmarks.auto_fit --grid fit --timing --memory
     python -m benchmarks.auto_fit --grid heldout --timing --memory
     python -m benchmarks.auto_fit --fit --report"""
 
-from __future__ import annotations
-
+import collections
 import json
 import math
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,8 +38,8 @@ GRIDS: dict[str, dict[str, Any]] = {
 COMMUNICATION = {"ring": "ring", "allgather": "allgather", "ulysses": None, "hybrid": "ring"}
 LINK_KEYS = ("latency_s", "bandwidth", "flops")
 BASELINE_CALIBRATION = {"compute": 1.0, "comm": 1.0}  # what auto computed with before any fit: the probe as measured
+# the memory coefficients before this fit (calibrated by hand on 4 ranks, 8/8 heads, 4K→8K rows)
 BASELINE_BUFFERS = {"ring": 0.75, "ring_dilated": 0.9, "allgather": 0.45, "ulysses": 0.0, "hybrid_ring": 1.0}
-"""The memory coefficients before this fit (calibrated by hand on 4 ranks, 8/8 heads, 4K→8K rows)."""
 
 
 def problem(world: int, seq: int, heads: int, kv_heads: int, oversubscription: float = 1.0):
@@ -68,18 +62,31 @@ def agreed_link(timeout_s: float | None = None) -> dict[str, float]:
     return {key: getattr(link, key) for key in LINK_KEYS}
 
 
+def rank0(fn: Callable[..., Any], world: int, timeout_s: float, **kwargs: Any) -> Any:
+    """Rank 0's result of ``fn(rank, world, timeout_s=timeout_s, **kwargs)`` on ``world`` fresh 1-thread ranks."""
+    kwargs["timeout_s"] = timeout_s
+    return testing.rank_results(testing.spawn_ranks(fn, world, timeout_s=timeout_s, kwargs=kwargs))[0]
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Min, median and max of ``values``."""
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
 def time_point(world: int, seq: int, heads: int, kv_heads: int, rounds: int, probes: int, timeout_s: float) -> dict:
     """One timing point, measured in one launch (:func:`benchmarks.auto.interleaved_rank` with probes)."""
     from benchmarks.auto import interleaved_rank  # auto imports this module
 
     names = strategies_of(world, seq, heads, kv_heads)
     cases = [Case(n, seq, world, ulysses=2 if n == "hybrid" else 1, heads=heads, kv_heads=kv_heads) for n in names]
-    kwargs = {"cases": cases, "rounds": rounds, "timeout_s": timeout_s, "probes": probes}
-    got = testing.rank_results(testing.spawn_ranks(interleaved_rank, world, timeout_s=timeout_s, kwargs=kwargs))[0]
-    return {"ranks": world, "seq": seq, "heads": heads, "kv_heads": kv_heads, "rounds": rounds,
-            "measured_s": {n: statistics.median(t) for n, t in got["times_s"].items()}, "times_s": got["times_s"],
-            "link": {key: statistics.median(p[key] for p in got["links"]) for key in LINK_KEYS},
-            "probes": got["links"], "loads": got["loads"], "oversubscription": got["oversubscription"]}  # fmt: skip
+    got = rank0(interleaved_rank, world, timeout_s, cases=cases, rounds=rounds, probes=probes)
+    point = {"ranks": world, "seq": seq, "heads": heads, "kv_heads": kv_heads, "rounds": rounds,
+             "measured_s": {n: statistics.median(t) for n, t in got["times_s"].items()}, "times_s": got["times_s"],
+             "link": {key: statistics.median(p[key] for p in got["links"]) for key in LINK_KEYS},
+             "probes": got["links"], "loads": got["loads"], "oversubscription": got["oversubscription"]}  # fmt: skip
+    times = ", ".join(f"{s} {t * 1e3:.0f} ms" for s, t in point["measured_s"].items())
+    print(f"p={world} {seq} {heads}/{kv_heads}: {times}; probe {point['link']['flops'] / 1e9:.1f} GFLOP/s", flush=True)
+    return point
 
 
 def predict_times(point: dict, calibration=None) -> dict[str, float]:
@@ -96,11 +103,8 @@ def predict_times(point: dict, calibration=None) -> dict[str, float]:
 
 def time_ratios(points: list[dict], calibration=None) -> list[float]:
     """Measured ÷ predicted over every strategy of every point."""
-    ratios = []
-    for point in points:
-        predicted = predict_times(point, calibration)
-        ratios += [point["measured_s"][s] / predicted[s] for s in point["measured_s"]]
-    return ratios
+    predicted = [predict_times(point, calibration) for point in points]
+    return [m / p[s] for point, p in zip(points, predicted, strict=True) for s, m in point["measured_s"].items()]
 
 
 def fit_time(points: list[dict]) -> tuple[float, float]:
@@ -126,8 +130,7 @@ def measure_memory(world: int, heads: int, kv_heads: int, lengths: tuple[int, in
         rows.append({"strategy": name, "ranks": world, "heads": heads, "kv_heads": kv_heads,
                      "tokens_per_rank": list(lengths), "measured_q_shards": got["slope_q_shards"],
                      "extra_mib": got["extra_mib"], "seconds": got["seconds"]})  # fmt: skip
-        print(f"memory {name:9s} p={world} {heads}/{kv_heads} {lengths}: {got['slope_q_shards']:.2f} q-shards",
-              flush=True)  # fmt: skip
+        print(f"memory {name} p={world} {heads}/{kv_heads} {lengths}: {got['slope_q_shards']:.2f} q-shards", flush=True)
     return rows
 
 
@@ -154,69 +157,60 @@ def fit_memory(rows: list[dict]) -> dict[str, float]:
     return fitted
 
 
-def median_abs_log(ratios: list[float]) -> float:
-    return statistics.median(abs(math.log(r)) for r in ratios)
-
-
 def coefficients(results: dict) -> dict[str, Any]:
     """Fitted on the ``fit`` grid, then gated on the ``heldout`` grid: a fit is *used* (what the model carries) only
     where its median |log(measured / predicted)| on the held-out grid is below the baseline's, else the baseline."""
     fit, held = results["fit"], results["heldout"]
     compute, comm = fit_time(fit["timing"])
     fitted = {"calibration_cpu": {"compute": compute, "comm": comm}, "buffers": fit_memory(fit["memory"])}
-    time_error = lambda c: median_abs_log(time_ratios(held["timing"], Calibration(**c)))
-    memory_error = lambda b: median_abs_log([r["measured_q_shards"] / predict_memory(r, b) for r in held["memory"]])
-    error = {
-        "time_fitted": time_error(fitted["calibration_cpu"]), "time_baseline": time_error(BASELINE_CALIBRATION),
-        "memory_fitted": memory_error(fitted["buffers"]), "memory_baseline": memory_error(BASELINE_BUFFERS),
-    }  # fmt: skip
-    used = {
-        "calibration_cpu": fitted["calibration_cpu"] if error["time_fitted"] < error["time_baseline"]
-        else BASELINE_CALIBRATION,
-        "buffers": fitted["buffers"] if error["memory_fitted"] < error["memory_baseline"] else BASELINE_BUFFERS,
-    }  # fmt: skip
+    baseline = {"calibration_cpu": BASELINE_CALIBRATION, "buffers": BASELINE_BUFFERS}
+    median_abs_log = lambda ratios: statistics.median(abs(math.log(r)) for r in ratios)
+    errors = {
+        "time": lambda c: median_abs_log(time_ratios(held["timing"], Calibration(**c))),
+        "memory": lambda b: median_abs_log([r["measured_q_shards"] / predict_memory(r, b) for r in held["memory"]]),
+    }
+    error, used = {}, {}
+    for (kind, err), key in zip(errors.items(), fitted, strict=True):
+        error[f"{kind}_fitted"], error[f"{kind}_baseline"] = err(fitted[key]), err(baseline[key])
+        used[key] = fitted[key] if error[f"{kind}_fitted"] < error[f"{kind}_baseline"] else baseline[key]
     return {"fitted": fitted, "heldout_median_abs_log": error, "used": used}
 
 
-def spread(ratios: list[float]) -> dict[str, float]:
-    """Median, min and max of measured ÷ predicted."""
-    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "n": len(ratios)}
+def dict_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown table of ``rows`` (the first row's keys are the headers; floats to 2 decimals), "" for no rows."""
+    two = lambda v: f"{v:.2f}" if isinstance(v, float) else str(v)
+    return markdown_table(rows, [Column(h, lambda r, h=h: r[h], two) for h in rows[0]]) if rows else ""
 
 
 def report(results: dict) -> dict[str, Any]:
-    """Per grid: measured ÷ predicted (time of every strategy and of the model's pick; memory) with the model's own
-    constants (and the time uncalibrated, for comparison), rows and median / range; printed as markdown tables."""
+    """Per grid, measured ÷ predicted with the model's constants (the time of every strategy, also uncalibrated, and
+    of the model's pick; the memory): printed as markdown tables, returned as the ratios' spreads."""
     summary: dict[str, Any] = {}
     for grid in [g for g in results if g in GRIDS]:
-        ratios: dict[str, list[float]] = {k: [] for k in ("time", "time_pick", "time_uncalibrated", "pick_over_best")}
-        table, rows = [], results[grid].get("memory", [])
+        ratios, times, memories = collections.defaultdict(list), [], []
         for point in results[grid].get("timing", []):
             measured, predicted = point["measured_s"], predict_times(point)
             pick = predicted["_pick"]
-            ratios["time"] += [measured[s] / predicted[s] for s in STRATEGIES if s in measured]
-            ratios["time_pick"].append(measured[pick] / predicted[pick])
+            ratios["time"] += time_ratios([point])
             ratios["time_uncalibrated"] += time_ratios([point], Calibration())
+            ratios["time_pick"].append(measured[pick] / predicted[pick])
             ratios["pick_over_best"].append(measured[pick] / min(measured.values()))
             ms = {s: f"{measured[s] * 1e3:.0f} / {predicted[s] * 1e3:.0f} ({measured[s] / predicted[s]:.2f})"
-                  for s in measured}  # fmt: skip
-            table.append({"point": f"p={point['ranks']}, {point['seq']}, {point['heads']}/{point['kv_heads']}",
+                  if s in measured else "" for s in STRATEGIES}  # fmt: skip
+            times.append({"point": f"p={point['ranks']}, {point['seq']}, {point['heads']}/{point['kv_heads']}",
                           "load": f"{statistics.median(point['loads']):.1f}",
                           "probe GFLOP/s": f"{point['link']['flops'] / 1e9:.1f}", **ms,
                           "pick: measured / predicted": f"{pick} {ratios['time_pick'][-1]:.2f}",
                           "pick ÷ best": f"{ratios['pick_over_best'][-1]:.2f}"})  # fmt: skip
-        ratios["memory"] = [r["measured_q_shards"] / predict_memory(r) for r in rows]
-        heads = ["point", "load", "probe GFLOP/s", *STRATEGIES, "pick: measured / predicted", "pick ÷ best"]
-        print(f"\n### {grid}: time (ms), measured / predicted\n\n"
-              + markdown_table(table, [Column(h, lambda t, h=h: t.get(h, "")) for h in heads]))  # fmt: skip
-        print(f"\n### {grid}: memory (q-shards), measured / predicted\n\n" + markdown_table(rows, [
-            Column("strategy", lambda r: r["strategy"]), Column("p", lambda r: r["ranks"]),
-            Column("heads", lambda r: f"{r['heads']}/{r['kv_heads']}"),
-            Column("rows per rank", lambda r: "{}→{}".format(*r["tokens_per_rank"])),
-            Column("measured", lambda r: r["measured_q_shards"], "{:.2f}"),
-            Column("predicted", predict_memory, "{:.2f}"),
-            Column("measured / predicted", lambda r: r["measured_q_shards"] / predict_memory(r), "{:.2f}"),
-        ]))  # fmt: skip
-        summary[grid] = {k: spread(v) for k, v in ratios.items() if v}
+        for r in results[grid].get("memory", []):
+            ratios["memory"].append(r["measured_q_shards"] / (predicted := predict_memory(r)))
+            memories.append({"strategy": r["strategy"], "p": r["ranks"], "heads": f"{r['heads']}/{r['kv_heads']}",
+                             "rows per rank": "{}→{}".format(*r["tokens_per_rank"]),
+                             "measured": r["measured_q_shards"], "predicted": predicted,
+                             "measured / predicted": ratios["memory"][-1]})  # fmt: skip
+        print(f"\n### {grid}: time (ms), measured / predicted\n\n{dict_table(times)}")
+        print(f"\n### {grid}: memory (q-shards), measured / predicted\n\n{dict_table(memories)}")
+        summary[grid] = {k: {**spread(v), "n": len(v)} for k, v in ratios.items()}
         print(f"\n{grid}: {json.dumps(summary[grid])}")
     return summary
 
@@ -240,10 +234,7 @@ def main() -> None:
     if args.grid and args.timing:
         grid["timing"] = []
         for world, seq, heads, kv in GRIDS[args.grid]["timing"]:
-            grid["timing"].append(point := time_point(world, seq, heads, kv, args.rounds, args.probes, args.timeout_s))
-            times = ", ".join(f"{s} {t * 1e3:.0f} ms" for s, t in point["measured_s"].items())
-            probe = f"probe {point['link']['flops'] / 1e9:.1f} GFLOP/s, load {point['loads']}"
-            print(f"{args.grid} p={world} {seq} {heads}/{kv}: {times}; {probe}", flush=True)
+            grid["timing"].append(time_point(world, seq, heads, kv, args.rounds, args.probes, args.timeout_s))
             write_json(path, results)
     if args.grid and args.memory:
         chosen = lambda name, world: args.only is None or f"{name}@{world}" in args.only

@@ -3,47 +3,45 @@
 python -m benchmarks.probe --worlds 2 4 --repeats 20"""
 
 import collections
+import itertools
 import os
 import statistics
 from typing import Any
 
-from benchmarks.auto_fit import LINK_KEYS, agreed_link, problem
+from benchmarks.auto_fit import LINK_KEYS, agreed_link, problem, rank0, spread
 from benchmarks.common import read_json, script_args, write_json
-from ds_ring.testing import rank_results, spawn_ranks
+from ds_ring.auto.model import Link, plan_options
 
 
-def _probe_rank(rank: int, world: int, repeats: int) -> list[dict[str, Any]]:
+def _probe_rank(rank: int, world: int, repeats: int, timeout_s: float) -> list[dict[str, Any]]:
     """``repeats`` agreed probes of the world group (what ``auto``'s first call measures), each with the load before."""
-    return [{"load": os.getloadavg()[0], **agreed_link()} for _ in range(repeats)]
+    return [{"load": os.getloadavg()[0], **agreed_link(timeout_s)} for _ in range(repeats)]
 
 
-def spread(values: list[float]) -> dict[str, float]:
+def ranges(values: list[float]) -> dict[str, float]:
     """Min, median, max and max ÷ min of ``values``."""
-    return {"min": min(values), "median": statistics.median(values), "max": max(values),
-            "max_over_min": max(values) / min(values)}  # fmt: skip
+    return {**spread(values), "max_over_min": max(values) / min(values)}
 
 
 def stability(world: int, probes: list[dict[str, Any]], seqs: list[int]) -> list[dict[str, Any]]:
     """``auto``'s choice under every probe on the grid (1-thread ranks, ``oversubscription`` 2 at 4 ranks on this
     machine's 2 cores, as the topology records it)."""
-    from ds_ring.auto.model import Link, plan_options
-
     links = [Link(**{key: p[key] for key in LINK_KEYS}, source="probe") for p in probes]
     median = Link(**{key: statistics.median(p[key] for p in probes) for key in LINK_KEYS})
     rows = []
-    for seq in seqs:
-        for heads, kv in ((8, 8), (8, 2)):
-            call = problem(world, seq, heads, kv, 2.0 if world == 4 else 1.0)
-            picks = collections.Counter(plan_options(call, link)[0].label for link in links)
-            ranked = [o for o in plan_options(call, median) if o.error is None]
-            best, second = ranked[0], next((o for o in ranked[1:] if o.strategy != ranked[0].strategy), None)
-            row = {"seq": seq, "heads": heads, "kv_heads": kv, "choices": dict(picks),
-                   "same_choice": picks.most_common(1)[0][1] / len(links), "median_choice": best.label}  # fmt: skip
-            if second is not None:
-                times = [{o.label: o.time_s for o in plan_options(call, link)} for link in links]
-                ratios = [t[second.label] / t[best.label] for t in times]
-                row.update(second=second.label, gap=second.time_s / best.time_s - 1, ratio_spread=spread(ratios))
-            rows.append(row)
+    for seq, (heads, kv) in itertools.product(seqs, ((8, 8), (8, 2))):
+        call = problem(world, seq, heads, kv, 2.0 if world == 4 else 1.0)
+        options = [plan_options(call, link) for link in links]
+        picks = collections.Counter(o[0].label for o in options)
+        ranked = [o for o in plan_options(call, median) if o.error is None]
+        best, second = ranked[0], next((o for o in ranked[1:] if o.strategy != ranked[0].strategy), None)
+        row = {"seq": seq, "heads": heads, "kv_heads": kv, "choices": dict(picks),
+               "same_choice": picks.most_common(1)[0][1] / len(links), "median_choice": best.label}  # fmt: skip
+        if second is not None:
+            times = [{o.label: o.time_s for o in opts} for opts in options]
+            ratios = [t[second.label] / t[best.label] for t in times]
+            row.update(second=second.label, gap=second.time_s / best.time_s - 1, ratio_spread=ranges(ratios))
+        rows.append(row)
     return rows
 
 
@@ -59,16 +57,12 @@ def main() -> None:
     everything = read_json(path)
     everything[args.label] = results = []
     for world in args.worlds:
-        probes = rank_results(spawn_ranks(_probe_rank, world, timeout_s=args.timeout_s, args=(args.repeats,)))[0]
-        s = {key: spread([p[key] for p in probes]) for key in (*LINK_KEYS, "load")}  # agreed: the same on every rank
+        probes = rank0(_probe_rank, world, args.timeout_s, repeats=args.repeats)
+        s = {key: ranges([p[key] for p in probes]) for key in (*LINK_KEYS, "load")}  # agreed: the same on every rank
         grid = stability(world, probes, args.seqs)
         results.append({"world": world, "probes": probes, "spread": s, "grid": grid})
-        print(f"p={world}: {args.repeats} probes, load {s['load']['min']:.1f}-{s['load']['max']:.1f}; "
-              f"FLOP/s {s['flops']['min'] / 1e9:.1f}-{s['flops']['max'] / 1e9:.1f} G "
-              f"(×{s['flops']['max_over_min']:.2f}), "
-              f"bandwidth {s['bandwidth']['min'] / 1e9:.2f}-{s['bandwidth']['max'] / 1e9:.2f} GB/s "
-              f"(×{s['bandwidth']['max_over_min']:.2f}), latency {s['latency_s']['min'] * 1e6:.0f}-"
-              f"{s['latency_s']['max'] * 1e6:.0f} µs", flush=True)  # fmt: skip
+        text = ", ".join(f"{key} {r['min']:.3g}-{r['max']:.3g} (×{r['max_over_min']:.1f})" for key, r in s.items())
+        print(f"p={world}: {args.repeats} probes; {text}", flush=True)
         for row in grid:
             print(f"  {row['seq']:6d} {row['heads']}/{row['kv_heads']}: same choice {row['same_choice']:.2f} "
                   f"{row['choices']}  gap to {row.get('second')} {row.get('gap', 0):.3f}", flush=True)  # fmt: skip
