@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 import ds_ring
@@ -29,29 +30,20 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"  # where the JSON and PNGs go unless --out says otherwise
 
 
-def current_rss_bytes() -> int:
-    """This process's resident set size now, bytes (``/proc/self/statm``)."""
-    return int(Path("/proc/self/statm").read_bytes().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def proc_mib(key: str, path: str = "/proc/meminfo") -> float | None:
-    """A ``key: N kB`` field of ``path`` (``/proc/meminfo``, ``/proc/self/status``) in MiB, or None."""
-    with contextlib.suppress(OSError), open(path) as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024
-    return None
+def rss_mib() -> float:
+    """This process's resident set size now, MiB."""
+    return psutil.Process().memory_info().rss / MIB
 
 
 def reset_peak_rss() -> float:
     """Reset this process's RSS high-water mark (``VmHWM``) to its current RSS; return that RSS in MiB."""
     Path("/proc/self/clear_refs").write_text("5")
-    return current_rss_bytes() / MIB
+    return rss_mib()
 
 
 def peak_rss_mib() -> float:
     """This process's RSS high-water mark since the last :func:`reset_peak_rss`, MiB (the kernel's: no sampling)."""
-    return proc_mib("VmHWM", "/proc/self/status") or 0.0
+    return int(Path("/proc/self/status").read_text().split("VmHWM:")[1].split()[0]) / 1024
 
 
 def release_free_memory() -> None:
@@ -218,9 +210,9 @@ def attention_rank(rank: int, world: int, case: Case, build: Callable[[Case, int
         result.warmup_max_abs_err = float((out.detach() - ref).abs().max())
     del q, k, v, grad_out, out
     release_free_memory()
-    rss0 = current_rss_bytes()
+    result.rss_before_inputs_mib = rss_mib()
     q, k, v, grad_out = shards(case.seq, grad=False)
-    result.rss_before_inputs_mib, result.inputs_mib = rss0 / MIB, (current_rss_bytes() - rss0) / MIB
+    result.inputs_mib = rss_mib() - result.rss_before_inputs_mib
     if case.fwd:
         with torch.no_grad():
             result.fwd = measure(lambda: attn(q, k, v, segs, rates), calls=protocol.calls)
@@ -247,23 +239,18 @@ def matmul_rank(rank: int, world: int, n: int) -> float:
     return 2.0 * n**3 / min(times[1:]) / 1e9
 
 
-def cpu_jiffies() -> tuple[int, int]:
-    """(busy, total) clock ticks of all CPUs since boot (``/proc/stat``)."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest is inside user)
-    return total - fields[3] - fields[4], total  # busy: all but idle and iowait
+def cpu_seconds() -> tuple[float, float]:
+    """(busy, total) seconds of all CPUs since boot; busy: all but idle and iowait."""
+    t = psutil.cpu_times()
+    total = sum(t[:8])  # user nice system idle iowait irq softirq steal (guest is inside user)
+    return total - t.idle - t.iowait, total
 
 
 def wait_for_idle(max_busy: float, timeout_s: float) -> None:
     """Wait up to ``timeout_s`` until the CPUs are at most ``max_busy`` (0..1) busy over 1 s."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        b0, t0 = cpu_jiffies()
-        time.sleep(1.0)
-        b1, t1 = cpu_jiffies()
-        if t1 <= t0 or (b1 - b0) / (t1 - t0) <= max_busy:
-            return
+    while time.monotonic() < deadline and psutil.cpu_percent(interval=1.0) > 100 * max_busy:
+        pass
 
 
 def machine_info(packages: Iterable[str]) -> dict[str, Any]:
@@ -281,7 +268,7 @@ def machine_info(packages: Iterable[str]) -> dict[str, Any]:
             versions[pkg] = importlib.metadata.version(pkg)
     return {
         "date_utc": datetime.now(UTC).isoformat(timespec="seconds"), "cpu_model": cpu or platform.processor(),
-        "usable_cpus": len(os.sched_getaffinity(0)), "mem_total_gib": (proc_mib("MemTotal") or 0.0) / 1024,
+        "usable_cpus": len(os.sched_getaffinity(0)), "mem_total_gib": psutil.virtual_memory().total / 2**30,
         "loadavg_1m": os.getloadavg()[0], "python": platform.python_version(), "platform": platform.platform(),
         "versions": versions, "git_commit": commit.stdout.strip() or None, "ds_ring_source_sha256": h.hexdigest()[:16],
     }  # fmt: skip
