@@ -113,25 +113,19 @@ class Case:
     data: int = 1  # data-parallel replicas, each its own sequence of ``seq`` tokens over world / data ranks
 
 
-def kept_positions(seg_len: int, offset: int, rate: int) -> int:
-    return 0 if seg_len <= offset else (seg_len - offset + rate - 1) // rate
-
-
 def causal_pairs(m: int, causal: bool) -> int:
     return m * (m + 1) // 2 if causal else m * m
 
 
 def pairs_dilated(seq: int, heads: int, segs: Sequence[int], rates: Sequence[int], causal: bool,
                   split_heads: bool = False) -> int:  # fmt: skip
-    """Pairs of LongNet dilated attention, every head running every branch at offset ``h % r`` (ds_ring); with
-    ``split_heads`` head group i (``heads // n``, the first ``heads % n`` one more) runs branch i at offset ``i % r``
-    (dilated-attention-pytorch)."""
+    """Computed (query, key) pairs of LongNet dilated attention: ds_ring's, dap's with ``split_heads`` (README.md)."""
     total = 0
     for i, (w, r) in enumerate(zip(segs, rates, strict=True)):
         lens = [w] * (seq // w) + ([seq % w] if seq % w else [])
         n = len(rates)
         offsets = [i % r] * (heads // n + (i < heads % n)) if split_heads else [h % r for h in range(heads)]
-        total += sum(causal_pairs(kept_positions(m, o, r), causal) for o in offsets for m in lens)
+        total += sum(causal_pairs(len(range(o, m, r)), causal) for o in offsets for m in lens)  # kept rows
     return total
 
 
@@ -226,8 +220,7 @@ def attention_rank(rank: int, world: int, case: Case, build: Callable[[Case, int
 
 def qkv_dout(gen: torch.Generator | None, batch: int, rows: int, heads: int, kv_heads: int | None, head_dim: int,
              device: str = "cpu", grad: bool = True) -> list[torch.Tensor]:  # fmt: skip
-    """Random q, k, v, dout ``[batch, rows, heads, head_dim]`` (K/V: ``kv_heads``, None: ``heads``) on ``device``;
-    q, k, v require grad with ``grad``."""
+    """Random q, k, v, dout ``[batch, rows, heads, head_dim]`` (K/V: ``kv_heads`` or ``heads``); q, k, v: ``grad``."""
     shapes = [(batch, rows, h, head_dim) for h in (heads, kv_heads or heads, kv_heads or heads, heads)]
     return [torch.randn(s, generator=gen).to(device).requires_grad_(grad and i < 3) for i, s in enumerate(shapes)]
 
@@ -246,16 +239,8 @@ def cpu_seconds() -> tuple[float, float]:
     return total - t.idle - t.iowait, total
 
 
-def wait_for_idle(max_busy: float, timeout_s: float) -> None:
-    """Wait up to ``timeout_s`` until the CPUs are at most ``max_busy`` (0..1) busy over 1 s."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and psutil.cpu_percent(interval=1.0) > 100 * max_busy:
-        pass
-
-
 def machine_info(packages: Iterable[str]) -> dict[str, Any]:
-    """Date, CPU, cores, memory, load, Python, platform, versions of torch and ``packages``, commit, and a SHA-256
-    over ds_ring's ``*.py`` files (paths, contents): the code measured."""
+    """Date, CPU, cores, memory, load, versions of torch and ``packages``, commit, a SHA-256 of ds_ring's ``*.py``."""
     h = hashlib.sha256()
     for f in sorted((ROOT / "ds_ring").rglob("*.py")):
         h.update(str(f.relative_to(ROOT)).encode() + b"\0" + f.read_bytes() + b"\0")

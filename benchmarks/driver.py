@@ -91,8 +91,7 @@ class Session:
         return row
 
     def _estimate(self, row: Row) -> tuple[float | None, str | None]:
-        """(one call's seconds, scaled as S² from the last length measured with the same label, p, mask and tag; the
-        reason to skip the case or None): above ``--max-call-s``, or memory (∝ S) over 80 % of what is available."""
+        """(one call's estimated seconds, the reason to skip the case or None): README.md, "Skipping"."""
         case = row.case
         if case.seq % case.world:
             return None, f"seq {case.seq} is not divisible by {case.world} ranks"
@@ -113,8 +112,9 @@ class Session:
         best: tuple[list[testing.RankOutcome], float, float | None] | None = None
         own_cpu_s = lambda: sum(psutil.Process().cpu_times()[:2])  # this process's user + system s
         for _ in range(1 + args.retries):
-            if args.wait_idle_s > 0:
-                common.wait_for_idle(args.idle_threshold, args.wait_idle_s)
+            deadline = time.monotonic() + args.wait_idle_s  # wait for idle CPUs: at most --idle-threshold busy over 1 s
+            while time.monotonic() < deadline and psutil.cpu_percent(interval=1.0) > 100 * args.idle_threshold:
+                pass
             (busy0, total0), own0, t0 = common.cpu_seconds(), own_cpu_s(), time.perf_counter()
             outcomes = testing.spawn_ranks(
                 self.bench.rank, case.world, timeout_s=timeout_s, args=(case, self.bench.build, protocol),

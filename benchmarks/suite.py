@@ -40,18 +40,14 @@ def plan(session: Session) -> None:
 
 
 def fit_search(session: Session, impl: str, m: dict[str, Any]) -> dict[str, Any]:
-    """The largest total length whose working memory per rank at p = 4 stays within ``budget_mib`` (SUITE.md): (length,
-    MiB) measured to ``fit`` and ``over`` the budget, every probe, and why the search stopped early."""
+    """The largest total length within ``budget_mib`` of working memory per rank at p = 4 (SUITE.md, part 3)."""
     budget, step = m["budget_mib"], m["fit_step"]
     seed = find(session.rows, impl=impl, world=FIT_WORLD, tag="scaling")
     points = [(seed.case.seq, seed.peak_mib)] if seed and seed.peak_mib else []
     lo = max((pt for pt in points if pt[1] <= budget), default=None)
     hi = min((pt for pt in points if pt[1] > budget), default=None)
     probes, notes = [], []
-    for _ in range(m["fit_probes"]):
-        candidate = next_candidate(points, lo, hi, budget, step)
-        if candidate is None:
-            break
+    while len(probes) < m["fit_probes"] and (candidate := next_candidate(points, lo, hi, budget, step)):
         row = session.run(strategy(impl, candidate, FIT_WORLD, tag="fit"), calls=1)
         probes.append({"seq": candidate, "peak_mib": row.peak_mib, "peak_mib_per_rank": row.peak_mib_per_rank})
         if not row.peak_mib:
@@ -85,9 +81,7 @@ def next_candidate(points: list[tuple[int, float]], lo: Any, hi: Any, budget: fl
 
 
 def versus(rows: list[Row], r: Row) -> float | None:
-    """How many times faster ds_ring is: a dilated row than dense SDPA (same threads); a library row's time over its
-    ds_ring counterpart's, the fastest at p = 2 (dap: per unit of useful work, since it splits the heads among the
-    branches where ds_ring runs every head in every branch)."""
+    """The ``ds_ring × faster`` column (SUITE.md, part 2)."""
     if r.case.impl == "ds_ring":
         return ratio(find(rows, impl="dense", threads=r.case.threads), r)
     if r.case.impl == "dap":
