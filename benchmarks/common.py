@@ -80,8 +80,6 @@ def measure(fn: Callable[[], object], *, calls: int, setup: Callable[[], object]
     return Timing(times, base, first, peak_rss_mib() - base)
 
 
-BWD_FLOP_FACTOR = 2.5  # backward flop ÷ forward flop (the FlashAttention convention)
-
 AttentionFn = Callable[..., Any]  # attn(q, k, v, segment_lengths, dilation_rates) -> this rank's output shard
 
 
@@ -136,9 +134,10 @@ def case_pairs(case: Case, seq: int) -> int:
 
 
 def useful_gflop(case: Case, pairs: int | None = None) -> float:
-    """Useful fwd+bwd GFLOP of one call: 4·head_dim·batch flop per unmasked (query, key) pair, × 3.5 (README.md)."""
+    """Useful fwd+bwd GFLOP of one call: 4·head_dim·batch flop per unmasked (query, key) pair, × 3.5 (the backward:
+    2.5 × the forward, the FlashAttention convention; README.md)."""
     pairs = case_pairs(case, case.seq) if pairs is None else pairs
-    return (1.0 + BWD_FLOP_FACTOR) * 4.0 * case.head_dim * case.batch * pairs / 1e9
+    return 3.5 * 4.0 * case.head_dim * case.batch * pairs / 1e9
 
 
 @dataclass(frozen=True)
@@ -337,16 +336,10 @@ def plot_panels(path: Path, panels: Sequence[tuple[str, Sequence[Series]]], *, x
 
 @contextlib.contextmanager
 def figure(path: Path, width: float, height: float, panels: int = 1, dpi: int = 120, **kwargs: Any) -> Any:
-    """Matplotlib (Agg) axes of a ``width`` × ``height`` inch figure of ``panels`` side by side, saved to ``path``."""
-    import matplotlib
+    """Axes of a ``width`` × ``height`` inch figure of ``panels`` side by side, saved to ``path`` (no pyplot)."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, panels, figsize=(width, height), squeeze=False, **kwargs)
-    try:
-        yield axes[0]
-        fig.tight_layout()
-        fig.savefig(path, dpi=dpi)
-    finally:
-        plt.close(fig)
+    fig = Figure(figsize=(width, height))
+    yield fig.subplots(1, panels, squeeze=False, **kwargs)[0]
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)

@@ -227,8 +227,7 @@ def summarize(row: Row, outcomes: list[testing.RankOutcome], wall_s: float, othe
         row.fwd_s = max(r.fwd.median_s for r in results)
         row.fwd_peak_mib = max(r.working_mib(r.fwd) for r in results)
         row.fwd_first_extra_mib = max(r.fwd.first_extra_mib for r in results)
-    errs = [r.warmup_max_abs_err for r in results if r.warmup_max_abs_err is not None]
-    row.warmup_max_abs_err = max(errs) if errs else None
+    row.warmup_max_abs_err = max((e for r in results if (e := r.warmup_max_abs_err) is not None), default=None)
     if all(r.ring_steps for r in results):
         walls = [sum(t.times_s) for t in fb]
         row.blocked_s_per_rank = [r.blocked_s for r in results]
