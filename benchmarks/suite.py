@@ -1,5 +1,6 @@
 """The benchmark suite (issue 8, ``python -m benchmarks``): what each part measures and how to read it, SUITE.md."""
 
+import math
 from typing import Any
 
 from benchmarks import peers, ring, strategies
@@ -65,8 +66,8 @@ def fit_search(session: Session, impl: str, m: dict[str, Any]) -> dict[str, Any]
 
 def next_candidate(points: list[tuple[int, float]], lo: Any, hi: Any, budget: float, step: int) -> int | None:
     """Next length to probe (a multiple of ``step`` strictly inside (lo, hi)), or None when done."""
-    floor, ceiling = (lo[0] if lo else 0), (hi[0] if hi else None)
-    if ceiling is not None and ceiling - floor <= step:
+    floor, ceiling = (lo[0] if lo else 0), (hi[0] if hi else math.inf)
+    if ceiling - floor <= step:
         return None
     near = [lo, hi] if lo and hi else sorted(points, key=lambda p: abs(p[1] - budget))[:2]
     if len(near) == 2 and near[0][0] != near[1][0]:
@@ -75,9 +76,7 @@ def next_candidate(points: list[tuple[int, float]], lo: Any, hi: Any, budget: fl
         guess = s0 + (budget - m0) / slope if slope > 0 else (s0 + s1) / 2
     else:
         guess = near[0][0] * budget / near[0][1] if near else step
-    candidate = max(int(guess // step) * step, floor + step)
-    candidate = min(candidate, ceiling - step) if ceiling is not None else candidate
-    return candidate if candidate > floor else None
+    return min(max(int(guess // step) * step, floor + step), ceiling - step)
 
 
 def versus(rows: list[Row], r: Row) -> float | None:
