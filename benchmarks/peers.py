@@ -58,8 +58,7 @@ def deepspeed_attention(case: Case, rank: int, group: Any) -> AttentionFn:
 
 
 def dap_attention(case: Case) -> AttentionFn:
-    """dilated-attention-pytorch's ``DilatedAttention`` (heads split among the branches, :func:`flop`), its xformers
-    kernel replaced by SDPA in this process (``benchmarks/README.md``)."""
+    """dilated-attention-pytorch's ``DilatedAttention``, its xformers kernel SDPA in this process (README.md)."""
     segs = case.segment_lengths or ()
     if any(case.seq % w for w in segs):
         raise Skip(f"dilated-attention-pytorch needs seq % w == 0 for every w in {list(segs)}")
