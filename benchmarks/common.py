@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 import ds_ring
@@ -29,29 +30,20 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"  # where the JSON and PNGs go unless --out says otherwise
 
 
-def current_rss_bytes() -> int:
-    """This process's resident set size now, bytes (``/proc/self/statm``)."""
-    return int(Path("/proc/self/statm").read_bytes().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def proc_mib(key: str, path: str = "/proc/meminfo") -> float | None:
-    """A ``key: N kB`` field of ``path`` (``/proc/meminfo``, ``/proc/self/status``) in MiB, or None."""
-    with contextlib.suppress(OSError), open(path) as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024
-    return None
+def rss_mib() -> float:
+    """This process's resident set size now, MiB."""
+    return psutil.Process().memory_info().rss / MIB
 
 
 def reset_peak_rss() -> float:
     """Reset this process's RSS high-water mark (``VmHWM``) to its current RSS; return that RSS in MiB."""
     Path("/proc/self/clear_refs").write_text("5")
-    return current_rss_bytes() / MIB
+    return rss_mib()
 
 
 def peak_rss_mib() -> float:
     """This process's RSS high-water mark since the last :func:`reset_peak_rss`, MiB (the kernel's: no sampling)."""
-    return proc_mib("VmHWM", "/proc/self/status") or 0.0
+    return int(Path("/proc/self/status").read_text().split("VmHWM:")[1].split()[0]) / 1024
 
 
 def release_free_memory() -> None:
@@ -88,8 +80,6 @@ def measure(fn: Callable[[], object], *, calls: int, setup: Callable[[], object]
     return Timing(times, base, first, peak_rss_mib() - base)
 
 
-BWD_FLOP_FACTOR = 2.5  # backward flop ÷ forward flop (the FlashAttention convention)
-
 AttentionFn = Callable[..., Any]  # attn(q, k, v, segment_lengths, dilation_rates) -> this rank's output shard
 
 
@@ -121,25 +111,19 @@ class Case:
     data: int = 1  # data-parallel replicas, each its own sequence of ``seq`` tokens over world / data ranks
 
 
-def kept_positions(seg_len: int, offset: int, rate: int) -> int:
-    return 0 if seg_len <= offset else (seg_len - offset + rate - 1) // rate
-
-
 def causal_pairs(m: int, causal: bool) -> int:
     return m * (m + 1) // 2 if causal else m * m
 
 
 def pairs_dilated(seq: int, heads: int, segs: Sequence[int], rates: Sequence[int], causal: bool,
                   split_heads: bool = False) -> int:  # fmt: skip
-    """Pairs of LongNet dilated attention, every head running every branch at offset ``h % r`` (ds_ring); with
-    ``split_heads`` head group i (``heads // n``, the first ``heads % n`` one more) runs branch i at offset ``i % r``
-    (dilated-attention-pytorch)."""
+    """Computed (query, key) pairs of LongNet dilated attention: ds_ring's, dap's with ``split_heads`` (README.md)."""
     total = 0
     for i, (w, r) in enumerate(zip(segs, rates, strict=True)):
         lens = [w] * (seq // w) + ([seq % w] if seq % w else [])
         n = len(rates)
         offsets = [i % r] * (heads // n + (i < heads % n)) if split_heads else [h % r for h in range(heads)]
-        total += sum(causal_pairs(kept_positions(m, o, r), causal) for o in offsets for m in lens)
+        total += sum(causal_pairs(len(range(o, m, r)), causal) for o in offsets for m in lens)  # kept rows
     return total
 
 
@@ -152,7 +136,7 @@ def case_pairs(case: Case, seq: int) -> int:
 def useful_gflop(case: Case, pairs: int | None = None) -> float:
     """Useful fwd+bwd GFLOP of one call: 4·head_dim·batch flop per unmasked (query, key) pair, × 3.5 (README.md)."""
     pairs = case_pairs(case, case.seq) if pairs is None else pairs
-    return (1.0 + BWD_FLOP_FACTOR) * 4.0 * case.head_dim * case.batch * pairs / 1e9
+    return 3.5 * 4.0 * case.head_dim * case.batch * pairs / 1e9  # 3.5: the backward is 2.5 × the forward
 
 
 @dataclass(frozen=True)
@@ -218,9 +202,9 @@ def attention_rank(rank: int, world: int, case: Case, build: Callable[[Case, int
         result.warmup_max_abs_err = float((out.detach() - ref).abs().max())
     del q, k, v, grad_out, out
     release_free_memory()
-    rss0 = current_rss_bytes()
+    result.rss_before_inputs_mib = rss_mib()
     q, k, v, grad_out = shards(case.seq, grad=False)
-    result.rss_before_inputs_mib, result.inputs_mib = rss0 / MIB, (current_rss_bytes() - rss0) / MIB
+    result.inputs_mib = rss_mib() - result.rss_before_inputs_mib
     if case.fwd:
         with torch.no_grad():
             result.fwd = measure(lambda: attn(q, k, v, segs, rates), calls=protocol.calls)
@@ -234,8 +218,7 @@ def attention_rank(rank: int, world: int, case: Case, build: Callable[[Case, int
 
 def qkv_dout(gen: torch.Generator | None, batch: int, rows: int, heads: int, kv_heads: int | None, head_dim: int,
              device: str = "cpu", grad: bool = True) -> list[torch.Tensor]:  # fmt: skip
-    """Random q, k, v, dout ``[batch, rows, heads, head_dim]`` (K/V: ``kv_heads``, None: ``heads``) on ``device``;
-    q, k, v require grad with ``grad``."""
+    """Random q, k, v, dout ``[batch, rows, heads, head_dim]`` (K/V: ``kv_heads`` or ``heads``); q, k, v: ``grad``."""
     shapes = [(batch, rows, h, head_dim) for h in (heads, kv_heads or heads, kv_heads or heads, heads)]
     return [torch.randn(s, generator=gen).to(device).requires_grad_(grad and i < 3) for i, s in enumerate(shapes)]
 
@@ -247,28 +230,15 @@ def matmul_rank(rank: int, world: int, n: int) -> float:
     return 2.0 * n**3 / min(times[1:]) / 1e9
 
 
-def cpu_jiffies() -> tuple[int, int]:
-    """(busy, total) clock ticks of all CPUs since boot (``/proc/stat``)."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest is inside user)
-    return total - fields[3] - fields[4], total  # busy: all but idle and iowait
-
-
-def wait_for_idle(max_busy: float, timeout_s: float) -> None:
-    """Wait up to ``timeout_s`` until the CPUs are at most ``max_busy`` (0..1) busy over 1 s."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        b0, t0 = cpu_jiffies()
-        time.sleep(1.0)
-        b1, t1 = cpu_jiffies()
-        if t1 <= t0 or (b1 - b0) / (t1 - t0) <= max_busy:
-            return
+def cpu_seconds() -> tuple[float, float]:
+    """(busy, total) seconds of all CPUs since boot; busy: all but idle and iowait."""
+    t = psutil.cpu_times()
+    total = sum(t[:8])  # user nice system idle iowait irq softirq steal (guest is inside user)
+    return total - t.idle - t.iowait, total
 
 
 def machine_info(packages: Iterable[str]) -> dict[str, Any]:
-    """Date, CPU, cores, memory, load, Python, platform, versions of torch and ``packages``, commit, and a SHA-256
-    over ds_ring's ``*.py`` files (paths, contents): the code measured."""
+    """Date, CPU, cores, memory, load, versions of torch and ``packages``, commit, a SHA-256 of ds_ring's ``*.py``."""
     h = hashlib.sha256()
     for f in sorted((ROOT / "ds_ring").rglob("*.py")):
         h.update(str(f.relative_to(ROOT)).encode() + b"\0" + f.read_bytes() + b"\0")
@@ -281,7 +251,7 @@ def machine_info(packages: Iterable[str]) -> dict[str, Any]:
             versions[pkg] = importlib.metadata.version(pkg)
     return {
         "date_utc": datetime.now(UTC).isoformat(timespec="seconds"), "cpu_model": cpu or platform.processor(),
-        "usable_cpus": len(os.sched_getaffinity(0)), "mem_total_gib": (proc_mib("MemTotal") or 0.0) / 1024,
+        "usable_cpus": len(os.sched_getaffinity(0)), "mem_total_gib": psutil.virtual_memory().total / 2**30,
         "loadavg_1m": os.getloadavg()[0], "python": platform.python_version(), "platform": platform.platform(),
         "versions": versions, "git_commit": commit.stdout.strip() or None, "ds_ring_source_sha256": h.hexdigest()[:16],
     }  # fmt: skip
@@ -365,16 +335,10 @@ def plot_panels(path: Path, panels: Sequence[tuple[str, Sequence[Series]]], *, x
 
 @contextlib.contextmanager
 def figure(path: Path, width: float, height: float, panels: int = 1, dpi: int = 120, **kwargs: Any) -> Any:
-    """Matplotlib (Agg) axes of a ``width`` × ``height`` inch figure of ``panels`` side by side, saved to ``path``."""
-    import matplotlib
+    """Axes of a ``width`` × ``height`` inch figure of ``panels`` side by side, saved to ``path`` (no pyplot)."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, panels, figsize=(width, height), squeeze=False, **kwargs)
-    try:
-        yield axes[0]
-        fig.tight_layout()
-        fig.savefig(path, dpi=dpi)
-    finally:
-        plt.close(fig)
+    fig = Figure(figsize=(width, height))
+    yield fig.subplots(1, panels, squeeze=False, **kwargs)[0]
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)

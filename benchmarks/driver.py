@@ -7,13 +7,14 @@ import argparse
 import itertools
 import math
 import os
-import resource
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from benchmarks import common
 from benchmarks.common import AttentionFn, Case, Protocol, RankResult, Series, fmt_seq, useful_gflop
@@ -22,7 +23,6 @@ from ds_ring import testing
 OTHER_CPU_WARN = 0.10  # above this share of the CPUs used by other processes, a case's timings are flagged
 GRACE_AFTER_FAILURE_S = 10.0  # once a rank has failed, the others get this long to finish before they are killed
 PRELOAD = (*testing.PRELOAD, "ds_ring", "benchmarks.common")
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
@@ -91,18 +91,17 @@ class Session:
         return row
 
     def _estimate(self, row: Row) -> tuple[float | None, str | None]:
-        """(one call's seconds, scaled as S² from the last length measured with the same label, p, mask and tag; the
-        reason to skip the case or None): above ``--max-call-s``, or memory (∝ S) over 80 % of what is available."""
+        """(one call's estimated seconds, the reason to skip the case or None): README.md, "Skipping"."""
         case = row.case
         if case.seq % case.world:
             return None, f"seq {case.seq} is not divisible by {case.world} ranks"
         if (seen := self.seen.get((row.label, case.world, case.causal, case.tag))) is None:
             return None, None
-        (seq, seconds, mib), available = seen, common.proc_mib("MemAvailable")
+        (seq, seconds, mib), available = seen, psutil.virtual_memory().available / common.MIB
         grow, at, limit = case.seq / seq, f"from {fmt_seq(seq)}", self.args.max_call_s
         if (est_s := seconds * grow**2) > limit:
             return est_s, f"one fwd+bwd call estimated {est_s:.0f} s (∝ S² {at}) > --max-call-s {limit:.0f}"
-        if available and mib * grow * case.world > 0.8 * available:
+        if mib * grow * case.world > 0.8 * available:
             return est_s, f"{mib * grow:.0f} MiB/rank (∝ S {at}) × {case.world} > 80% of {available:.0f} MiB available"
         return est_s, None
 
@@ -110,25 +109,25 @@ class Session:
         """Launch the case, again (``--retries``) while others used over :data:`OTHER_CPU_WARN` of the CPUs."""
         args, case, protocol = self.args, row.case, Protocol(calls, self.args.timeout_s)
         timeout_s = max(300.0, 4.0 * (row.estimated_call_s or 0.0) * (calls + 1) + 120.0)
-        best: tuple[list[testing.RankOutcome], float, float | None] | None = None
-        own_cpu_s = lambda: sum(resource.getrusage(resource.RUSAGE_SELF)[:2])  # this process's user + system s
+        attempts: list[tuple[list[testing.RankOutcome], float, float | None]] = []  # (outcomes, wall s, other share)
+        own_cpu_s = lambda: sum(psutil.Process().cpu_times()[:2])  # this process's user + system s
         for _ in range(1 + args.retries):
-            if args.wait_idle_s > 0:
-                common.wait_for_idle(args.idle_threshold, args.wait_idle_s)
-            (busy0, total0), own0, t0 = common.cpu_jiffies(), own_cpu_s(), time.perf_counter()
+            deadline = time.monotonic() + args.wait_idle_s  # wait for idle CPUs: at most --idle-threshold busy over 1 s
+            while time.monotonic() < deadline and psutil.cpu_percent(interval=1.0) > 100 * args.idle_threshold:
+                pass
+            (busy0, total0), own0, t0 = common.cpu_seconds(), own_cpu_s(), time.perf_counter()
             outcomes = testing.spawn_ranks(
                 self.bench.rank, case.world, timeout_s=timeout_s, args=(case, self.bench.build, protocol),
                 threads_per_rank=case.threads, process_group=case.group, grace_s=GRACE_AFTER_FAILURE_S, preload=PRELOAD,
             )  # fmt: skip
-            wall, (busy1, total1) = time.perf_counter() - t0, common.cpu_jiffies()
-            ours, capacity = sum(o.cpu_s or 0.0 for o in outcomes) + own_cpu_s() - own0, (total1 - total0) / _CLK_TCK
-            other = max(0.0, (busy1 - busy0) / _CLK_TCK - ours) / capacity if capacity > 0 else None
+            wall, (busy1, total1) = time.perf_counter() - t0, common.cpu_seconds()
+            ours, capacity = sum(o.cpu_s or 0.0 for o in outcomes) + own_cpu_s() - own0, total1 - total0
+            other = max(0.0, busy1 - busy0 - ours) / capacity if capacity > 0 else None
             row.attempts_other_cpu_pct.append(100.0 * other if other is not None else None)
-            if best is None or (other or 0.0) < (best[2] or 0.0):
-                best = (outcomes, wall, other)
+            attempts.append((outcomes, wall, other))
             if not all(o.ok and o.value.fwdbwd for o in outcomes) or (other or 0.0) <= OTHER_CPU_WARN:
                 break
-        summarize(row, *best)
+        summarize(row, *min(attempts, key=lambda a: a[2] or 0.0))  # the least disturbed, the first of equals
 
     def finish(self) -> str:
         """The matmul ceiling at the end; the report, JSON and PNGs. Returns the markdown."""
@@ -227,8 +226,7 @@ def summarize(row: Row, outcomes: list[testing.RankOutcome], wall_s: float, othe
         row.fwd_s = max(r.fwd.median_s for r in results)
         row.fwd_peak_mib = max(r.working_mib(r.fwd) for r in results)
         row.fwd_first_extra_mib = max(r.fwd.first_extra_mib for r in results)
-    errs = [r.warmup_max_abs_err for r in results if r.warmup_max_abs_err is not None]
-    row.warmup_max_abs_err = max(errs) if errs else None
+    row.warmup_max_abs_err = max((e for r in results if (e := r.warmup_max_abs_err) is not None), default=None)
     if all(r.ring_steps for r in results):
         walls = [sum(t.times_s) for t in fb]
         row.blocked_s_per_rank = [r.blocked_s for r in results]
@@ -306,36 +304,30 @@ def plot_rows(session: Session, panel: Callable[[Row], str | None], title: str,
 
 
 def main(bench: Benchmark, argv: list[str] | None = None) -> int:
-    listed = lambda v: " ".join(map(str, v)) if isinstance(v, Sequence) else f"{v:g}"
-    p = argparse.ArgumentParser(prog=f"python -m {bench.module}", description=bench.title)
-    p.add_argument("--quick", action="store_true", help="small sizes, one timed call")
+    mode = argparse.ArgumentParser(add_help=False)
+    mode.add_argument("--quick", action="store_true", help="small sizes, one timed call")
+    quick = mode.parse_known_args(argv)[0].quick  # picks the defaults below: (full, quick)
+    p = argparse.ArgumentParser(prog=f"python -m {bench.module}", description=bench.title, parents=[mode],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     p.add_argument("--out", default=str(common.RESULTS), help="output directory")
-    by_mode: dict[str, tuple[Any, Any]] = {}  # option: its (full, quick) default, where the benchmark has the option
-    for flag, pair, kind, text, extra in (
+    for flag, pair, kind, text, extra in (  # an option whose pair is None or empty: the benchmark lacks it
         ("--calls", (bench.calls, 1), int, "timed calls per phase", {}),
         ("--max-call-s", bench.max_call_s, float, "skip a case estimated above this many s per fwd+bwd call", {}),
         ("--seqs", bench.seqs, int, "total sequence lengths", {"nargs": "+"}),
         ("--worlds", bench.worlds and (bench.worlds,) * 2, int, "rank counts", {"nargs": "+"}),
         ("--impls", bench.impls and (bench.impls,) * 2, str, "implementations", {"nargs": "+", "choices": bench.impls}),
         ("--threads", bench.threads and (bench.threads,) * 2, int, "torch threads of the one-process cases", {}),
+        ("--single-call-above-s", (120.0,) * 2, float, "one timed call when a call is estimated above this many s", {}),
+        ("--timeout-s", (600.0,) * 2, float, "bound on every communication wait, s", {}),
+        ("--wait-idle-s", (0.0,) * 2, float, "before each case wait up to this many s for idle CPUs", {}),
+        ("--idle-threshold", (0.15,) * 2, float, "'idle': at most this share (0..1) of the CPUs busy", {}),
+        ("--retries", (0,) * 2, int, "re-run a case disturbed by other processes up to this many times", {}),
+        ("--malloc-mmap-threshold", (None,) * 2, int, "glibc's MALLOC_MMAP_THRESHOLD_ for the ranks", {}),
     ):  # fmt: skip
         if pair:
-            text += f" (default {listed(pair[0])}" + (f", quick {listed(pair[1])})" if pair[1] != pair[0] else ")")
-            p.add_argument(flag, type=kind, help=text, **extra)
-            by_mode[flag[2:].replace("-", "_")] = pair
-    for flag, kind, default, text in (
-        ("--single-call-above-s", float, 120.0, "one timed call when a call is estimated above this many s"),
-        ("--timeout-s", float, 600.0, "bound on every communication wait, s"),
-        ("--wait-idle-s", float, 0.0, "before each case wait up to this many s for idle CPUs"),
-        ("--idle-threshold", float, 0.15, "'idle': at most this share (0..1) of the CPUs busy"),
-        ("--retries", int, 0, "re-run a case disturbed by other processes up to this many times"),
-        ("--malloc-mmap-threshold", int, None, "glibc's MALLOC_MMAP_THRESHOLD_ for the ranks: large tensors mmap'ed"),
-    ):
-        p.add_argument(flag, type=kind, default=default, help=text)
+            p.add_argument(flag, type=kind, default=pair[quick], help=text, **extra)
     bench.add_args(p)
     args = p.parse_args(argv)
-    for name, pair in by_mode.items():  # the option's value if given, else the benchmark's default for this mode
-        setattr(args, name, getattr(args, name) or pair[args.quick])
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ.setdefault(var, "1")  # each rank sets its own count with torch.set_num_threads
     if args.malloc_mmap_threshold is not None:  # read by glibc when the fork server starts

@@ -65,7 +65,7 @@ def report(session: Session) -> str:
 BENCHMARK = Benchmark(
     name="packed", module="benchmarks.packed", title="packed sequences (issue 12)", plan=plan, build=build,
     report=report, seqs=([8192, 32768], [8192]), threads=2,
-    add_args=lambda p: p.add_argument("--world", type=int, default=4, help="ranks of the ring rows (default 4)"),
+    add_args=lambda p: p.add_argument("--world", type=int, default=4, help="ranks of the ring rows"),
     plots=lambda s: plot_rows(s, lambda r: r.case.tag, f"packed: {DOCUMENTS} documents, B1 H8 D64 fp32, causal",
                               [TIME]),
     label=lambda case: case.impl.replace("_", " "), flop=flop, calls=2, max_call_s=(300.0, 120.0),

@@ -58,8 +58,7 @@ def deepspeed_attention(case: Case, rank: int, group: Any) -> AttentionFn:
 
 
 def dap_attention(case: Case) -> AttentionFn:
-    """dilated-attention-pytorch's ``DilatedAttention`` (heads split among the branches, :func:`flop`), its xformers
-    kernel replaced by SDPA in this process (``benchmarks/README.md``)."""
+    """dilated-attention-pytorch's ``DilatedAttention``, its xformers kernel SDPA in this process (README.md)."""
     segs = case.segment_lengths or ()
     if any(case.seq % w for w in segs):
         raise Skip(f"dilated-attention-pytorch needs seq % w == 0 for every w in {list(segs)}")
@@ -82,18 +81,12 @@ def flop(case: Case) -> float:
 
 def _install_fake_xformers() -> None:
     """A CPU stand-in for ``xformers.ops`` in this process: ``memory_efficient_attention`` runs SDPA."""
-
-    class LowerTriangularMask:  # a causal bias, as xformers.ops.LowerTriangularMask
-        pass
+    ops = types.SimpleNamespace(LowerTriangularMask=type("LowerTriangularMask", (), {}), AttentionOp=object)
 
     def memory_efficient_attention(query, key, value, attn_bias=None, p=0.0, scale=None, *, op=None):
-        if p or (attn_bias is not None and not isinstance(attn_bias, LowerTriangularMask)):
+        if p or (attn_bias is not None and not isinstance(attn_bias, ops.LowerTriangularMask)):
             raise NotImplementedError(f"fake xformers: dropout {p} / attn_bias {type(attn_bias).__name__}")
-        return sdpa(query, key, value, attn_bias is not None, scale)
+        return sdpa(query, key, value, attn_bias is not None, scale)  # LowerTriangularMask: causal
 
-    ops = types.ModuleType("xformers.ops")
-    ops.LowerTriangularMask, ops.AttentionOp = LowerTriangularMask, type("AttentionOp", (), {})  # used in signatures
-    ops.memory_efficient_attention = memory_efficient_attention
-    pkg = types.ModuleType("xformers")
-    pkg.__path__, pkg.ops = [], ops  # __path__: a package, so that "import xformers.ops" resolves
-    sys.modules.update({"xformers": pkg, "xformers.ops": ops})
+    ops.memory_efficient_attention = memory_efficient_attention  # a name in sys.modules imports without a path
+    sys.modules.update({"xformers": types.SimpleNamespace(ops=ops), "xformers.ops": ops})

@@ -32,11 +32,11 @@ def plan(session: Session) -> None:
 def refs(rows: list[Row], r: Row) -> tuple[Row | None, ...]:
     """A ring row's p = 1 row and ring-attention-pytorch's row; a dilated ring row's dense ring (zigzag; p = 1: the
     one ring row) and its one process × 2 threads row."""
-    c, dilated = r.case, r.case.segment_lengths is not None
+    c = r.case
     if c.impl not in ("ring", "allgather") or not c.group:
         return None, None, None, None
     p1 = find(rows, impl="ring", seq=c.seq, world=1, segment_lengths=c.segment_lengths)
-    if not dilated:
+    if c.segment_lengths is None:
         return p1, find(rows, impl="rap", seq=c.seq, world=c.world), None, None
     layout = "zigzag" if c.world > 1 else "contiguous"
     dense = find(rows, impl="ring", seq=c.seq, world=c.world, segment_lengths=None, layout=layout)

@@ -1,5 +1,6 @@
 """The benchmark suite (issue 8, ``python -m benchmarks``): what each part measures and how to read it, SUITE.md."""
 
+import math
 from typing import Any
 
 from benchmarks import peers, ring, strategies
@@ -40,18 +41,14 @@ def plan(session: Session) -> None:
 
 
 def fit_search(session: Session, impl: str, m: dict[str, Any]) -> dict[str, Any]:
-    """The largest total length whose working memory per rank at p = 4 stays within ``budget_mib`` (SUITE.md): (length,
-    MiB) measured to ``fit`` and ``over`` the budget, every probe, and why the search stopped early."""
+    """The largest total length within ``budget_mib`` of working memory per rank at p = 4 (SUITE.md, part 3)."""
     budget, step = m["budget_mib"], m["fit_step"]
     seed = find(session.rows, impl=impl, world=FIT_WORLD, tag="scaling")
     points = [(seed.case.seq, seed.peak_mib)] if seed and seed.peak_mib else []
     lo = max((pt for pt in points if pt[1] <= budget), default=None)
     hi = min((pt for pt in points if pt[1] > budget), default=None)
     probes, notes = [], []
-    for _ in range(m["fit_probes"]):
-        candidate = next_candidate(points, lo, hi, budget, step)
-        if candidate is None:
-            break
+    while len(probes) < m["fit_probes"] and (candidate := next_candidate(points, lo, hi, budget, step)):
         row = session.run(strategy(impl, candidate, FIT_WORLD, tag="fit"), calls=1)
         probes.append({"seq": candidate, "peak_mib": row.peak_mib, "peak_mib_per_rank": row.peak_mib_per_rank})
         if not row.peak_mib:
@@ -69,8 +66,8 @@ def fit_search(session: Session, impl: str, m: dict[str, Any]) -> dict[str, Any]
 
 def next_candidate(points: list[tuple[int, float]], lo: Any, hi: Any, budget: float, step: int) -> int | None:
     """Next length to probe (a multiple of ``step`` strictly inside (lo, hi)), or None when done."""
-    floor, ceiling = (lo[0] if lo else 0), (hi[0] if hi else None)
-    if ceiling is not None and ceiling - floor <= step:
+    floor, ceiling = (lo[0] if lo else 0), (hi[0] if hi else math.inf)
+    if ceiling - floor <= step:
         return None
     near = [lo, hi] if lo and hi else sorted(points, key=lambda p: abs(p[1] - budget))[:2]
     if len(near) == 2 and near[0][0] != near[1][0]:
@@ -79,15 +76,11 @@ def next_candidate(points: list[tuple[int, float]], lo: Any, hi: Any, budget: fl
         guess = s0 + (budget - m0) / slope if slope > 0 else (s0 + s1) / 2
     else:
         guess = near[0][0] * budget / near[0][1] if near else step
-    candidate = max(int(guess // step) * step, floor + step)
-    candidate = min(candidate, ceiling - step) if ceiling is not None else candidate
-    return candidate if candidate > floor else None
+    return min(max(int(guess // step) * step, floor + step), ceiling - step)
 
 
 def versus(rows: list[Row], r: Row) -> float | None:
-    """How many times faster ds_ring is: a dilated row than dense SDPA (same threads); a library row's time over its
-    ds_ring counterpart's, the fastest at p = 2 (dap: per unit of useful work, since it splits the heads among the
-    branches where ds_ring runs every head in every branch)."""
+    """The ``ds_ring × faster`` column (SUITE.md, part 2)."""
     if r.case.impl == "ds_ring":
         return ratio(find(rows, impl="dense", threads=r.case.threads), r)
     if r.case.impl == "dap":
