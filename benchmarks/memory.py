@@ -51,10 +51,9 @@ CALLS = {
 
 
 def _peak_allocated_mib(prof) -> float:
-    """Peak MiB of tensors allocated and still live while ``prof`` (a finished ``torch.profiler.profile`` with
-    ``profile_memory``) ran: the memory events' allocations and frees summed by address in recording order (their
-    ``Total Allocated`` field is kept per thread). A tensor freed on a thread the profiler does not record (a ring
-    buffer released by a communication thread) is never seen freed and stays counted: an upper bound."""
+    """Peak MiB of live tensors while ``prof`` (a finished ``profile(profile_memory=True)``) ran: its allocations and
+    frees summed by address (its ``Total Allocated`` is per thread). A tensor freed on a thread it does not record (a
+    ring buffer released by a communication thread) stays counted: an upper bound."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = json.loads(Path(f.name).read_text())["traceEvents"]
@@ -104,20 +103,17 @@ def _measure(rank: int, world: int, call: Call, local_len: int, device: str, liv
 def measure(call: Call, world: int, device: str, timeout_s: float, live: bool = False) -> dict[str, Any]:
     """Both lengths of ``call`` on ``world`` ranks in fresh processes: ``extra_mib`` (max over ranks) and ``seconds``
     at each, the slope (q-shards) and the fixed MiB; with ``live`` also ``live_mib`` and its slope."""
-    points = []
+    keys, points = ("extra_mib", "seconds", "live_mib")[: 2 + live], []
     for local_len in call.tokens_per_rank:
         args = (call, local_len, device, live)
         values = rank_results(spawn_ranks(_measure, world, timeout_s=timeout_s, args=args, preload=("torch",)))
-        keys = ("extra_mib", "seconds", "live_mib") if live else ("extra_mib", "seconds")
-        points.append({**{key: max(v[key] for v in values) for key in keys}, "q_shard_mib": values[0]["q_shard_mib"]})
+        points.append({key: max(v[key] for v in values) for key in (*keys, "q_shard_mib")})
     first, second = points
     shard = second["q_shard_mib"] - first["q_shard_mib"]
     slope = (second["extra_mib"] - first["extra_mib"]) / shard
-    result = {"ranks": world, "tokens_per_rank": call.tokens_per_rank,
-              "extra_mib": (first["extra_mib"], second["extra_mib"]), "seconds": (first["seconds"], second["seconds"]),
-              "slope_q_shards": slope, "fixed_mib": first["extra_mib"] - slope * first["q_shard_mib"]}  # fmt: skip
+    result = {"ranks": world, "tokens_per_rank": call.tokens_per_rank, **{k: (first[k], second[k]) for k in keys}}
+    result |= {"slope_q_shards": slope, "fixed_mib": first["extra_mib"] - slope * first["q_shard_mib"]}
     if live:
-        result["live_mib"] = (first["live_mib"], second["live_mib"])
         result["live_slope_q_shards"] = (second["live_mib"] - first["live_mib"]) / shard
     return result
 
@@ -151,11 +147,7 @@ def main() -> None:
                 continue  # hybrid needs a ulysses degree of 2 here
             call = replace(CALLS[name], tokens_per_rank=tuple(args.tokens_per_rank or CALLS[name].tokens_per_rank))
             r = {"call": name, **measure(call, world, args.device, args.timeout_s, args.live)}
-            (e1, e2), (t1, t2) = r["extra_mib"], r["seconds"]
-            print(f"{name:18s} p={world}  slope {r['slope_q_shards']:5.2f} q-shards  fixed {r['fixed_mib']:6.1f} MiB  "
-                  f"extra {e1:.0f}/{e2:.0f} MiB  time {t1:.2f}/{t2:.2f} s", flush=True)  # fmt: skip
-            if args.live:
-                print(f"{'':18s} live tensors: slope {r['live_slope_q_shards']:5.2f} q-shards", flush=True)
+            print(f"{name} p={world}: {r}", flush=True)
             results[args.label] = rows = [*rows, r]
             write_json(path, results)
     plot(results, args.out / "memory.png")
