@@ -68,7 +68,8 @@ def main() -> None:
         ratio = {key: median["ds_ring"][key] / median["off"][key] for key in KEYS}
         rows.append({"strategy": strategy, "ranks": args.ranks, "tokens_per_rank": local_len, "median": median,
                      "ds_ring_over_off": ratio, "launches": launches})  # fmt: skip
-        print(f"{strategy} p={args.ranks} {local_len} rows/rank, ds_ring ÷ glibc default: {ratio}", flush=True)
+        ratios = "  ".join(f"{key} {value:.3f}" for key, value in ratio.items())
+        print(f"{strategy:8s} p={args.ranks} {local_len:6d} rows/rank  ds_ring ÷ glibc default: {ratios}", flush=True)
         write_json(args.out / "heap.json", {"rows": rows})
 
 

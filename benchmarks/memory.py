@@ -4,6 +4,7 @@
     python -m benchmarks.memory --ranks 1 2 4 --calls dense_ring dilated_ring --label before"""
 
 import contextlib
+import itertools
 import json
 import tempfile
 import time
@@ -141,15 +142,15 @@ def main() -> None:
     path = args.out / "memory.json"  # write_json makes its folder
     results = common.read_json(path)
     rows = [r for r in results.get(args.label, []) if not (r["call"] in args.calls and r["ranks"] in args.ranks)]
-    for world in args.ranks:
-        for name in args.calls:
-            if CALLS[name].strategy == "hybrid" and world % 2:
-                continue  # hybrid needs a ulysses degree of 2 here
-            call = replace(CALLS[name], tokens_per_rank=tuple(args.tokens_per_rank or CALLS[name].tokens_per_rank))
-            r = {"call": name, **measure(call, world, args.device, args.timeout_s, args.live)}
-            print(f"{name} p={world}: {r}", flush=True)
-            results[args.label] = rows = [*rows, r]
-            write_json(path, results)
+    for world, name in itertools.product(args.ranks, args.calls):
+        if CALLS[name].strategy == "hybrid" and world % 2:
+            continue  # hybrid needs a ulysses degree of 2 here
+        call = replace(CALLS[name], tokens_per_rank=tuple(args.tokens_per_rank or CALLS[name].tokens_per_rank))
+        r = {"call": name, **measure(call, world, args.device, args.timeout_s, args.live)}
+        live = f" (live tensors {r['live_slope_q_shards']:.2f})" if args.live else ""
+        print(f"{name:18s} p={world}  slope {r['slope_q_shards']:5.2f}{live} q-shards  fixed {r['fixed_mib']:.1f} MiB")
+        results[args.label] = rows = [*rows, r]
+        write_json(path, results)
     plot(results, args.out / "memory.png")
 
 
