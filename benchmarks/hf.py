@@ -1,12 +1,14 @@
 """Training an HF Llama, ds_ring vs DeepSpeed's ALST: ``python -m benchmarks.hf`` (ds_ring's strategies on the model
 of ``launch/train_hf.py``) and ``.longctx`` (issue 22, whole-model long context); details: ``benchmarks/SUITE.md``."""
 
+import itertools
 import math
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -54,14 +56,10 @@ def _model_and_batch(case: Case, spec: SimpleNamespace) -> tuple[Any, dict[str, 
     return model, {"input_ids": batch["input_ids"], "labels": batch["input_ids"]} if long else batch
 
 
-def _ds_ring_step(
-    case: Case, model: Any, batch: dict[str, Any], section: dict[str, Any], lr: float, compiled: bool = False
-) -> Any:
-    """One training step of ``ds_ring.initialize`` (AdamW, ``section`` as ``ring_attention``) on this rank's shard;
-    ``compiled``: ``engine.compile()`` (inductor; not ``fullgraph``: DeepSpeed's own throughput timer breaks its
-    graph from the third step)."""
+def _ds_ring_step(case: Case, model: Any, optimizer: Any, batch: dict, section: dict, compiled: bool) -> Any:
+    """One training step of ``ds_ring.initialize`` (``section`` as ``ring_attention``) on this rank's shard;
+    ``compiled``: ``engine.compile()`` (inductor, not ``fullgraph``: SUITE.md)."""
     config = zero0(case, ring_attention={"timeout_s": 600, "layout": case.layout, **section})
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     engine, *_ = ds_ring.initialize(model=model, optimizer=optimizer, config=config, seq_len=case.seq)
     session = register_with_transformers(model, config=config, topology=engine.mpu)
     session.apply_long_context(model)
@@ -85,14 +83,13 @@ def _tiled_mlp_forward(self: Any, x: Any) -> Any:
     return TiledMLP.apply(mlp, self, x, math.ceil(x.shape[-2] / x.shape[-1]), params)  # ceil(seq / hidden) shards
 
 
-def _alst_step(case: Case, rank: int, model: Any, batch: dict[str, Any], lr: float, full: bool) -> Any:
+def _alst_step(case: Case, rank: int, model: Any, optimizer: Any, batch: dict[str, Any], full: bool) -> Any:
     """DeepSpeed 0.19's ALST as its tutorial runs it; ``full``: its tiled loss (and ``TiledMLP``) too (SUITE.md)."""
     deepspeed.init_distributed(dist_backend="gloo")
     mpu = UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=case.world,
         micro_batch_size=case.batch, seq_length=case.seq, seq_length_is_variable=True,
     )  # fmt: skip
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=zero0(case), mpu=mpu)
     group, sp = mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_world_size()
     labels = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:]  # the adapter's shift_labels
@@ -122,15 +119,20 @@ def _alst_step(case: Case, rank: int, model: Any, batch: dict[str, Any], lr: flo
 
 
 def build(case: Case, rank: int, timeout_s: float) -> Callable[[], None]:
-    """One training step of a :data:`BENCHMARK` or :data:`COMPILE` case on this rank: ds_ring's strategy, ALST, or
-    the whole sequence in one process (no sequence parallelism, AdamW); ``compiled`` cases under ``torch.compile``
-    (inductor; one process: ``fullgraph``)."""
-    model, batch = _model_and_batch(case, MODEL)
-    impl, compiled = case.impl.removesuffix(" compiled"), case.impl.endswith(" compiled")
-    if impl == "alst":
-        return _alst_step(case, rank, model, batch, MODEL.lr, full=False)
+    """One training step of a case on this rank (SUITE.md): ds_ring's strategy (``long_context``: tiled loss and MLP,
+    checkpointing; ``+disk``: checkpoints on disk), ALST (``full``: its tiled loss and MLP), or the whole sequence in
+    one process (``compiled``: ``fullgraph``)."""
+    long = case.tag.isdigit()  # a LONGCTX case: its tag is the vocabulary
+    spec, impl, compiled = LONG_MODEL if long else MODEL, case.impl.removesuffix(" compiled"), "compiled" in case.impl
+    if impl == "alst full":
+        modeling_llama.LlamaMLP.forward = _tiled_mlp_forward
+    model, batch = _model_and_batch(case, spec)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
+    if long and impl != "plain":
+        model.gradient_checkpointing_enable()
+    if impl.startswith("alst"):
+        return _alst_step(case, rank, model, optimizer, batch, full=impl == "alst full")
     if impl == "one process":
-        optimizer = torch.optim.AdamW(model.parameters(), lr=MODEL.lr, weight_decay=0.0)
         forward = torch.compile(model, backend="inductor", fullgraph=True) if compiled else model
 
         def step() -> None:
@@ -139,29 +141,15 @@ def build(case: Case, rank: int, timeout_s: float) -> Callable[[], None]:
             optimizer.zero_grad()
 
         return step
-    section: dict[str, Any] = {"sequence_parallel_size": case.world, "strategy": impl.split()[0]}
+    section: dict[str, Any] = {"sequence_parallel_size": case.world, "strategy": "ring" if long else impl.split()[0]}
     if impl == "hybrid":
         section.update(ulysses_degree=case.ulysses, ring_degree=case.world // case.ulysses)
     if case.segment_lengths is not None:
         section.update(segment_lengths=list(case.segment_lengths), dilation_rates=list(case.dilation_rates))
-    return _ds_ring_step(case, model, batch, section, MODEL.lr, compiled)
-
-
-def build_long(case: Case, rank: int, timeout_s: float) -> Callable[[], None]:
-    """One training step of a :data:`LONGCTX` case on this rank."""
-    if case.impl == "alst full":
-        modeling_llama.LlamaMLP.forward = _tiled_mlp_forward
-    model, batch = _model_and_batch(case, LONG_MODEL)
-    if case.impl.startswith("alst"):
-        model.gradient_checkpointing_enable()
-        return _alst_step(case, rank, model, batch, LONG_MODEL.lr, full=case.impl == "alst full")
-    section: dict[str, Any] = {"strategy": "ring"}
-    if case.impl != "plain":
-        section["long_context"] = {"tiled_loss": True, "tiled_mlp": True, "tile_tokens": TILE_TOKENS}
-        model.gradient_checkpointing_enable()
-    if case.impl == "long_context+disk":
-        section["long_context"].update(offload_checkpoints="disk", offload_dir=tempfile.gettempdir())
-    return _ds_ring_step(case, model, batch, section, LONG_MODEL.lr)
+    if impl.startswith("long_context"):
+        disk = {"offload_checkpoints": "disk", "offload_dir": tempfile.gettempdir()} if impl.endswith("disk") else {}
+        section["long_context"] = {"tiled_loss": True, "tiled_mlp": True, "tile_tokens": TILE_TOKENS, **disk}
+    return _ds_ring_step(case, model, optimizer, batch, section, compiled)
 
 
 @dataclass
@@ -195,32 +183,25 @@ def step_columns(ref: Callable[[Row], Row | None], name: str, seconds: str, mib:
 def plan(session: Session) -> None:
     """Every (length, impl) of :data:`BENCHMARK` or :data:`COMPILE` on 2 ranks (``one process``: 1); ring on zigzag
     shards, Ulysses and hybrid as Ulysses 2, ``ring dilated`` with w = [S/8, S/2, S], r = [1, 2, 4]."""
-    for seq in session.args.seqs:
-        for impl in session.args.impls:
-            strategy, dilated = impl.split()[0], impl == "ring dilated"
-            branches = {"segment_lengths": (seq // 8, seq // 2, seq), "dilation_rates": (1, 2, 4)} if dilated else {}
-            tag = ("dilated" if dilated else "dense") if session.bench.name == "hf" else ""
-            zigzag, ulysses = impl.removesuffix(" compiled") == "ring", strategy in ("ulysses", "hybrid")
-            session.run(Case(impl, seq, world=1 if strategy == "one" else 2, heads=MODEL.heads, **branches,
-                             head_dim=MODEL.dim // MODEL.heads, tag=tag, ulysses=2 if ulysses else 1,
-                             layout="zigzag" if zigzag else "contiguous"))  # fmt: skip
+    for seq, impl in itertools.product(session.args.seqs, session.args.impls):
+        strategy, dilated = impl.split()[0], impl == "ring dilated"
+        branches = {"segment_lengths": (seq // 8, seq // 2, seq), "dilation_rates": (1, 2, 4)} if dilated else {}
+        tag = ("dilated" if dilated else "dense") if session.bench.name == "hf" else ""
+        zigzag, ulysses = impl.removesuffix(" compiled") == "ring", strategy in ("ulysses", "hybrid")
+        session.run(Case(impl, seq, world=1 if strategy == "one" else 2, heads=MODEL.heads, **branches,
+                         head_dim=MODEL.dim // MODEL.heads, tag=tag, ulysses=2 if ulysses else 1,
+                         layout="zigzag" if zigzag else "contiguous"))  # fmt: skip
 
 
 def report(session: Session) -> str:
-    alst = lambda r: find(session.rows, impl="alst", seq=r.case.seq)
+    """The steps against ALST's of the same length (``hf``), or (``compiled``) against the same impl's eager step."""
+    compiled = session.bench.name == "compiled"
+    ref = lambda r: find(session.rows, impl=r.case.impl.removesuffix(" compiled") if compiled else "alst",
+                         seq=r.case.seq)  # fmt: skip
     return markdown_table(session.rows, [
-        "impl", "seq", "procs × threads", *step_columns(alst, "ALST", "{:.3f}", "{:.1f}"),
+        "impl", "seq", "procs × threads", *step_columns(ref, "eager" if compiled else "ALST", "{:.3f}", "{:.1f}"),
         Column("process peak MiB/rank", lambda r: r.largest("peak_rss_mib"), "{:.0f}"),
         Column("CPU s/step", lambda r: r.largest("cpu_s_per_step"), "{:.3f}"), "other load %", "notes",
-    ])  # fmt: skip
-
-
-def report_compiled(session: Session) -> str:
-    eager = lambda r: find(session.rows, impl=r.case.impl.removesuffix(" compiled"), seq=r.case.seq)
-    return markdown_table(session.rows, [
-        "impl", "seq", "procs × threads", Column("step s", lambda r: r.fwdbwd_s, "{:.3f}"), "tokens/s",
-        Column("eager step ÷ this", lambda r: ratio(eager(r), r), "{:.2f}"),
-        Column("step MiB/rank", lambda r: r.peak_mib, "{:.1f}"), "other load %", "notes",
     ])  # fmt: skip
 
 
@@ -239,14 +220,12 @@ def slope_and_fit(rows: list[Row], impl: str, vocab: int) -> tuple[float | None,
                     key=lambda r: r.case.seq)  # fmt: skip
     if len(series) < 2:
         return None, None
-    first, last = series[0], series[-1]
-    per_rank_k = lambda r: r.case.seq / r.case.world / 1000
-    slope = (last.peak_mib - first.peak_mib) / (per_rank_k(last) - per_rank_k(first))
+    (first, k0), (last, k1) = ((r, r.case.seq / r.case.world / 1000) for r in (series[0], series[-1]))
+    slope = (last.peak_mib - first.peak_mib) / (k1 - k0)
     if slope <= 0:
         return slope, None
-    before = last.largest("rss_before_inputs_mib") or 0.0
-    fit_k = per_rank_k(last) + (BUDGET_MIB - before - last.peak_mib) / slope
-    return slope, int(fit_k * 1000 * last.case.world) if fit_k > 0 else 0
+    fit_k = k1 + (BUDGET_MIB - (last.largest("rss_before_inputs_mib") or 0.0) - last.peak_mib) / slope
+    return slope, max(0, int(fit_k * 1000 * last.case.world))
 
 
 def report_long(session: Session) -> str:
@@ -275,28 +254,24 @@ BENCHMARK = Benchmark(
 )  # fmt: skip
 COMPILE_LABELS = {"one process": "no sequence parallelism (1 process)", "ring": "ds_ring ring (zigzag)",
                   "ulysses": "ds_ring Ulysses"}  # fmt: skip
-COMPILE = Benchmark(
-    name="compiled", module="benchmarks.hf",
+COMPILE = replace(
+    BENCHMARK, name="compiled",
     title="HF Llama training step, eager vs torch.compile (inductor): ds_ring p = 2 vs one process",
-    plan=plan, build=build, report=report_compiled,
     label=lambda case: COMPILE_LABELS[case.impl.removesuffix(" compiled")] + (" compiled" * case.impl.endswith("d")),
-    seqs=([2048, 4096], [2048]), impls=[f"{i}{c}" for i in COMPILE_LABELS for c in ("", " compiled")], calls=3,
-    rank=train_rank, plots=lambda s: None, flop=lambda case: MODEL.layers * useful_gflop(case),
-    packages=("deepspeed", "transformers"),
+    seqs=([2048, 4096], [2048]), impls=[f"{i}{c}" for i in COMPILE_LABELS for c in ("", " compiled")],
+    plots=lambda s: None,
 )  # fmt: skip
-LONGCTX = Benchmark(
-    name="longctx", module="benchmarks.longctx",
+LONGCTX = replace(
+    BENCHMARK, name="longctx", module="benchmarks.longctx",
     title="Whole-model long context: Llama 4 layers, hidden 256, 2 ranks — ds_ring vs DeepSpeed ALST",
-    plan=plan_long, build=build_long, report=report_long,
+    plan=plan_long, report=report_long,
     label=lambda case: f"{LONG_LABELS[case.impl]}, vocab {case.tag}",
     add_args=lambda p: p.add_argument("--vocabs", type=int, nargs="+", default=list(VOCABS), help="vocabulary sizes"),
-    seqs=([2048, 4096, 8192], [1024, 2048]), impls=list(LONG_LABELS), calls=1, rank=train_rank,
+    seqs=([2048, 4096, 8192], [1024, 2048]), impls=list(LONG_LABELS), calls=1,
     plots=lambda s: plot_rows(s, lambda r: f"vocab {r.case.tag}", "Llama 4×256 step, 2 ranks × 1 thread",
                               STEP_FIGURES, logy=False),
-    flop=lambda case: LONG_MODEL.layers * useful_gflop(case), packages=("deepspeed", "transformers"),
+    flop=lambda case: LONG_MODEL.layers * useful_gflop(case),
 )  # fmt: skip
-if __name__ == "__main__":
-    import sys
-
-    compiled = "--compiled" in sys.argv  # issue 44: eager vs compiled steps (docs/performance.md)
-    raise SystemExit(main(COMPILE if compiled else BENCHMARK, [a for a in sys.argv[1:] if a != "--compiled"]))
+if __name__ == "__main__":  # --compiled: issue 44's eager vs compiled steps (docs/performance.md)
+    argv = sys.argv[1:]
+    raise SystemExit(main(COMPILE if "--compiled" in argv else BENCHMARK, [a for a in argv if a != "--compiled"]))
