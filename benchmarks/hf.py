@@ -17,6 +17,7 @@ import torch
 import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, TiledMLP, UlyssesSPAttentionHF
+from torch.utils.data import default_collate
 from transformers.models.llama import modeling_llama
 
 import ds_ring
@@ -44,16 +45,6 @@ def zero0(case: Case, **more: Any) -> dict[str, Any]:
     """The DeepSpeed config of every training benchmark: ZeRO 0, no clipping, ``case.batch`` per rank."""
     return {"train_micro_batch_size_per_gpu": case.batch, "gradient_clipping": 0.0, "zero_optimization": {"stage": 0},
             "zero_allow_untested_optimizer": True, "steps_per_print": 10**9, **more}  # fmt: skip
-
-
-def _model_and_batch(case: Case, spec: SimpleNamespace) -> tuple[Any, dict[str, Any]]:
-    """``launch/train_hf.py``'s model and a recall-task batch; the long-context model's loss counts every token."""
-    torch.manual_seed(spec.seed)
-    long = spec is LONG_MODEL
-    model = build_model(SimpleNamespace(**vars(spec), vocab=int(case.tag) if long else VOCAB, seq=case.seq))
-    items = [RecallDataset(case.batch, case.seq, spec.seed)[i] for i in range(case.batch)]
-    batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
-    return model, {"input_ids": batch["input_ids"], "labels": batch["input_ids"]} if long else batch
 
 
 def _ds_ring_step(case: Case, model: Any, optimizer: Any, batch: dict, section: dict, compiled: bool) -> Any:
@@ -119,14 +110,17 @@ def _alst_step(case: Case, rank: int, model: Any, optimizer: Any, batch: dict[st
 
 
 def build(case: Case, rank: int, timeout_s: float) -> Callable[[], None]:
-    """One training step of a case on this rank (SUITE.md): ds_ring's strategy (``long_context``: tiled loss and MLP,
-    checkpointing; ``+disk``: checkpoints on disk), ALST (``full``: its tiled loss and MLP), or the whole sequence in
-    one process (``compiled``: ``fullgraph``)."""
+    """One training step of a case on this rank, on ``launch/train_hf.py``'s model and a recall-task batch: ds_ring's
+    strategy, ALST, or the whole sequence in one process (SUITE.md)."""
     long = case.tag.isdigit()  # a LONGCTX case: its tag is the vocabulary
     spec, impl, compiled = LONG_MODEL if long else MODEL, case.impl.removesuffix(" compiled"), "compiled" in case.impl
     if impl == "alst full":
         modeling_llama.LlamaMLP.forward = _tiled_mlp_forward
-    model, batch = _model_and_batch(case, spec)
+    torch.manual_seed(spec.seed)
+    model = build_model(SimpleNamespace(**vars(spec), vocab=int(case.tag) if long else VOCAB, seq=case.seq))
+    batch = default_collate([RecallDataset(case.batch, case.seq, spec.seed)[i] for i in range(case.batch)])
+    if long:  # the loss counts every token, as in pre-training
+        batch["labels"] = batch["input_ids"]
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
     if long and impl != "plain":
         model.gradient_checkpointing_enable()

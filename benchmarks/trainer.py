@@ -1,7 +1,6 @@
 """``python -m benchmarks.trainer``: tokens/s of ``SequenceParallelTrainer`` vs the hand-written loop, same job, the
 two alternated round by round (``benchmarks/SUITE.md``); prints the median of the per-round ratios Trainer ÷ loop."""
 
-import json
 import os
 import re
 import statistics
@@ -35,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         rounds.append({name: tokens_per_s(*job, args.steps, args.seq) for name, job in JOBS.items()})
         rounds[-1]["load"] = os.getloadavg()[0]
-        print(f"round {r + 1}: " + ", ".join(f"{k} {v:.0f}" for k, v in rounds[-1].items()), flush=True)
+        print(f"round {r + 1}: {rounds[-1]}", flush=True)
     ratios = [row["SequenceParallelTrainer"] / row["hand-written loop"] for row in rounds]
     summary = {name: statistics.median(row[name] for row in rounds) for name in JOBS}
     summary["median ratio Trainer / loop"] = statistics.median(ratios)
@@ -47,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         ax.set(xlabel="round (alternated)", ylabel="tokens/s (2 CPU ranks)", title="Trainer vs hand-written loop")
         ax.set_ylim(bottom=0)
         ax.legend()
-    print(json.dumps(summary, indent=1))
+    print(summary)
     return 0
 
 
