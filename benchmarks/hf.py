@@ -48,8 +48,7 @@ def zero0(case: Case, **more: Any) -> dict[str, Any]:
 
 
 def _ds_ring_step(case: Case, model: Any, optimizer: Any, batch: dict, section: dict, compiled: bool) -> Any:
-    """One training step of ``ds_ring.initialize`` (``section`` as ``ring_attention``) on this rank's shard;
-    ``compiled``: ``engine.compile()`` (inductor, not ``fullgraph``: SUITE.md)."""
+    """One step of ``ds_ring.initialize`` (``section`` as ``ring_attention``; ``compiled``: ``engine.compile()``)."""
     config = zero0(case, ring_attention={"timeout_s": 600, "layout": case.layout, **section})
     engine, *_ = ds_ring.initialize(model=model, optimizer=optimizer, config=config, seq_len=case.seq)
     session = register_with_transformers(model, config=config, topology=engine.mpu)
@@ -83,10 +82,9 @@ def _alst_step(case: Case, rank: int, model: Any, optimizer: Any, batch: dict[st
     )  # fmt: skip
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=zero0(case), mpu=mpu)
     group, sp = mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_world_size()
-    labels = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:]  # the adapter's shift_labels
+    labels = F.pad(batch["labels"], (0, 1), value=-100)[:, 1:]  # the adapter's shift_labels
     positions = torch.arange(case.seq).expand(case.batch, -1)
-    shard = slice(rank * case.seq // sp, (rank + 1) * case.seq // sp)
-    input_ids, position_ids, shift_labels = (x[:, shard] for x in (batch["input_ids"], positions, labels))
+    input_ids, position_ids, shift_labels = (x.chunk(sp, 1)[rank] for x in (batch["input_ids"], positions, labels))
     lm, vocab = engine.module, engine.module.config.vocab_size
     summed_loss = lambda head, hidden, targets: F.cross_entropy(head.lm_head(hidden).view(-1, vocab), targets.view(-1),
                                                                 reduction="sum")  # fmt: skip
@@ -229,12 +227,12 @@ def report_long(session: Session) -> str:
         Column("vocab", lambda r: r.case.tag), "impl", "seq", *step_columns(alst, "ALST full", "{:.2f}", "{:.0f}"),
         Column("RSS before step MiB", lambda r: r.largest("rss_before_inputs_mib"), "{:.0f}"), "other load %", "notes",
     ])  # fmt: skip
-    session.extra["slopes"] = {f"{v} {i}": list(slope_and_fit(rows, i, v)) for v in args.vocabs for i in args.impls}
-    slopes = [(key.split(" ", 1), *fit) for key, fit in session.extra["slopes"].items() if fit[0] is not None]
-    return table + "\n\n" + markdown_table(slopes, [
-        Column("vocab", lambda s: s[0][0]), Column("impl", lambda s: LONG_LABELS[s[0][1]]),
-        Column("slope MiB per 1K tokens/rank", lambda s: s[1], "{:.1f}"),
-        Column("fits 8 GiB/rank (tokens, 2 ranks)", lambda s: s[2], "{:,}"),
+    fits = [(vocab, impl, *slope_and_fit(rows, impl, vocab)) for vocab in args.vocabs for impl in args.impls]
+    session.extra["slopes"] = {f"{vocab} {impl}": [slope, fit] for vocab, impl, slope, fit in fits}
+    return table + "\n\n" + markdown_table([f for f in fits if f[2] is not None], [
+        Column("vocab", lambda f: f[0]), Column("impl", lambda f: LONG_LABELS[f[1]]),
+        Column("slope MiB per 1K tokens/rank", lambda f: f[2], "{:.1f}"),
+        Column("fits 8 GiB/rank (tokens, 2 ranks)", lambda f: f[3], "{:,}"),
     ])  # fmt: skip
 
 

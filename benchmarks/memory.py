@@ -4,8 +4,10 @@
     python -m benchmarks.memory --ranks 1 2 4 --calls dense_ring dilated_ring --label before"""
 
 import contextlib
+import functools
 import itertools
 import json
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass, replace
@@ -104,18 +106,15 @@ def _measure(rank: int, world: int, call: Call, local_len: int, device: str, liv
 def measure(call: Call, world: int, device: str, timeout_s: float, live: bool = False) -> dict[str, Any]:
     """Both lengths of ``call`` on ``world`` ranks in fresh processes: ``extra_mib`` (max over ranks) and ``seconds``
     at each, the slope (q-shards) and the fixed MiB; with ``live`` also ``live_mib`` and its slope."""
-    keys, points = ("extra_mib", "seconds", "live_mib")[: 2 + live], []
-    for local_len in call.tokens_per_rank:
-        args = (call, local_len, device, live)
-        values = rank_results(spawn_ranks(_measure, world, timeout_s=timeout_s, args=args, preload=("torch",)))
-        points.append({key: max(v[key] for v in values) for key in (*keys, "q_shard_mib")})
-    first, second = points
-    shard = second["q_shard_mib"] - first["q_shard_mib"]
-    slope = (second["extra_mib"] - first["extra_mib"]) / shard
-    result = {"ranks": world, "tokens_per_rank": call.tokens_per_rank, **{k: (first[k], second[k]) for k in keys}}
-    result |= {"slope_q_shards": slope, "fixed_mib": first["extra_mib"] - slope * first["q_shard_mib"]}
+    spawn = functools.partial(spawn_ranks, _measure, world, timeout_s=timeout_s, preload=("torch",))
+    values = [rank_results(spawn(args=(call, n, device, live))) for n in call.tokens_per_rank]  # per length, per rank
+    both = lambda key: [max(rank[key] for rank in ranks) for ranks in values]  # at each length, max over ranks
+    slope, fixed = statistics.linear_regression(both("q_shard_mib"), both("extra_mib"))
+    result = {"ranks": world, "tokens_per_rank": call.tokens_per_rank, "extra_mib": both("extra_mib"),
+              "seconds": both("seconds"), "slope_q_shards": slope, "fixed_mib": fixed}  # fmt: skip
     if live:
-        result["live_slope_q_shards"] = (second["live_mib"] - first["live_mib"]) / shard
+        result["live_mib"] = both("live_mib")
+        result["live_slope_q_shards"] = statistics.linear_regression(both("q_shard_mib"), both("live_mib")).slope
     return result
 
 
