@@ -63,8 +63,8 @@ def main() -> None:
     for strategy, local_len in itertools.product(args.strategies, args.tokens_per_rank):
         launches = [launch(args.ranks, strategy, local_len, args.calls, heap, args.timeout_s)
                     for r in range(args.rounds) for heap in orders[r % 2]]  # fmt: skip
-        median = {heap: {key: statistics.median(c[key] for x in launches if x["heap"] == heap for c in x["calls"])
-                         for key in KEYS} for heap in ("ds_ring", "off")}  # fmt: skip
+        calls = {heap: [c for x in launches if x["heap"] == heap for c in x["calls"]] for heap in ("ds_ring", "off")}
+        median = {heap: {key: statistics.median(c[key] for c in cs) for key in KEYS} for heap, cs in calls.items()}
         ratio = {key: median["ds_ring"][key] / median["off"][key] for key in KEYS}
         rows.append({"strategy": strategy, "ranks": args.ranks, "tokens_per_rank": local_len, "median": median,
                      "ds_ring_over_off": ratio, "launches": launches})  # fmt: skip

@@ -150,8 +150,7 @@ class StepResult(RankResult):
 
 
 def train_rank(rank: int, world: int, case: Case, build: Callable[..., Callable[[], None]], protocol: Protocol) -> Any:
-    """Rank function (DeepSpeed's environment, CPU accelerator): build the step, one untimed warm-up step, then
-    ``protocol.calls`` timed steps and the CPU seconds this process used per step."""
+    """Rank function (DeepSpeed's environment): the step built, one warm-up, timed steps and their CPU s per step."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     result = StepResult(threads=torch.get_num_threads())

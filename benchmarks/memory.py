@@ -73,8 +73,7 @@ def _peak_allocated_mib(prof) -> float:
 
 
 def _measure(rank: int, world: int, call: Call, local_len: int, device: str, live: bool = False) -> dict:
-    """One rank: fwd+bwd of ``call`` on a ``local_len``-row shard; extra memory in MiB (with ``live``, also the
-    peak of live tensor MiB, :func:`_peak_allocated_mib`) and seconds."""
+    """One rank: extra MiB and seconds of a fwd+bwd of ``call`` on ``local_len`` rows (``live``: live tensors too)."""
     if call.mmap_threshold is not None:
         configure_cpu_heap(call.mmap_threshold)  # kept by ds_ring's own setting on the first call
     seq, cuda = local_len * world, device == "cuda"

@@ -20,10 +20,10 @@ def tokens_per_s(script: str, config: str, pattern: str, steps: int, seq: int) -
     """One job under torchrun (2 ranks on this host, a free port), its tokens/s as the script prints it."""
     command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2", script,
                "--deepspeed_config", config, "--steps", str(steps), "--seq", str(seq)]  # fmt: skip
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
-    found = re.search(pattern, done.stdout + done.stderr)
+    done = subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+    found = re.search(pattern, done.stdout)
     if done.returncode != 0 or found is None:
-        raise RuntimeError(f"{script} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+        raise RuntimeError(f"{script} failed:\n{done.stdout[-3000:]}")
     return float(found.group(1))
 
 
