@@ -211,7 +211,8 @@ def slope_and_fit(rows: list[Row], impl: str, vocab: int) -> tuple[float | None,
                     key=lambda r: r.case.seq)  # fmt: skip
     if len(series) < 2:
         return None, None
-    (first, k0), (last, k1) = ((r, r.case.seq / r.case.world / 1000) for r in (series[0], series[-1]))
+    first, last = series[0], series[-1]
+    k0, k1 = (r.case.seq / r.case.world / 1000 for r in (first, last))  # thousands of tokens per rank
     slope = (last.peak_mib - first.peak_mib) / (k1 - k0)
     if slope <= 0:
         return slope, None
