@@ -35,6 +35,11 @@ LONG_LABELS = {"plain": "ds_ring ring", "long_context": "ds_ring long_context",
 MODEL = SimpleNamespace(model_type="llama", dim=64, layers=2, heads=4, kv_heads=2, init_std=0.2, seed=0, lr=3e-3)
 LONG_MODEL = SimpleNamespace(model_type="llama", dim=256, layers=4, heads=8, kv_heads=4, init_std=0.02, seed=0, lr=1e-4)
 TILE_TOKENS, VOCABS, BUDGET_MIB = 512, (32000, 128256), 8 * 1024
+REFERENCES = {  # per benchmark: the reference's name in the tables, the fields of a row's reference case
+    "hf": ("ALST", lambda r: {"impl": "alst"}),
+    "compiled": ("eager", lambda r: {"impl": r.case.impl.removesuffix(" compiled")}),
+    "longctx": ("ALST full", lambda r: {"impl": "alst full", "tag": r.case.tag}),
+}
 STEP_FIGURES: list[Figure] = [
     ("throughput", "tokens/s (whole job)", [("", lambda r: r.tokens_per_s, "-o")]),
     ("memory", "step working memory, largest rank (MiB)", [("", lambda r: r.peak_mib, "-o")]),
@@ -163,14 +168,6 @@ def train_rank(rank: int, world: int, case: Case, build: Callable[..., Callable[
     return result
 
 
-def step_columns(ref: Callable[[Row], Row | None], name: str, seconds: str, mib: str) -> list[Column | str]:
-    """A training step's seconds, tokens/s and MiB per rank (formats ``seconds``, ``mib``), the last two ÷ ``ref``'s."""
-    return [Column("step s", lambda r: r.fwdbwd_s, seconds), "tokens/s",
-            Column(f"tokens/s ÷ {name}", lambda r: ratio(ref(r), r), "{:.2f}"),
-            Column("step MiB/rank", lambda r: r.peak_mib, mib),
-            Column(f"step MiB ÷ {name}", lambda r: ratio(r, ref(r), "peak_mib"), "{:.2f}")]  # fmt: skip
-
-
 def plan(session: Session) -> None:
     """Every (length, impl) of :data:`BENCHMARK` or :data:`COMPILE` on 2 ranks (``one process``: 1); ring on zigzag
     shards, Ulysses and hybrid as Ulysses 2, ``ring dilated`` with w = [S/8, S/2, S], r = [1, 2, 4]."""
@@ -185,12 +182,15 @@ def plan(session: Session) -> None:
 
 
 def report(session: Session) -> str:
-    """The steps against ALST's of the same length (``hf``), or (``compiled``) against the same impl's eager step."""
-    compiled = session.bench.name == "compiled"
-    ref = lambda r: find(session.rows, impl=r.case.impl.removesuffix(" compiled") if compiled else "alst",
-                         seq=r.case.seq)  # fmt: skip
+    """Every step against its benchmark's reference step of the same length (:data:`REFERENCES`)."""
+    name, fields = REFERENCES[session.bench.name]
+    ref = lambda r: find(session.rows, seq=r.case.seq, **fields(r))
     return markdown_table(session.rows, [
-        "impl", "seq", "procs × threads", *step_columns(ref, "eager" if compiled else "ALST", "{:.3f}", "{:.1f}"),
+        "impl", "seq", "procs × threads", Column("step s", lambda r: r.fwdbwd_s, "{:.3f}"), "tokens/s",
+        Column(f"tokens/s ÷ {name}", lambda r: ratio(ref(r), r), "{:.2f}"),
+        Column("step MiB/rank", lambda r: r.peak_mib, "{:.1f}"),
+        Column(f"step MiB ÷ {name}", lambda r: ratio(r, ref(r), "peak_mib"), "{:.2f}"),
+        Column("RSS before step MiB", lambda r: r.largest("rss_before_inputs_mib"), "{:.0f}"),
         Column("process peak MiB/rank", lambda r: r.largest("peak_rss_mib"), "{:.0f}"),
         Column("CPU s/step", lambda r: r.largest("cpu_s_per_step"), "{:.3f}"), "other load %", "notes",
     ])  # fmt: skip
@@ -221,15 +221,11 @@ def slope_and_fit(rows: list[Row], impl: str, vocab: int) -> tuple[float | None,
 
 
 def report_long(session: Session) -> str:
-    args, rows = session.args, session.rows
-    alst = lambda r: find(rows, impl="alst full", seq=r.case.seq, tag=r.case.tag)
-    table = markdown_table(rows, [
-        Column("vocab", lambda r: r.case.tag), "impl", "seq", *step_columns(alst, "ALST full", "{:.2f}", "{:.0f}"),
-        Column("RSS before step MiB", lambda r: r.largest("rss_before_inputs_mib"), "{:.0f}"), "other load %", "notes",
-    ])  # fmt: skip
-    fits = [(vocab, impl, *slope_and_fit(rows, impl, vocab)) for vocab in args.vocabs for impl in args.impls]
+    """:func:`report`, then each (vocabulary, impl)'s :func:`slope_and_fit` (also in the JSON, ``slopes``)."""
+    args = session.args
+    fits = [(vocab, impl, *slope_and_fit(session.rows, impl, vocab)) for vocab in args.vocabs for impl in args.impls]
     session.extra["slopes"] = {f"{vocab} {impl}": [slope, fit] for vocab, impl, slope, fit in fits}
-    return table + "\n\n" + markdown_table([f for f in fits if f[2] is not None], [
+    return report(session) + "\n\n" + markdown_table([f for f in fits if f[2] is not None], [
         Column("vocab", lambda f: f[0]), Column("impl", lambda f: LONG_LABELS[f[1]]),
         Column("slope MiB per 1K tokens/rank", lambda f: f[2], "{:.1f}"),
         Column("fits 8 GiB/rank (tokens, 2 ranks)", lambda f: f[3], "{:,}"),
