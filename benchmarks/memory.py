@@ -146,7 +146,7 @@ def main() -> None:
         call = replace(CALLS[name], tokens_per_rank=tuple(args.tokens_per_rank or CALLS[name].tokens_per_rank))
         r = {"call": name, **measure(call, world, args.device, args.timeout_s, args.live)}
         live = f" (live tensors {r['live_slope_q_shards']:.2f})" if args.live else ""
-        print(f"{name:18s} p={world}  slope {r['slope_q_shards']:5.2f}{live} q-shards  fixed {r['fixed_mib']:.1f} MiB")
+        print(f"{name:18s} p={world}: {r['slope_q_shards']:.2f}{live} q-shards + {r['fixed_mib']:.1f} MiB", flush=True)
         results[args.label] = rows = [*rows, r]
         write_json(path, results)
     plot(results, args.out / "memory.png")

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         rounds.append({name: tokens_per_s(*job, args.steps, args.seq) for name, job in JOBS.items()})
         rounds[-1]["load"] = os.getloadavg()[0]
-        print(f"round {r + 1}: {rounds[-1]}", flush=True)
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v:.0f}" for k, v in rounds[-1].items()), flush=True)
     ratios = [row["SequenceParallelTrainer"] / row["hand-written loop"] for row in rounds]
     summary = {name: statistics.median(row[name] for row in rounds) for name in JOBS}
     summary["median ratio Trainer / loop"] = statistics.median(ratios)
