@@ -27,9 +27,9 @@ def tokens_per_s(script: str, config: str, pattern: str, steps: int, seq: int) -
     return float(found.group(1))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main() -> None:
     flags = (("--rounds", 4), ("--steps", 30), ("--seq", 2048))
-    args = script_args(__doc__, *((f, {"type": int, "default": d}) for f, d in flags), argv=argv, timeout_s=None)
+    args = script_args(__doc__, *((f, {"type": int, "default": d}) for f, d in flags), timeout_s=None)
     rounds = []
     for r in range(args.rounds):
         rounds.append({name: tokens_per_s(*job, args.steps, args.seq) for name, job in JOBS.items()})
@@ -47,8 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         ax.set_ylim(bottom=0)
         ax.legend()
     print(summary)
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
