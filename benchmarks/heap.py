@@ -2,6 +2,7 @@
 
 python -m benchmarks.heap --ranks 4 --strategies ulysses ring --tokens-per-rank 1024 4096 --rounds 3"""
 
+import itertools
 import os
 import resource
 import statistics
@@ -32,17 +33,15 @@ def _rank(rank: int, world: int, strategy: str, local_len: int, calls: int, heap
         ds_ring.sequence_parallel_attention(q, k, v, causal=True, topology=topology, strategy=strategy).backward(dout)
         q.grad = k.grad = v.grad = None
 
+    clock = lambda: (time.perf_counter(), *resource.getrusage(resource.RUSAGE_SELF)[:2])  # the seconds of KEYS
     call()
-    times: dict[str, list[float]] = {key: [] for key in KEYS}
+    times = []
     for _ in range(calls):
         dist.barrier()
-        before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        before = clock()
         call()
-        times["wall_s"].append(time.perf_counter() - start)
-        after = resource.getrusage(resource.RUSAGE_SELF)
-        times["user_s"].append(after.ru_utime - before.ru_utime)
-        times["system_s"].append(after.ru_stime - before.ru_stime)
-    return {**times, "threshold": heap_setting().threshold}
+        times.append({key: t - t0 for key, t, t0 in zip(KEYS, clock(), before, strict=True)})
+    return {"calls": times, "threshold": heap_setting().threshold}
 
 
 def launch(world: int, strategy: str, local_len: int, calls: int, heap: str, timeout_s: float) -> dict[str, Any]:
@@ -50,8 +49,8 @@ def launch(world: int, strategy: str, local_len: int, calls: int, heap: str, tim
     load = Path("/proc/loadavg").read_text().split()[:3]
     args = (strategy, local_len, calls, heap)
     ranks = rank_results(spawn_ranks(_rank, world, timeout_s=timeout_s, args=args, preload=("torch",)))
-    per_call = [{key: (max if key == "wall_s" else sum)(r[key][i] for r in ranks) for key in KEYS}
-                for i in range(calls)]  # fmt: skip
+    per_call = [{key: (max if key == "wall_s" else sum)(r[key] for r in call) for key in KEYS}
+                for call in zip(*(r["calls"] for r in ranks), strict=True)]  # fmt: skip
     return {"heap": heap, "threshold": ranks[0]["threshold"], "loadavg": load, "calls": per_call}
 
 
@@ -60,22 +59,18 @@ def main() -> None:
                        ("--strategies", {"nargs": "+", "default": ["ulysses", "ring"]}),
                        ("--tokens-per-rank", {"nargs": "+", "type": int, "default": [1024, 4096]}),
                        ("--calls", {"type": int, "default": 5}), ("--rounds", {"type": int, "default": 3}))  # fmt: skip
-    rows = []
-    for strategy in args.strategies:
-        for local_len in args.tokens_per_rank:
-            orders = [("ds_ring", "off"), ("off", "ds_ring")]  # alternated round by round
-            launches = [launch(args.ranks, strategy, local_len, args.calls, heap, args.timeout_s)
-                        for r in range(args.rounds) for heap in orders[r % 2]]  # fmt: skip
-            median = {heap: {key: statistics.median(c[key] for x in launches if x["heap"] == heap for c in x["calls"])
-                             for key in KEYS} for heap in ("ds_ring", "off")}  # fmt: skip
-            ratio = {key: median["ds_ring"][key] / median["off"][key] for key in KEYS}
-            rows.append({"strategy": strategy, "ranks": args.ranks, "tokens_per_rank": local_len, "median": median,
-                         "ds_ring_over_off": ratio, "launches": launches})  # fmt: skip
-            walls = f"{median['ds_ring']['wall_s']:.2f} / {median['off']['wall_s']:.2f} s"
-            print(f"{strategy:8s} p={args.ranks} {local_len:6d} rows/rank  ds_ring ÷ glibc default: wall "
-                  f"{ratio['wall_s']:.3f}  user {ratio['user_s']:.3f}  system {ratio['system_s']:.3f}  ({walls})",
-                  flush=True)  # fmt: skip
-            write_json(args.out / "heap.json", {"rows": rows})
+    rows, orders = [], [("ds_ring", "off"), ("off", "ds_ring")]  # alternated round by round
+    for strategy, local_len in itertools.product(args.strategies, args.tokens_per_rank):
+        launches = [launch(args.ranks, strategy, local_len, args.calls, heap, args.timeout_s)
+                    for r in range(args.rounds) for heap in orders[r % 2]]  # fmt: skip
+        calls = {heap: [c for x in launches if x["heap"] == heap for c in x["calls"]] for heap in ("ds_ring", "off")}
+        median = {heap: {key: statistics.median(c[key] for c in cs) for key in KEYS} for heap, cs in calls.items()}
+        ratio = {key: median["ds_ring"][key] / median["off"][key] for key in KEYS}
+        rows.append({"strategy": strategy, "ranks": args.ranks, "tokens_per_rank": local_len, "median": median,
+                     "ds_ring_over_off": ratio, "launches": launches})  # fmt: skip
+        ratios = "  ".join(f"{key} {value:.3f}" for key, value in ratio.items())
+        print(f"{strategy:8s} p={args.ranks} {local_len:6d} rows/rank  ds_ring ÷ glibc default: {ratios}", flush=True)
+        write_json(args.out / "heap.json", {"rows": rows})
 
 
 if __name__ == "__main__":

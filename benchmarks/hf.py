@@ -1,12 +1,14 @@
 """Training an HF Llama, ds_ring vs DeepSpeed's ALST: ``python -m benchmarks.hf`` (ds_ring's strategies on the model
 of ``launch/train_hf.py``) and ``.longctx`` (issue 22, whole-model long context); details: ``benchmarks/SUITE.md``."""
 
+import itertools
 import math
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -15,6 +17,7 @@ import torch
 import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, TiledMLP, UlyssesSPAttentionHF
+from torch.utils.data import default_collate
 from transformers.models.llama import modeling_llama
 
 import ds_ring
@@ -32,6 +35,11 @@ LONG_LABELS = {"plain": "ds_ring ring", "long_context": "ds_ring long_context",
 MODEL = SimpleNamespace(model_type="llama", dim=64, layers=2, heads=4, kv_heads=2, init_std=0.2, seed=0, lr=3e-3)
 LONG_MODEL = SimpleNamespace(model_type="llama", dim=256, layers=4, heads=8, kv_heads=4, init_std=0.02, seed=0, lr=1e-4)
 TILE_TOKENS, VOCABS, BUDGET_MIB = 512, (32000, 128256), 8 * 1024
+REFERENCES = {  # per benchmark: the reference's name in the tables, the fields of a row's reference case
+    "hf": ("ALST", lambda r: {"impl": "alst"}),
+    "compiled": ("eager", lambda r: {"impl": r.case.impl.removesuffix(" compiled")}),
+    "longctx": ("ALST full", lambda r: {"impl": "alst full", "tag": r.case.tag}),
+}
 STEP_FIGURES: list[Figure] = [
     ("throughput", "tokens/s (whole job)", [("", lambda r: r.tokens_per_s, "-o")]),
     ("memory", "step working memory, largest rank (MiB)", [("", lambda r: r.peak_mib, "-o")]),
@@ -44,24 +52,9 @@ def zero0(case: Case, **more: Any) -> dict[str, Any]:
             "zero_allow_untested_optimizer": True, "steps_per_print": 10**9, **more}  # fmt: skip
 
 
-def _model_and_batch(case: Case, spec: SimpleNamespace) -> tuple[Any, dict[str, Any]]:
-    """``launch/train_hf.py``'s model and a recall-task batch; the long-context model's loss counts every token."""
-    torch.manual_seed(spec.seed)
-    long = spec is LONG_MODEL
-    model = build_model(SimpleNamespace(**vars(spec), vocab=int(case.tag) if long else VOCAB, seq=case.seq))
-    items = [RecallDataset(case.batch, case.seq, spec.seed)[i] for i in range(case.batch)]
-    batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
-    return model, {"input_ids": batch["input_ids"], "labels": batch["input_ids"]} if long else batch
-
-
-def _ds_ring_step(
-    case: Case, model: Any, batch: dict[str, Any], section: dict[str, Any], lr: float, compiled: bool = False
-) -> Any:
-    """One training step of ``ds_ring.initialize`` (AdamW, ``section`` as ``ring_attention``) on this rank's shard;
-    ``compiled``: ``engine.compile()`` (inductor; not ``fullgraph``: DeepSpeed's own throughput timer breaks its
-    graph from the third step)."""
+def _ds_ring_step(case: Case, model: Any, optimizer: Any, batch: dict, section: dict, compiled: bool) -> Any:
+    """One step of ``ds_ring.initialize`` (``section`` as ``ring_attention``; ``compiled``: ``engine.compile()``)."""
     config = zero0(case, ring_attention={"timeout_s": 600, "layout": case.layout, **section})
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     engine, *_ = ds_ring.initialize(model=model, optimizer=optimizer, config=config, seq_len=case.seq)
     session = register_with_transformers(model, config=config, topology=engine.mpu)
     session.apply_long_context(model)
@@ -85,20 +78,18 @@ def _tiled_mlp_forward(self: Any, x: Any) -> Any:
     return TiledMLP.apply(mlp, self, x, math.ceil(x.shape[-2] / x.shape[-1]), params)  # ceil(seq / hidden) shards
 
 
-def _alst_step(case: Case, rank: int, model: Any, batch: dict[str, Any], lr: float, full: bool) -> Any:
+def _alst_step(case: Case, rank: int, model: Any, optimizer: Any, batch: dict[str, Any], full: bool) -> Any:
     """DeepSpeed 0.19's ALST as its tutorial runs it; ``full``: its tiled loss (and ``TiledMLP``) too (SUITE.md)."""
     deepspeed.init_distributed(dist_backend="gloo")
     mpu = UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=case.world,
         micro_batch_size=case.batch, seq_length=case.seq, seq_length_is_variable=True,
     )  # fmt: skip
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=zero0(case), mpu=mpu)
     group, sp = mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_world_size()
-    labels = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:]  # the adapter's shift_labels
+    labels = F.pad(batch["labels"], (0, 1), value=-100)[:, 1:]  # the adapter's shift_labels
     positions = torch.arange(case.seq).expand(case.batch, -1)
-    shard = slice(rank * case.seq // sp, (rank + 1) * case.seq // sp)
-    input_ids, position_ids, shift_labels = (x[:, shard] for x in (batch["input_ids"], positions, labels))
+    input_ids, position_ids, shift_labels = (x.chunk(sp, 1)[rank] for x in (batch["input_ids"], positions, labels))
     lm, vocab = engine.module, engine.module.config.vocab_size
     summed_loss = lambda head, hidden, targets: F.cross_entropy(head.lm_head(hidden).view(-1, vocab), targets.view(-1),
                                                                 reduction="sum")  # fmt: skip
@@ -122,15 +113,23 @@ def _alst_step(case: Case, rank: int, model: Any, batch: dict[str, Any], lr: flo
 
 
 def build(case: Case, rank: int, timeout_s: float) -> Callable[[], None]:
-    """One training step of a :data:`BENCHMARK` or :data:`COMPILE` case on this rank: ds_ring's strategy, ALST, or
-    the whole sequence in one process (no sequence parallelism, AdamW); ``compiled`` cases under ``torch.compile``
-    (inductor; one process: ``fullgraph``)."""
-    model, batch = _model_and_batch(case, MODEL)
-    impl, compiled = case.impl.removesuffix(" compiled"), case.impl.endswith(" compiled")
-    if impl == "alst":
-        return _alst_step(case, rank, model, batch, MODEL.lr, full=False)
+    """One training step of a case on this rank, on ``launch/train_hf.py``'s model and a recall-task batch: ds_ring's
+    strategy, ALST, or the whole sequence in one process (SUITE.md)."""
+    long = case.tag.isdigit()  # a LONGCTX case: its tag is the vocabulary
+    spec, impl, compiled = LONG_MODEL if long else MODEL, case.impl.removesuffix(" compiled"), "compiled" in case.impl
+    if impl == "alst full":
+        modeling_llama.LlamaMLP.forward = _tiled_mlp_forward
+    torch.manual_seed(spec.seed)
+    model = build_model(SimpleNamespace(**vars(spec), vocab=int(case.tag) if long else VOCAB, seq=case.seq))
+    batch = default_collate([RecallDataset(case.batch, case.seq, spec.seed)[i] for i in range(case.batch)])
+    if long:  # the loss counts every token, as in pre-training
+        batch["labels"] = batch["input_ids"]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
+    if long and impl != "plain":
+        model.gradient_checkpointing_enable()
+    if impl.startswith("alst"):
+        return _alst_step(case, rank, model, optimizer, batch, full=impl == "alst full")
     if impl == "one process":
-        optimizer = torch.optim.AdamW(model.parameters(), lr=MODEL.lr, weight_decay=0.0)
         forward = torch.compile(model, backend="inductor", fullgraph=True) if compiled else model
 
         def step() -> None:
@@ -139,29 +138,15 @@ def build(case: Case, rank: int, timeout_s: float) -> Callable[[], None]:
             optimizer.zero_grad()
 
         return step
-    section: dict[str, Any] = {"sequence_parallel_size": case.world, "strategy": impl.split()[0]}
+    section: dict[str, Any] = {"sequence_parallel_size": case.world, "strategy": "ring" if long else impl.split()[0]}
     if impl == "hybrid":
         section.update(ulysses_degree=case.ulysses, ring_degree=case.world // case.ulysses)
     if case.segment_lengths is not None:
         section.update(segment_lengths=list(case.segment_lengths), dilation_rates=list(case.dilation_rates))
-    return _ds_ring_step(case, model, batch, section, MODEL.lr, compiled)
-
-
-def build_long(case: Case, rank: int, timeout_s: float) -> Callable[[], None]:
-    """One training step of a :data:`LONGCTX` case on this rank."""
-    if case.impl == "alst full":
-        modeling_llama.LlamaMLP.forward = _tiled_mlp_forward
-    model, batch = _model_and_batch(case, LONG_MODEL)
-    if case.impl.startswith("alst"):
-        model.gradient_checkpointing_enable()
-        return _alst_step(case, rank, model, batch, LONG_MODEL.lr, full=case.impl == "alst full")
-    section: dict[str, Any] = {"strategy": "ring"}
-    if case.impl != "plain":
-        section["long_context"] = {"tiled_loss": True, "tiled_mlp": True, "tile_tokens": TILE_TOKENS}
-        model.gradient_checkpointing_enable()
-    if case.impl == "long_context+disk":
-        section["long_context"].update(offload_checkpoints="disk", offload_dir=tempfile.gettempdir())
-    return _ds_ring_step(case, model, batch, section, LONG_MODEL.lr)
+    if impl.startswith("long_context"):
+        disk = {"offload_checkpoints": "disk", "offload_dir": tempfile.gettempdir()} if impl.endswith("disk") else {}
+        section["long_context"] = {"tiled_loss": True, "tiled_mlp": True, "tile_tokens": TILE_TOKENS, **disk}
+    return _ds_ring_step(case, model, optimizer, batch, section, compiled)
 
 
 @dataclass
@@ -170,8 +155,7 @@ class StepResult(RankResult):
 
 
 def train_rank(rank: int, world: int, case: Case, build: Callable[..., Callable[[], None]], protocol: Protocol) -> Any:
-    """Rank function (DeepSpeed's environment, CPU accelerator): build the step, one untimed warm-up step, then
-    ``protocol.calls`` timed steps and the CPU seconds this process used per step."""
+    """Rank function (DeepSpeed's environment): the step built, one warm-up, timed steps and their CPU s per step."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     result = StepResult(threads=torch.get_num_threads())
@@ -184,43 +168,31 @@ def train_rank(rank: int, world: int, case: Case, build: Callable[..., Callable[
     return result
 
 
-def step_columns(ref: Callable[[Row], Row | None], name: str, seconds: str, mib: str) -> list[Column | str]:
-    """A training step's seconds, tokens/s and MiB per rank (formats ``seconds``, ``mib``), the last two ÷ ``ref``'s."""
-    return [Column("step s", lambda r: r.fwdbwd_s, seconds), "tokens/s",
-            Column(f"tokens/s ÷ {name}", lambda r: ratio(ref(r), r), "{:.2f}"),
-            Column("step MiB/rank", lambda r: r.peak_mib, mib),
-            Column(f"step MiB ÷ {name}", lambda r: ratio(r, ref(r), "peak_mib"), "{:.2f}")]  # fmt: skip
-
-
 def plan(session: Session) -> None:
     """Every (length, impl) of :data:`BENCHMARK` or :data:`COMPILE` on 2 ranks (``one process``: 1); ring on zigzag
     shards, Ulysses and hybrid as Ulysses 2, ``ring dilated`` with w = [S/8, S/2, S], r = [1, 2, 4]."""
-    for seq in session.args.seqs:
-        for impl in session.args.impls:
-            strategy, dilated = impl.split()[0], impl == "ring dilated"
-            branches = {"segment_lengths": (seq // 8, seq // 2, seq), "dilation_rates": (1, 2, 4)} if dilated else {}
-            tag = ("dilated" if dilated else "dense") if session.bench.name == "hf" else ""
-            zigzag, ulysses = impl.removesuffix(" compiled") == "ring", strategy in ("ulysses", "hybrid")
-            session.run(Case(impl, seq, world=1 if strategy == "one" else 2, heads=MODEL.heads, **branches,
-                             head_dim=MODEL.dim // MODEL.heads, tag=tag, ulysses=2 if ulysses else 1,
-                             layout="zigzag" if zigzag else "contiguous"))  # fmt: skip
+    for seq, impl in itertools.product(session.args.seqs, session.args.impls):
+        strategy, dilated = impl.split()[0], impl == "ring dilated"
+        branches = {"segment_lengths": (seq // 8, seq // 2, seq), "dilation_rates": (1, 2, 4)} if dilated else {}
+        tag = ("dilated" if dilated else "dense") if session.bench.name == "hf" else ""
+        zigzag, ulysses = impl.removesuffix(" compiled") == "ring", strategy in ("ulysses", "hybrid")
+        session.run(Case(impl, seq, world=1 if strategy == "one" else 2, heads=MODEL.heads, **branches,
+                         head_dim=MODEL.dim // MODEL.heads, tag=tag, ulysses=2 if ulysses else 1,
+                         layout="zigzag" if zigzag else "contiguous"))  # fmt: skip
 
 
 def report(session: Session) -> str:
-    alst = lambda r: find(session.rows, impl="alst", seq=r.case.seq)
-    return markdown_table(session.rows, [
-        "impl", "seq", "procs × threads", *step_columns(alst, "ALST", "{:.3f}", "{:.1f}"),
-        Column("process peak MiB/rank", lambda r: r.largest("peak_rss_mib"), "{:.0f}"),
-        Column("CPU s/step", lambda r: r.largest("cpu_s_per_step"), "{:.3f}"), "other load %", "notes",
-    ])  # fmt: skip
-
-
-def report_compiled(session: Session) -> str:
-    eager = lambda r: find(session.rows, impl=r.case.impl.removesuffix(" compiled"), seq=r.case.seq)
+    """Every step against its benchmark's reference step of the same length (:data:`REFERENCES`)."""
+    name, fields = REFERENCES[session.bench.name]
+    ref = lambda r: find(session.rows, seq=r.case.seq, **fields(r))
     return markdown_table(session.rows, [
         "impl", "seq", "procs × threads", Column("step s", lambda r: r.fwdbwd_s, "{:.3f}"), "tokens/s",
-        Column("eager step ÷ this", lambda r: ratio(eager(r), r), "{:.2f}"),
-        Column("step MiB/rank", lambda r: r.peak_mib, "{:.1f}"), "other load %", "notes",
+        Column(f"tokens/s ÷ {name}", lambda r: ratio(ref(r), r), "{:.2f}"),
+        Column("step MiB/rank", lambda r: r.peak_mib, "{:.1f}"),
+        Column(f"step MiB ÷ {name}", lambda r: ratio(r, ref(r), "peak_mib"), "{:.2f}"),
+        Column("RSS before step MiB", lambda r: r.largest("rss_before_inputs_mib"), "{:.0f}"),
+        Column("process peak MiB/rank", lambda r: r.largest("peak_rss_mib"), "{:.0f}"),
+        Column("CPU s/step", lambda r: r.largest("cpu_s_per_step"), "{:.3f}"), "other load %", "notes",
     ])  # fmt: skip
 
 
@@ -240,28 +212,23 @@ def slope_and_fit(rows: list[Row], impl: str, vocab: int) -> tuple[float | None,
     if len(series) < 2:
         return None, None
     first, last = series[0], series[-1]
-    per_rank_k = lambda r: r.case.seq / r.case.world / 1000
-    slope = (last.peak_mib - first.peak_mib) / (per_rank_k(last) - per_rank_k(first))
+    k0, k1 = (r.case.seq / r.case.world / 1000 for r in (first, last))  # thousands of tokens per rank
+    slope = (last.peak_mib - first.peak_mib) / (k1 - k0)
     if slope <= 0:
         return slope, None
-    before = last.largest("rss_before_inputs_mib") or 0.0
-    fit_k = per_rank_k(last) + (BUDGET_MIB - before - last.peak_mib) / slope
-    return slope, int(fit_k * 1000 * last.case.world) if fit_k > 0 else 0
+    fit_k = k1 + (BUDGET_MIB - (last.largest("rss_before_inputs_mib") or 0.0) - last.peak_mib) / slope
+    return slope, max(0, int(fit_k * 1000 * last.case.world))
 
 
 def report_long(session: Session) -> str:
-    args, rows = session.args, session.rows
-    alst = lambda r: find(rows, impl="alst full", seq=r.case.seq, tag=r.case.tag)
-    table = markdown_table(rows, [
-        Column("vocab", lambda r: r.case.tag), "impl", "seq", *step_columns(alst, "ALST full", "{:.2f}", "{:.0f}"),
-        Column("RSS before step MiB", lambda r: r.largest("rss_before_inputs_mib"), "{:.0f}"), "other load %", "notes",
-    ])  # fmt: skip
-    session.extra["slopes"] = {f"{v} {i}": list(slope_and_fit(rows, i, v)) for v in args.vocabs for i in args.impls}
-    slopes = [(key.split(" ", 1), *fit) for key, fit in session.extra["slopes"].items() if fit[0] is not None]
-    return table + "\n\n" + markdown_table(slopes, [
-        Column("vocab", lambda s: s[0][0]), Column("impl", lambda s: LONG_LABELS[s[0][1]]),
-        Column("slope MiB per 1K tokens/rank", lambda s: s[1], "{:.1f}"),
-        Column("fits 8 GiB/rank (tokens, 2 ranks)", lambda s: s[2], "{:,}"),
+    """:func:`report`, then each (vocabulary, impl)'s :func:`slope_and_fit` (also in the JSON, ``slopes``)."""
+    args = session.args
+    fits = [(vocab, impl, *slope_and_fit(session.rows, impl, vocab)) for vocab in args.vocabs for impl in args.impls]
+    session.extra["slopes"] = {f"{vocab} {impl}": [slope, fit] for vocab, impl, slope, fit in fits}
+    return report(session) + "\n\n" + markdown_table([f for f in fits if f[2] is not None], [
+        Column("vocab", lambda f: f[0]), Column("impl", lambda f: LONG_LABELS[f[1]]),
+        Column("slope MiB per 1K tokens/rank", lambda f: f[2], "{:.1f}"),
+        Column("fits 8 GiB/rank (tokens, 2 ranks)", lambda f: f[3], "{:,}"),
     ])  # fmt: skip
 
 
@@ -275,28 +242,24 @@ BENCHMARK = Benchmark(
 )  # fmt: skip
 COMPILE_LABELS = {"one process": "no sequence parallelism (1 process)", "ring": "ds_ring ring (zigzag)",
                   "ulysses": "ds_ring Ulysses"}  # fmt: skip
-COMPILE = Benchmark(
-    name="compiled", module="benchmarks.hf",
+COMPILE = replace(
+    BENCHMARK, name="compiled",
     title="HF Llama training step, eager vs torch.compile (inductor): ds_ring p = 2 vs one process",
-    plan=plan, build=build, report=report_compiled,
     label=lambda case: COMPILE_LABELS[case.impl.removesuffix(" compiled")] + (" compiled" * case.impl.endswith("d")),
-    seqs=([2048, 4096], [2048]), impls=[f"{i}{c}" for i in COMPILE_LABELS for c in ("", " compiled")], calls=3,
-    rank=train_rank, plots=lambda s: None, flop=lambda case: MODEL.layers * useful_gflop(case),
-    packages=("deepspeed", "transformers"),
+    seqs=([2048, 4096], [2048]), impls=[f"{i}{c}" for i in COMPILE_LABELS for c in ("", " compiled")],
+    plots=lambda s: None,
 )  # fmt: skip
-LONGCTX = Benchmark(
-    name="longctx", module="benchmarks.longctx",
+LONGCTX = replace(
+    BENCHMARK, name="longctx", module="benchmarks.longctx",
     title="Whole-model long context: Llama 4 layers, hidden 256, 2 ranks — ds_ring vs DeepSpeed ALST",
-    plan=plan_long, build=build_long, report=report_long,
+    plan=plan_long, report=report_long,
     label=lambda case: f"{LONG_LABELS[case.impl]}, vocab {case.tag}",
     add_args=lambda p: p.add_argument("--vocabs", type=int, nargs="+", default=list(VOCABS), help="vocabulary sizes"),
-    seqs=([2048, 4096, 8192], [1024, 2048]), impls=list(LONG_LABELS), calls=1, rank=train_rank,
+    seqs=([2048, 4096, 8192], [1024, 2048]), impls=list(LONG_LABELS), calls=1,
     plots=lambda s: plot_rows(s, lambda r: f"vocab {r.case.tag}", "Llama 4×256 step, 2 ranks × 1 thread",
                               STEP_FIGURES, logy=False),
-    flop=lambda case: LONG_MODEL.layers * useful_gflop(case), packages=("deepspeed", "transformers"),
+    flop=lambda case: LONG_MODEL.layers * useful_gflop(case),
 )  # fmt: skip
-if __name__ == "__main__":
-    import sys
-
-    compiled = "--compiled" in sys.argv  # issue 44: eager vs compiled steps (docs/performance.md)
-    raise SystemExit(main(COMPILE if compiled else BENCHMARK, [a for a in sys.argv[1:] if a != "--compiled"]))
+if __name__ == "__main__":  # --compiled: issue 44's eager vs compiled steps (docs/performance.md)
+    argv = sys.argv[1:]
+    raise SystemExit(main(COMPILE if "--compiled" in argv else BENCHMARK, [a for a in argv if a != "--compiled"]))

@@ -4,7 +4,10 @@
     python -m benchmarks.memory --ranks 1 2 4 --calls dense_ring dilated_ring --label before"""
 
 import contextlib
+import functools
+import itertools
 import json
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass, replace
@@ -51,10 +54,9 @@ CALLS = {
 
 
 def _peak_allocated_mib(prof) -> float:
-    """Peak MiB of tensors allocated and still live while ``prof`` (a finished ``torch.profiler.profile`` with
-    ``profile_memory``) ran: the memory events' allocations and frees summed by address in recording order (their
-    ``Total Allocated`` field is kept per thread). A tensor freed on a thread the profiler does not record (a ring
-    buffer released by a communication thread) is never seen freed and stays counted: an upper bound."""
+    """Peak MiB of live tensors while ``prof`` (a finished ``profile(profile_memory=True)``) ran: its allocations and
+    frees summed by address (its ``Total Allocated`` is per thread). A tensor freed on a thread it does not record (a
+    ring buffer released by a communication thread) stays counted: an upper bound."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = json.loads(Path(f.name).read_text())["traceEvents"]
@@ -71,8 +73,7 @@ def _peak_allocated_mib(prof) -> float:
 
 
 def _measure(rank: int, world: int, call: Call, local_len: int, device: str, live: bool = False) -> dict:
-    """One rank: fwd+bwd of ``call`` on a ``local_len``-row shard; extra memory in MiB (with ``live``, also the
-    peak of live tensor MiB, :func:`_peak_allocated_mib`) and seconds."""
+    """One rank: extra MiB and seconds of a fwd+bwd of ``call`` on ``local_len`` rows (``live``: live tensors too)."""
     if call.mmap_threshold is not None:
         configure_cpu_heap(call.mmap_threshold)  # kept by ds_ring's own setting on the first call
     seq, cuda = local_len * world, device == "cuda"
@@ -104,21 +105,15 @@ def _measure(rank: int, world: int, call: Call, local_len: int, device: str, liv
 def measure(call: Call, world: int, device: str, timeout_s: float, live: bool = False) -> dict[str, Any]:
     """Both lengths of ``call`` on ``world`` ranks in fresh processes: ``extra_mib`` (max over ranks) and ``seconds``
     at each, the slope (q-shards) and the fixed MiB; with ``live`` also ``live_mib`` and its slope."""
-    points = []
-    for local_len in call.tokens_per_rank:
-        args = (call, local_len, device, live)
-        values = rank_results(spawn_ranks(_measure, world, timeout_s=timeout_s, args=args, preload=("torch",)))
-        keys = ("extra_mib", "seconds", "live_mib") if live else ("extra_mib", "seconds")
-        points.append({**{key: max(v[key] for v in values) for key in keys}, "q_shard_mib": values[0]["q_shard_mib"]})
-    first, second = points
-    shard = second["q_shard_mib"] - first["q_shard_mib"]
-    slope = (second["extra_mib"] - first["extra_mib"]) / shard
-    result = {"ranks": world, "tokens_per_rank": call.tokens_per_rank,
-              "extra_mib": (first["extra_mib"], second["extra_mib"]), "seconds": (first["seconds"], second["seconds"]),
-              "slope_q_shards": slope, "fixed_mib": first["extra_mib"] - slope * first["q_shard_mib"]}  # fmt: skip
+    spawn = functools.partial(spawn_ranks, _measure, world, timeout_s=timeout_s, preload=("torch",))
+    values = [rank_results(spawn(args=(call, n, device, live))) for n in call.tokens_per_rank]  # per length, per rank
+    both = lambda key: [max(rank[key] for rank in ranks) for ranks in values]  # at each length, max over ranks
+    slope, fixed = statistics.linear_regression(both("q_shard_mib"), both("extra_mib"))
+    result = {"ranks": world, "tokens_per_rank": call.tokens_per_rank, "extra_mib": both("extra_mib"),
+              "seconds": both("seconds"), "slope_q_shards": slope, "fixed_mib": fixed}  # fmt: skip
     if live:
-        result["live_mib"] = (first["live_mib"], second["live_mib"])
-        result["live_slope_q_shards"] = (second["live_mib"] - first["live_mib"]) / shard
+        result["live_mib"] = both("live_mib")
+        result["live_slope_q_shards"] = statistics.linear_regression(both("q_shard_mib"), both("live_mib")).slope
     return result
 
 
@@ -145,19 +140,15 @@ def main() -> None:
     path = args.out / "memory.json"  # write_json makes its folder
     results = common.read_json(path)
     rows = [r for r in results.get(args.label, []) if not (r["call"] in args.calls and r["ranks"] in args.ranks)]
-    for world in args.ranks:
-        for name in args.calls:
-            if CALLS[name].strategy == "hybrid" and world % 2:
-                continue  # hybrid needs a ulysses degree of 2 here
-            call = replace(CALLS[name], tokens_per_rank=tuple(args.tokens_per_rank or CALLS[name].tokens_per_rank))
-            r = {"call": name, **measure(call, world, args.device, args.timeout_s, args.live)}
-            (e1, e2), (t1, t2) = r["extra_mib"], r["seconds"]
-            print(f"{name:18s} p={world}  slope {r['slope_q_shards']:5.2f} q-shards  fixed {r['fixed_mib']:6.1f} MiB  "
-                  f"extra {e1:.0f}/{e2:.0f} MiB  time {t1:.2f}/{t2:.2f} s", flush=True)  # fmt: skip
-            if args.live:
-                print(f"{'':18s} live tensors: slope {r['live_slope_q_shards']:5.2f} q-shards", flush=True)
-            results[args.label] = rows = [*rows, r]
-            write_json(path, results)
+    for world, name in itertools.product(args.ranks, args.calls):
+        if CALLS[name].strategy == "hybrid" and world % 2:
+            continue  # hybrid needs a ulysses degree of 2 here
+        call = replace(CALLS[name], tokens_per_rank=tuple(args.tokens_per_rank or CALLS[name].tokens_per_rank))
+        r = {"call": name, **measure(call, world, args.device, args.timeout_s, args.live)}
+        live = f" (live tensors {r['live_slope_q_shards']:.2f})" if args.live else ""
+        print(f"{name:18s} p={world}: {r['slope_q_shards']:.2f}{live} q-shards + {r['fixed_mib']:.1f} MiB", flush=True)
+        results[args.label] = rows = [*rows, r]
+        write_json(path, results)
     plot(results, args.out / "memory.png")
 
 

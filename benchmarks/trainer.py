@@ -1,7 +1,6 @@
 """``python -m benchmarks.trainer``: tokens/s of ``SequenceParallelTrainer`` vs the hand-written loop, same job, the
 two alternated round by round (``benchmarks/SUITE.md``); prints the median of the per-round ratios Trainer ÷ loop."""
 
-import json
 import os
 import re
 import statistics
@@ -21,16 +20,16 @@ def tokens_per_s(script: str, config: str, pattern: str, steps: int, seq: int) -
     """One job under torchrun (2 ranks on this host, a free port), its tokens/s as the script prints it."""
     command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2", script,
                "--deepspeed_config", config, "--steps", str(steps), "--seq", str(seq)]  # fmt: skip
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
-    found = re.search(pattern, done.stdout + done.stderr)
+    done = subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+    found = re.search(pattern, done.stdout)
     if done.returncode != 0 or found is None:
-        raise RuntimeError(f"{script} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+        raise RuntimeError(f"{script} failed:\n{done.stdout[-3000:]}")
     return float(found.group(1))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main() -> None:
     flags = (("--rounds", 4), ("--steps", 30), ("--seq", 2048))
-    args = script_args(__doc__, *((f, {"type": int, "default": d}) for f, d in flags), argv=argv, timeout_s=None)
+    args = script_args(__doc__, *((f, {"type": int, "default": d}) for f, d in flags), timeout_s=None)
     rounds = []
     for r in range(args.rounds):
         rounds.append({name: tokens_per_s(*job, args.steps, args.seq) for name, job in JOBS.items()})
@@ -47,9 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         ax.set(xlabel="round (alternated)", ylabel="tokens/s (2 CPU ranks)", title="Trainer vs hand-written loop")
         ax.set_ylim(bottom=0)
         ax.legend()
-    print(json.dumps(summary, indent=1))
-    return 0
+    print(summary)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
