@@ -29,9 +29,8 @@ _CAUSE = re.compile(r"terminate called|what\(\)|Aborted|Fatal Python error|Error
 
 def interleaved_rank(rank: int, world: int, cases: list[Case], rounds: int, timeout_s: float,
                      probes: int = 0) -> dict[str, Any]:  # fmt: skip
-    """Rank function: ``rounds`` interleaved fwd+bwd calls of every case of one grid point (``SUITE.md``); every
-    case's slowest-rank seconds per round and ``auto``'s pick, or with ``probes`` (``benchmarks.auto_fit``) that many
-    agreed probes and the load average before each round, and the oversubscription."""
+    """Rank function: ``rounds`` interleaved fwd+bwd calls of a grid point's cases (SUITE.md): each case's seconds per
+    round (slowest rank) and ``auto``'s pick, or with ``probes`` that many probes and the load before each round."""
     c, gen = cases[0], torch.Generator().manual_seed(1000 + rank)
     q, k, v, dout = qkv_dout(gen, c.batch, c.seq * c.data // world, c.heads, c.kv_heads, c.head_dim)
     calls = {case.impl: strategies.build(case, rank, timeout_s) for case in cases}
@@ -86,8 +85,7 @@ def plan(session: Session) -> None:
 
 
 def time_two_hosts(seqs: list[int], rounds: int, timeout_s: float) -> list[dict[str, Any]] | str:
-    """The grid points of ``benchmarks.hosts`` (on two hosts, :data:`HOST_RANKS` each, one launch), or why the two
-    hosts could not run (no namespaces here, or the launch failed: its error lines and the logs' tails)."""
+    """The grid points of ``benchmarks.hosts`` on two hosts (one launch), or why they could not run."""
     from tests.multihost.hosts import TwoHosts, unavailable
 
     if (reason := unavailable()) is not None:
@@ -108,8 +106,7 @@ def time_two_hosts(seqs: list[int], rounds: int, timeout_s: float) -> list[dict[
 
 
 def _verdict(session: Session, got: dict[str, Any]) -> None:
-    """Adds a grid point's verdict from its rounds' times (``got``: the point, ``times_s`` and ``choice``) per
-    strategy and ``auto``; none while one is missing."""
+    """Adds a grid point's verdict (``got``: the point, ``times_s`` and ``choice``) unless a time is missing."""
     point = {k: v for k, v in got.items() if k not in ("times_s", "choice")}
     med = {name: statistics.median(t) for name, t in got["times_s"].items() if t}
     by_name, choice = {k: v for k, v in med.items() if k != "auto"}, got["choice"]

@@ -1,9 +1,8 @@
-"""``auto``'s cost and memory model fitted on one grid and checked on a held-out one: ``DIR/auto_fit.json`` (the
-protocol, the grids, the gate and the outcome: ``docs/auto.md``, "Fitted, then held out").
+"""``auto``'s cost and memory model fitted on one grid, checked on another: ``DIR/auto_fit.json`` (docs/auto.md).
 
-    python -m benchmarks.auto_fit --grid fit --timing --memory
-    python -m benchmarks.auto_fit --grid heldout --timing --memory
-    python -m benchmarks.auto_fit --fit --report"""
+python -m benchmarks.auto_fit --grid fit --timing --memory
+python -m benchmarks.auto_fit --grid heldout --timing --memory
+python -m benchmarks.auto_fit --fit --report"""
 
 import collections
 import json
@@ -43,8 +42,7 @@ BASELINE_BUFFERS = {"ring": 0.75, "ring_dilated": 0.9, "allgather": 0.45, "ulyss
 
 
 def problem(world: int, seq: int, heads: int, kv_heads: int, oversubscription: float = 1.0):
-    """The :class:`~ds_ring.auto.model.Problem` of a grid point as ``auto`` sees it (fp32, causal, head dim 64,
-    contiguous; degrees ``1 × p``, and ``2 × p/2`` when ``p`` is 4)."""
+    """A grid point's :class:`~ds_ring.auto.model.Problem` (fp32, causal, head dim 64; hybrid 2 × p/2 at p = 4)."""
     degrees = ((1, world), (2, world // 2)) if world == 4 else ((1, world),)
     return Problem(seq=seq, heads=heads, kv_heads=kv_heads, head_dim=64, world=world, itemsize=4, causal=True,
                    layouts=("contiguous",), degrees=degrees, oversubscription=oversubscription)  # fmt: skip
@@ -90,8 +88,7 @@ def time_point(world: int, seq: int, heads: int, kv_heads: int, rounds: int, pro
 
 
 def predict_times(point: dict, calibration=None) -> dict[str, float]:
-    """The model's seconds per strategy at ``point`` under its median raw link with ``calibration`` (``None``: the
-    model's own for a CPU link), and under ``_pick`` the strategy it picks."""
+    """The model's seconds per strategy at ``point`` (its median link, ``calibration``) and ``_pick``, its pick."""
     p = problem(point["ranks"], point["seq"], point["heads"], point["kv_heads"], point["oversubscription"])
     options = plan_options(p, Link(**point["link"], device="cpu"), calibration=calibration)
     out: dict[str, Any] = {"_pick": options[0].strategy}
@@ -108,8 +105,7 @@ def time_ratios(points: list[dict], calibration=None) -> list[float]:
 
 
 def fit_time(points: list[dict]) -> tuple[float, float]:
-    """``(compute, comm)`` scales minimising the sum of squared log(measured / predicted) over every strategy of every
-    point: a coarse log grid, then finer ones around the best so far."""
+    """``(compute, comm)`` minimising the sum of squared log(measured / predicted), on ever finer log grids."""
     loss = lambda compute, comm: sum(math.log(r) ** 2 for r in time_ratios(points, Calibration(compute, comm)))
     best = (1.0, 1.0)
     for span, steps in ((4.0, 17), (0.5, 21), (0.05, 21)):  # log10 span around the best so far
@@ -120,8 +116,7 @@ def fit_time(points: list[dict]) -> tuple[float, float]:
 
 def measure_memory(world: int, heads: int, kv_heads: int, lengths: tuple[int, int], timeout_s: float,
                    names: list[str]) -> list[dict]:  # fmt: skip
-    """The measured slope of each strategy in ``names`` at one (ranks, heads, lengths); 64 KiB mmap threshold in the
-    ranks, so the RSS follows live tensors."""
+    """The measured slope (q-shards) of each strategy in ``names`` at one (ranks, heads, lengths)."""
     rows = []
     for name in names:
         call = memory.Call(name, COMMUNICATION[name], tokens_per_rank=lengths, mmap_threshold=65536, heads=heads,
@@ -143,8 +138,7 @@ def predict_memory(row: dict, buffers: dict[str, float] | None = None) -> float:
 
 
 def fit_memory(rows: list[dict]) -> dict[str, float]:
-    """Each coefficient of :data:`~ds_ring.auto.model.BUFFERS` that the rows exercise, by least squares (the model
-    is linear in each: prediction = base + x · coefficient)."""
+    """Least squares of each :data:`~ds_ring.auto.model.BUFFERS` coefficient the rows exercise (linear in each)."""
     fitted = dict(BUFFERS)  # Ulysses before hybrid: the hybrid's coefficient sits on top of the Ulysses one
     for strategy in STRATEGIES:
         key = "hybrid_ring" if strategy == "hybrid" else strategy
@@ -158,8 +152,7 @@ def fit_memory(rows: list[dict]) -> dict[str, float]:
 
 
 def coefficients(results: dict) -> dict[str, Any]:
-    """Fitted on the ``fit`` grid, then gated on the ``heldout`` grid: a fit is *used* (what the model carries) only
-    where its median |log(measured / predicted)| on the held-out grid is below the baseline's, else the baseline."""
+    """Fitted on ``fit``; *used* where its held-out median |log(measured / predicted)| beats the baseline's."""
     fit, held = results["fit"], results["heldout"]
     compute, comm = fit_time(fit["timing"])
     fitted = {"calibration_cpu": {"compute": compute, "comm": comm}, "buffers": fit_memory(fit["memory"])}
@@ -183,8 +176,7 @@ def dict_table(rows: list[dict[str, Any]]) -> str:
 
 
 def report(results: dict) -> dict[str, Any]:
-    """Per grid, measured ÷ predicted with the model's constants (the time of every strategy, also uncalibrated, and
-    of the model's pick; the memory): printed as markdown tables, returned as the ratios' spreads."""
+    """Per grid, measured ÷ predicted with the model's constants: printed as tables, returned as spreads."""
     summary: dict[str, Any] = {}
     for grid in [g for g in results if g in GRIDS]:
         ratios, times, memories = collections.defaultdict(list), [], []

@@ -264,8 +264,7 @@ def ulysses_degree(strategy: str, world: int) -> int:
 
 def script_args(doc: str, *options: tuple[str, dict[str, Any]], argv: list[str] | None = None,
                 timeout_s: float | None = 600) -> argparse.Namespace:  # fmt: skip
-    """The command line of a benchmark with its own main: ``options`` (flag, ``add_argument`` keywords), then
-    ``--timeout-s`` (every wait, s; none where ``timeout_s`` is None) and ``--out`` (the results' folder)."""
+    """A benchmark's own command line: ``options`` (flag, keywords), ``--timeout-s`` (unless None) and ``--out``."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     waits = [] if timeout_s is None else [("--timeout-s", {"type": float, "default": timeout_s})]
     for flag, kwargs in (*options, *waits, ("--out", {"type": Path})):

@@ -287,8 +287,7 @@ MEMORY: Figure = ("memory", "peak working memory, largest rank (MiB)", [("", lam
 
 def plot_rows(session: Session, panel: Callable[[Row], str | None], title: str,
               figures: Sequence[Figure] = (TIME, MEMORY), logy: bool = True) -> None:  # fmt: skip
-    """``<out>/<name>_<figure>.png`` per figure against the total length: a panel per ``panel(row)`` (None: left out),
-    a line per (label, phase: (suffix, value, matplotlib format)), a colour per label."""
+    """``<out>/<name>_<figure>.png`` per figure against the length: a panel per ``panel(row)``, a line per label."""
     labels, ticks = list(dict.fromkeys(r.label for r in session.rows)), sorted({r.case.seq for r in session.rows})
     for name, ylabel, phases in figures:
         panels: dict[str, dict[str, Series]] = {}

@@ -113,8 +113,7 @@ def _alst_step(case: Case, rank: int, model: Any, optimizer: Any, batch: dict[st
 
 
 def build(case: Case, rank: int, timeout_s: float) -> Callable[[], None]:
-    """One training step of a case on this rank, on ``launch/train_hf.py``'s model and a recall-task batch: ds_ring's
-    strategy, ALST, or the whole sequence in one process (SUITE.md)."""
+    """One training step of a case on this rank (``launch/train_hf.py``'s model, a recall batch; SUITE.md)."""
     long = case.tag.isdigit()  # a LONGCTX case: its tag is the vocabulary
     spec, impl, compiled = LONG_MODEL if long else MODEL, case.impl.removesuffix(" compiled"), "compiled" in case.impl
     if impl == "alst full":
@@ -169,8 +168,7 @@ def train_rank(rank: int, world: int, case: Case, build: Callable[..., Callable[
 
 
 def plan(session: Session) -> None:
-    """Every (length, impl) of :data:`BENCHMARK` or :data:`COMPILE` on 2 ranks (``one process``: 1); ring on zigzag
-    shards, Ulysses and hybrid as Ulysses 2, ``ring dilated`` with w = [S/8, S/2, S], r = [1, 2, 4]."""
+    """Every (length, impl) of :data:`BENCHMARK` or :data:`COMPILE` on 2 ranks (``one process``: 1; SUITE.md)."""
     for seq, impl in itertools.product(session.args.seqs, session.args.impls):
         strategy, dilated = impl.split()[0], impl == "ring dilated"
         branches = {"segment_lengths": (seq // 8, seq // 2, seq), "dilation_rates": (1, 2, 4)} if dilated else {}

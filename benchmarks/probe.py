@@ -24,8 +24,7 @@ def ranges(values: list[float]) -> dict[str, float]:
 
 
 def stability(world: int, probes: list[dict[str, Any]], seqs: list[int]) -> list[dict[str, Any]]:
-    """``auto``'s choice under every probe on the grid (1-thread ranks, ``oversubscription`` 2 at 4 ranks on this
-    machine's 2 cores, as the topology records it)."""
+    """``auto``'s choice under every probe on the grid (oversubscription 2 at 4 ranks, as on 2 cores)."""
     links = [Link(**{key: p[key] for key in LINK_KEYS}, source="probe") for p in probes]
     median = Link(**{key: statistics.median(p[key] for p in probes) for key in LINK_KEYS})
     rows = []

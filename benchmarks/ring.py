@@ -30,8 +30,7 @@ def plan(session: Session) -> None:
 
 
 def refs(rows: list[Row], r: Row) -> tuple[Row | None, ...]:
-    """A ring row's p = 1 row and ring-attention-pytorch's row; a dilated ring row's dense ring (zigzag; p = 1: the
-    one ring row) and its one process × 2 threads row."""
+    """A ring row's (p = 1, ring-attention-pytorch, dense ring, one process × 2 threads) rows; None where none."""
     c = r.case
     if c.impl not in ("ring", "allgather") or not c.group:
         return None, None, None, None

@@ -23,8 +23,7 @@ def label(case: Case) -> str:
 
 
 def build(case: Case, rank: int, timeout_s: float) -> AttentionFn:
-    """ds_ring's strategy ``case.impl`` over ``case.ulysses`` × ``world / ulysses`` ranks, or a peer over that group;
-    one-process cases (``case.group`` False): :func:`dilated.build`."""
+    """ds_ring's strategy or a peer over the case's ranks; one-process cases: :func:`dilated.build`."""
     if not case.group:
         return dilated.build(case, rank, timeout_s)
     if case.impl == "rap":
