@@ -7,6 +7,8 @@ import contextlib
 import functools
 import itertools
 import json
+import os
+import resource
 import statistics
 import tempfile
 import time
@@ -15,22 +17,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 import ds_ring
 from benchmarks import common
 from benchmarks.common import MIB, Series, peak_rss_mib, plot_panels, release_free_memory, reset_peak_rss, write_json
-from ds_ring.cpu_heap import configure_cpu_heap
+from ds_ring.cpu_heap import ENV, configure_cpu_heap, heap_setting
 from ds_ring.testing import rank_results, spawn_ranks
 
-HEADS, HEAD_DIM = 8, 64
+HEADS, HEAD_DIM, HEAP_KEYS = 8, 64, ("wall_s", "user_s", "system_s")
 
 
 @dataclass(frozen=True)
 class Call:
-    """One attention call: strategy, K/V exchange (None: the strategy's own), layout, branches (fractions of S), the
-    two local lengths of the slope, glibc's mmap threshold in the ranks (65536: RSS follows live tensors), the query
-    and K/V heads (``None``: ``heads``)."""
+    """One attention call; ``segments``: fractions of S, ``tokens_per_rank``: the slope's two local lengths."""
 
     strategy: str
     communication: str | None = None
@@ -54,9 +55,8 @@ CALLS = {
 
 
 def _peak_allocated_mib(prof) -> float:
-    """Peak MiB of live tensors while ``prof`` (a finished ``profile(profile_memory=True)``) ran: its allocations and
-    frees summed by address (its ``Total Allocated`` is per thread). A tensor freed on a thread it does not record (a
-    ring buffer released by a communication thread) stays counted: an upper bound."""
+    """Peak MiB of live tensors in a finished ``profile(profile_memory=True)``: allocations and frees by address (an
+    upper bound: a tensor freed on a thread it does not record stays counted)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = json.loads(Path(f.name).read_text())["traceEvents"]
@@ -103,8 +103,7 @@ def _measure(rank: int, world: int, call: Call, local_len: int, device: str, liv
 
 
 def measure(call: Call, world: int, device: str, timeout_s: float, live: bool = False) -> dict[str, Any]:
-    """Both lengths of ``call`` on ``world`` ranks in fresh processes: ``extra_mib`` (max over ranks) and ``seconds``
-    at each, the slope (q-shards) and the fixed MiB; with ``live`` also ``live_mib`` and its slope."""
+    """Both lengths of ``call`` on ``world`` fresh ranks: MiB and seconds (max over ranks), slope and fixed MiB."""
     spawn = functools.partial(spawn_ranks, _measure, world, timeout_s=timeout_s, preload=("torch",))
     values = [rank_results(spawn(args=(call, n, device, live))) for n in call.tokens_per_rank]  # per length, per rank
     both = lambda key: [max(rank[key] for rank in ranks) for ranks in values]  # at each length, max over ranks
@@ -150,6 +149,59 @@ def main() -> None:
         results[args.label] = rows = [*rows, r]
         write_json(path, results)
     plot(results, args.out / "memory.png")
+
+
+def _heap_rank(rank: int, world: int, strategy: str, local_len: int, calls: int, heap: str) -> dict[str, Any]:
+    """One rank's times: ``calls`` fwd+bwd after a warm-up, each started together (a barrier)."""
+    if heap == "off":
+        os.environ[ENV] = "off"
+    ulysses = common.ulysses_degree(strategy, world)
+    topology = ds_ring.Topology(ulysses=ulysses, ring=world // ulysses)
+    q, k, v, dout = common.qkv_dout(torch.Generator().manual_seed(rank), 1, local_len, HEADS, None, HEAD_DIM)
+
+    def call() -> None:
+        ds_ring.sequence_parallel_attention(q, k, v, causal=True, topology=topology, strategy=strategy).backward(dout)
+        q.grad = k.grad = v.grad = None
+
+    clock = lambda: (time.perf_counter(), *resource.getrusage(resource.RUSAGE_SELF)[:2])  # the seconds of HEAP_KEYS
+    call()
+    times = []
+    for _ in range(calls):
+        dist.barrier()
+        before = clock()
+        call()
+        times.append({key: t - t0 for key, t, t0 in zip(HEAP_KEYS, clock(), before, strict=True)})
+    return {"calls": times, "threshold": heap_setting().threshold}
+
+
+def heap_launch(world: int, strategy: str, local_len: int, calls: int, heap: str, timeout_s: float) -> dict[str, Any]:
+    """One fresh launch; per call: the slowest rank's wall, the ranks' summed user and system seconds."""
+    load = Path("/proc/loadavg").read_text().split()[:3]
+    args = (strategy, local_len, calls, heap)
+    ranks = rank_results(spawn_ranks(_heap_rank, world, timeout_s=timeout_s, args=args, preload=("torch",)))
+    per_call = [{key: (max if key == "wall_s" else sum)(r[key] for r in call) for key in HEAP_KEYS}
+                for call in zip(*(r["calls"] for r in ranks), strict=True)]  # fmt: skip
+    return {"heap": heap, "threshold": ranks[0]["threshold"], "loadavg": load, "calls": per_call}
+
+
+def heap_main(doc: str) -> None:
+    """``python -m benchmarks.heap``: ds_ring's heap setting vs glibc's default, alternated launch by launch."""
+    args = common.script_args(doc, ("--ranks", {"type": int, "default": 4}),
+                       ("--strategies", {"nargs": "+", "default": ["ulysses", "ring"]}),
+                       ("--tokens-per-rank", {"nargs": "+", "type": int, "default": [1024, 4096]}),
+                       ("--calls", {"type": int, "default": 5}), ("--rounds", {"type": int, "default": 3}))  # fmt: skip
+    rows, orders = [], [("ds_ring", "off"), ("off", "ds_ring")]  # alternated round by round
+    for strategy, local_len in itertools.product(args.strategies, args.tokens_per_rank):
+        launches = [heap_launch(args.ranks, strategy, local_len, args.calls, heap, args.timeout_s)
+                    for r in range(args.rounds) for heap in orders[r % 2]]  # fmt: skip
+        calls = {heap: [c for x in launches if x["heap"] == heap for c in x["calls"]] for heap in ("ds_ring", "off")}
+        median = {heap: {key: statistics.median(c[key] for c in cs) for key in HEAP_KEYS} for heap, cs in calls.items()}
+        ratio = {key: median["ds_ring"][key] / median["off"][key] for key in HEAP_KEYS}
+        rows.append({"strategy": strategy, "ranks": args.ranks, "tokens_per_rank": local_len, "median": median,
+                     "ds_ring_over_off": ratio, "launches": launches})  # fmt: skip
+        ratios = "  ".join(f"{key} {value:.3f}" for key, value in ratio.items())
+        print(f"{strategy:8s} p={args.ranks} {local_len:6d} rows/rank  ds_ring ÷ glibc default: {ratios}", flush=True)
+        write_json(args.out / "heap.json", {"rows": rows})
 
 
 if __name__ == "__main__":
