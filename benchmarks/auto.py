@@ -7,6 +7,7 @@ import json
 import os
 import re
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -85,7 +86,7 @@ def plan(session: Session) -> None:
 
 
 def time_two_hosts(seqs: list[int], rounds: int, timeout_s: float) -> list[dict[str, Any]] | str:
-    """The grid points of ``benchmarks.hosts`` on two hosts (one launch), or why they could not run."""
+    """The grid points of :func:`host_rank` on two hosts (one launch), or why they could not run."""
     from tests.multihost.hosts import TwoHosts, unavailable
 
     if (reason := unavailable()) is not None:
@@ -94,8 +95,8 @@ def time_two_hosts(seqs: list[int], rounds: int, timeout_s: float) -> list[dict[
         out, hosts = Path(tmp), TwoHosts()
         try:
             hosts.open()
-            hosts.torchrun(["-m", "benchmarks.hosts", tmp, str(rounds), str(timeout_s), *map(str, seqs)], out,
-                           nproc=HOST_RANKS)  # fmt: skip
+            argv = ["-m", "benchmarks.auto", "--host-rank", tmp, str(rounds), str(timeout_s), *map(str, seqs)]
+            hosts.torchrun(argv, out, nproc=HOST_RANKS)
             if (codes := hosts.wait(timeout_s)) != [0, 0] or not (out / "hosts.json").exists():
                 logs = [hosts.output(0), hosts.output(1)]
                 causes = [line for log in logs for line in log.splitlines() if _CAUSE.search(line)][:20]
@@ -103,6 +104,20 @@ def time_two_hosts(seqs: list[int], rounds: int, timeout_s: float) -> list[dict[
             return json.loads((out / "hosts.json").read_text())
         finally:
             hosts.close()
+
+
+def host_rank(out: str, rounds: str, timeout_s: str, *seqs: str) -> None:
+    """One rank of ``--two-hosts`` under torchrun: every grid point in this launch; rank 0 writes ``OUT/hosts.json``."""
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    points = []
+    for seq, (heads, kv_heads) in itertools.product(map(int, seqs), GRID_HEADS):
+        cases = grid_cases(seq, world, 1, heads, kv_heads, ulysses=HOST_RANKS)
+        point = {"ranks": world, "data": 1, "hosts": 2, "seq": seq, "heads": heads, "kv_heads": kv_heads}
+        points.append({**point, **interleaved_rank(rank, world, cases, int(rounds), float(timeout_s))})
+    if rank == 0:
+        (Path(out) / "hosts.json").write_text(json.dumps(points))
+    dist.destroy_process_group()
 
 
 def _verdict(session: Session, got: dict[str, Any]) -> None:
@@ -185,5 +200,6 @@ BENCHMARK = Benchmark(
     plan=plan, build=strategies.build, report=report, plots=plots, add_args=add_args,
     seqs=([2048, 4096], [2048]), worlds=[2, 4], calls=3,
 )  # fmt: skip
-if __name__ == "__main__":
-    raise SystemExit(main(BENCHMARK))
+if __name__ == "__main__":  # --host-rank OUT ROUNDS TIMEOUT_S SEQ...: one rank of --two-hosts, under torchrun
+    argv = sys.argv[1:]
+    raise SystemExit(host_rank(*argv[1:]) if argv[:1] == ["--host-rank"] else main(BENCHMARK))
