@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import auto_fit, strategies
-from benchmarks.common import Case, figure, fmt_seq, qkv_dout
+from benchmarks.common import Case, figure, fmt_seq, qkv_dout, rank_values
 from benchmarks.driver import Benchmark, Session, main
 from benchmarks.strategies import STRATEGIES
 from ds_ring.auto import strategy as auto
@@ -72,7 +72,7 @@ def plan(session: Session) -> None:
     setups = [] if args.no_timing else [(w, 1) for w in args.worlds] + [(4, 2)] * (4 in args.worlds and args.data)
     for (world, data), seq, (heads, kv_heads) in itertools.product(setups, args.seqs, GRID_HEADS):
         cases = grid_cases(seq, world, data, heads, kv_heads, ulysses=2)
-        got = auto_fit.rank0(interleaved_rank, world, args.timeout_s, cases=cases, rounds=args.rounds)
+        got = rank_values(interleaved_rank, world, args.timeout_s, cases, args.rounds, args.timeout_s)[0]
         point = {"ranks": world, "data": data, "hosts": 1, "seq": seq, "heads": heads, "kv_heads": kv_heads}
         _verdict(session, {**point, **got})
     if args.two_hosts and not args.no_timing:

@@ -8,16 +8,14 @@ import collections
 import json
 import math
 import statistics
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from benchmarks import memory
-from benchmarks.common import Case, read_json, script_args, ulysses_degree, write_json
+from benchmarks.common import Case, rank_values, read_json, script_args, ulysses_degree, write_json
 from benchmarks.driver import Column, markdown_table
 from benchmarks.strategies import STRATEGIES
-from ds_ring import testing
 from ds_ring.auto.model import BUFFERS, Calibration, Link, Option, Problem, memory_q_shards, plan_options
 from ds_ring.auto.probe import agree_link, measure_link
 
@@ -60,12 +58,6 @@ def agreed_link(timeout_s: float | None = None) -> dict[str, float]:
     return {key: getattr(link, key) for key in LINK_KEYS}
 
 
-def rank0(fn: Callable[..., Any], world: int, timeout_s: float, **kwargs: Any) -> Any:
-    """Rank 0's result of ``fn(rank, world, timeout_s=timeout_s, **kwargs)`` on ``world`` fresh 1-thread ranks."""
-    kwargs["timeout_s"] = timeout_s
-    return testing.rank_results(testing.spawn_ranks(fn, world, timeout_s=timeout_s, kwargs=kwargs))[0]
-
-
 def spread(values: list[float]) -> dict[str, float]:
     """Min, median and max of ``values``."""
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
@@ -77,7 +69,7 @@ def time_point(world: int, seq: int, heads: int, kv_heads: int, rounds: int, pro
 
     names = strategies_of(world, seq, heads, kv_heads)
     cases = [Case(n, seq, world, ulysses=2 if n == "hybrid" else 1, heads=heads, kv_heads=kv_heads) for n in names]
-    got = rank0(interleaved_rank, world, timeout_s, cases=cases, rounds=rounds, probes=probes)
+    got = rank_values(interleaved_rank, world, timeout_s, cases, rounds, timeout_s, probes)[0]
     point = {"ranks": world, "seq": seq, "heads": heads, "kv_heads": kv_heads, "rounds": rounds,
              "measured_s": {n: statistics.median(t) for n, t in got["times_s"].items()}, "times_s": got["times_s"],
              "link": {key: statistics.median(p[key] for p in got["links"]) for key in LINK_KEYS},

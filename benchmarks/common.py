@@ -24,6 +24,7 @@ import psutil
 import torch
 
 import ds_ring
+from ds_ring.testing import rank_results, spawn_ranks
 
 MIB = float(2**20)
 ROOT = Path(__file__).resolve().parent.parent
@@ -139,14 +140,6 @@ def useful_gflop(case: Case, pairs: int | None = None) -> float:
     return 3.5 * 4.0 * case.head_dim * case.batch * pairs / 1e9  # 3.5: the backward is 2.5 × the forward
 
 
-@dataclass(frozen=True)
-class Protocol:
-    """``calls`` timed calls per phase after a warm-up; ``timeout_s`` bounds every wait."""
-
-    calls: int
-    timeout_s: float
-
-
 @dataclass
 class RankResult:
     """One rank's measurements (RSS in MiB before the shards existed, what they added; ds_ring's ring waits)."""
@@ -176,12 +169,12 @@ class RankResult:
             self.ring_bytes_sent += event.nbytes
 
 
-def attention_rank(rank: int, world: int, case: Case, build: Callable[[Case, int, float], AttentionFn],
-                   protocol: Protocol) -> RankResult:  # fmt: skip
-    """Rank function: build the attention, warm up, time ``fwd`` (if asked) and fwd+bwd calls on random shards."""
+def attention_rank(rank: int, world: int, case: Case, build: Callable[[Case, int, float], AttentionFn], calls: int,
+                   timeout_s: float) -> RankResult:  # fmt: skip
+    """Rank function: build the attention, warm up, time ``calls`` fwd (if asked) and fwd+bwd calls on random shards."""
     result = RankResult(threads=torch.get_num_threads())
     try:
-        attn = build(case, rank, protocol.timeout_s)
+        attn = build(case, rank, timeout_s)
     except Skip as exc:
         result.skipped = str(exc)
         return result
@@ -198,7 +191,7 @@ def attention_rank(rank: int, world: int, case: Case, build: Callable[[Case, int
     if dense and case.group and case.data == 1:  # the reference runs over the world: one sequence
         with torch.no_grad():
             ref = ds_ring.ring_dilated_attention(q, k, v, causal=case.causal, layout=case.layout,
-                                                 timeout_s=protocol.timeout_s)  # fmt: skip
+                                                 timeout_s=timeout_s)  # fmt: skip
         result.warmup_max_abs_err = float((out.detach() - ref).abs().max())
     del q, k, v, grad_out, out
     release_free_memory()
@@ -207,12 +200,12 @@ def attention_rank(rank: int, world: int, case: Case, build: Callable[[Case, int
     result.inputs_mib = rss_mib() - result.rss_before_inputs_mib
     if case.fwd:
         with torch.no_grad():
-            result.fwd = measure(lambda: attn(q, k, v, segs, rates), calls=protocol.calls)
+            result.fwd = measure(lambda: attn(q, k, v, segs, rates), calls=calls)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     with ds_ring.register_hook(result):
         step = lambda: attn(q, k, v, segs, rates).backward(grad_out)
         clear_grads = lambda: [setattr(t, "grad", None) for t in (q, k, v)]  # untimed, before each call
-        result.fwdbwd = measure(step, calls=protocol.calls, setup=clear_grads)
+        result.fwdbwd = measure(step, calls=calls, setup=clear_grads)
     return result
 
 
@@ -221,6 +214,11 @@ def qkv_dout(gen: torch.Generator | None, batch: int, rows: int, heads: int, kv_
     """Random q, k, v, dout ``[batch, rows, heads, head_dim]`` (K/V: ``kv_heads`` or ``heads``); q, k, v: ``grad``."""
     shapes = [(batch, rows, h, head_dim) for h in (heads, kv_heads or heads, kv_heads or heads, heads)]
     return [torch.randn(s, generator=gen).to(device).requires_grad_(grad and i < 3) for i, s in enumerate(shapes)]
+
+
+def rank_values(fn: Callable[..., Any], world: int, timeout_s: float, *args: Any) -> list[Any]:
+    """``fn(rank, world, *args)`` of every rank in rank order, run on ``world`` fresh 1-thread rank processes."""
+    return rank_results(spawn_ranks(fn, world, timeout_s=timeout_s, args=args))
 
 
 def matmul_rank(rank: int, world: int, n: int) -> float:

@@ -17,7 +17,7 @@ from typing import Any
 import psutil
 
 from benchmarks import common
-from benchmarks.common import AttentionFn, Case, Protocol, RankResult, Series, fmt_seq, useful_gflop
+from benchmarks.common import AttentionFn, Case, RankResult, Series, fmt_seq, useful_gflop
 from ds_ring import testing
 
 OTHER_CPU_WARN = 0.10  # above this share of the CPUs used by other processes, a case's timings are flagged
@@ -107,7 +107,7 @@ class Session:
 
     def _measure(self, row: Row, calls: int) -> None:
         """Launch the case, again (``--retries``) while others used over :data:`OTHER_CPU_WARN` of the CPUs."""
-        args, case, protocol = self.args, row.case, Protocol(calls, self.args.timeout_s)
+        args, case = self.args, row.case
         timeout_s = max(300.0, 4.0 * (row.estimated_call_s or 0.0) * (calls + 1) + 120.0)
         attempts: list[tuple[list[testing.RankOutcome], float, float | None]] = []  # (outcomes, wall s, other share)
         own_cpu_s = lambda: sum(psutil.Process().cpu_times()[:2])  # this process's user + system s
@@ -117,7 +117,7 @@ class Session:
                 pass
             (busy0, total0), own0, t0 = common.cpu_seconds(), own_cpu_s(), time.perf_counter()
             outcomes = testing.spawn_ranks(
-                self.bench.rank, case.world, timeout_s=timeout_s, args=(case, self.bench.build, protocol),
+                self.bench.rank, case.world, timeout_s=timeout_s, args=(case, self.bench.build, calls, args.timeout_s),
                 threads_per_rank=case.threads, process_group=case.group, grace_s=GRACE_AFTER_FAILURE_S, preload=PRELOAD,
             )  # fmt: skip
             wall, (busy1, total1) = time.perf_counter() - t0, common.cpu_seconds()

@@ -21,7 +21,7 @@ from torch.utils.data import default_collate
 from transformers.models.llama import modeling_llama
 
 import ds_ring
-from benchmarks.common import Case, Protocol, RankResult, measure, useful_gflop
+from benchmarks.common import Case, RankResult, measure, useful_gflop
 from benchmarks.driver import Benchmark, Column, Figure, Row, Session, find, main, markdown_table, plot_rows, ratio
 from ds_ring.integrations.hf import causal_lm_loss, register_with_transformers, shard_batch
 from launch.train import VOCAB
@@ -153,15 +153,15 @@ class StepResult(RankResult):
     cpu_s_per_step: float | None = None
 
 
-def train_rank(rank: int, world: int, case: Case, build: Callable[..., Callable[[], None]], protocol: Protocol) -> Any:
+def train_rank(rank: int, world: int, case: Case, build: Callable[..., Any], calls: int, timeout_s: float) -> Any:
     """Rank function (DeepSpeed's environment): the step built, one warm-up, timed steps and their CPU s per step."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     result = StepResult(threads=torch.get_num_threads())
-    step = build(case, rank, protocol.timeout_s)
+    step = build(case, rank, timeout_s)
     step()
     cpu0 = time.process_time()
-    result.fwdbwd = measure(step, calls=protocol.calls)  # its baseline: the RSS before them, after gc and malloc_trim
+    result.fwdbwd = measure(step, calls=calls)  # its baseline: the RSS before them, after gc and malloc_trim
     result.rss_before_inputs_mib = result.fwdbwd.baseline_rss_mib
     result.cpu_s_per_step = (time.process_time() - cpu0) / len(result.fwdbwd.times_s)
     return result

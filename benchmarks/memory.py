@@ -4,7 +4,6 @@
     python -m benchmarks.memory --ranks 1 2 4 --calls dense_ring dilated_ring --label before"""
 
 import contextlib
-import functools
 import itertools
 import json
 import os
@@ -24,7 +23,6 @@ import ds_ring
 from benchmarks import common
 from benchmarks.common import MIB, Series, peak_rss_mib, plot_panels, release_free_memory, reset_peak_rss, write_json
 from ds_ring.cpu_heap import ENV, configure_cpu_heap, heap_setting
-from ds_ring.testing import rank_results, spawn_ranks
 
 HEADS, HEAD_DIM, HEAP_KEYS = 8, 64, ("wall_s", "user_s", "system_s")
 
@@ -104,8 +102,7 @@ def _measure(rank: int, world: int, call: Call, local_len: int, device: str, liv
 
 def measure(call: Call, world: int, device: str, timeout_s: float, live: bool = False) -> dict[str, Any]:
     """Both lengths of ``call`` on ``world`` fresh ranks: MiB and seconds (max over ranks), slope and fixed MiB."""
-    spawn = functools.partial(spawn_ranks, _measure, world, timeout_s=timeout_s, preload=("torch",))
-    values = [rank_results(spawn(args=(call, n, device, live))) for n in call.tokens_per_rank]  # per length, per rank
+    values = [common.rank_values(_measure, world, timeout_s, call, n, device, live) for n in call.tokens_per_rank]
     both = lambda key: [max(rank[key] for rank in ranks) for ranks in values]  # at each length, max over ranks
     slope, fixed = statistics.linear_regression(both("q_shard_mib"), both("extra_mib"))
     result = {"ranks": world, "tokens_per_rank": call.tokens_per_rank, "extra_mib": both("extra_mib"),
@@ -177,8 +174,7 @@ def _heap_rank(rank: int, world: int, strategy: str, local_len: int, calls: int,
 def heap_launch(world: int, strategy: str, local_len: int, calls: int, heap: str, timeout_s: float) -> dict[str, Any]:
     """One fresh launch; per call: the slowest rank's wall, the ranks' summed user and system seconds."""
     load = Path("/proc/loadavg").read_text().split()[:3]
-    args = (strategy, local_len, calls, heap)
-    ranks = rank_results(spawn_ranks(_heap_rank, world, timeout_s=timeout_s, args=args, preload=("torch",)))
+    ranks = common.rank_values(_heap_rank, world, timeout_s, strategy, local_len, calls, heap)
     per_call = [{key: (max if key == "wall_s" else sum)(r[key] for r in call) for key in HEAP_KEYS}
                 for call in zip(*(r["calls"] for r in ranks), strict=True)]  # fmt: skip
     return {"heap": heap, "threshold": ranks[0]["threshold"], "loadavg": load, "calls": per_call}

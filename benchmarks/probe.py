@@ -8,8 +8,8 @@ import os
 import statistics
 from typing import Any
 
-from benchmarks.auto_fit import LINK_KEYS, agreed_link, problem, rank0, spread
-from benchmarks.common import read_json, script_args, write_json
+from benchmarks.auto_fit import LINK_KEYS, agreed_link, problem, spread
+from benchmarks.common import rank_values, read_json, script_args, write_json
 from ds_ring.auto.model import Link, plan_options
 
 
@@ -56,7 +56,7 @@ def main() -> None:
     everything = read_json(path)
     everything[args.label] = results = []
     for world in args.worlds:
-        probes = rank0(_probe_rank, world, args.timeout_s, repeats=args.repeats)
+        probes = rank_values(_probe_rank, world, args.timeout_s, args.repeats, args.timeout_s)[0]
         s = {key: ranges([p[key] for p in probes]) for key in (*LINK_KEYS, "load")}  # agreed: the same on every rank
         grid = stability(world, probes, args.seqs)
         results.append({"world": world, "probes": probes, "spread": s, "grid": grid})

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 import ds_ring
-from benchmarks.common import AttentionFn, Case, Protocol, RankResult, attention_rank, figure
+from benchmarks.common import AttentionFn, Case, RankResult, attention_rank, figure
 from benchmarks.driver import Benchmark, Column, Row, Session, main, markdown_table
 from ds_ring.kernels import dilated
 from ds_ring.kernels import window as W
@@ -42,12 +42,12 @@ class WindowResult(RankResult):
     ops: int | None = None
 
 
-def window_rank(rank: int, world: int, case: Case, build: Any, protocol: Protocol) -> WindowResult:
+def window_rank(rank: int, world: int, case: Case, build: Any, calls: int, timeout_s: float) -> WindowResult:
     """:func:`~benchmarks.common.attention_rank`, then the ops one call dispatches (``tests.op_count.OpCount``)."""
-    result = WindowResult(**vars(attention_rank(rank, world, case, build, protocol)))
+    result = WindowResult(**vars(attention_rank(rank, world, case, build, calls, timeout_s)))
     q, k, v, dout = (torch.randn(1, case.seq, case.heads, case.head_dim, requires_grad=i < 3) for i in range(4))
     with OpCount() as ops:
-        build(case, rank, protocol.timeout_s)(q, k, v, None, None).backward(dout)
+        build(case, rank, timeout_s)(q, k, v, None, None).backward(dout)
     result.ops = ops.total
     return result
 
