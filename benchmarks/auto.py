@@ -1,6 +1,4 @@
-"""``strategy="auto"`` against every strategy timed by hand, and its memory model against measurement
-(``python -m benchmarks.auto --seqs 4096 --worlds 2 --no-memory``). How a pick is judged (within 1.10× of the best,
-never the worst; the model within 15 % of the slope :func:`benchmarks.memory.measure` measures): ``docs/auto.md``."""
+"""``strategy="auto"`` vs every strategy timed by hand, its memory model vs measurement; the goals: ``docs/auto.md``."""
 
 import itertools
 import json

@@ -1,5 +1,4 @@
-"""What every benchmark shares: RSS and its peak, timed calls, the :class:`Case`, its useful work, the rank functions
-(what runs in rank processes), machine info, others' CPU time, JSON and PNGs. MiB = 2**20 B, GFLOP = 1e9 flop."""
+"""What every benchmark shares (``benchmarks/README.md``, "Files"). MiB = 2**20 B, GFLOP = 1e9 flop."""
 
 import argparse
 import contextlib

@@ -1,5 +1,4 @@
-"""The benchmark driver: :func:`main`, the command line every benchmark shares; :class:`Session`, which runs a
-:class:`Benchmark`'s cases in fresh rank processes; :class:`Row`, its lookups, ratios, tables and plots (README.md)."""
+"""The benchmark driver: :func:`main`, :class:`Session` running a :class:`Benchmark`, :class:`Row` (README.md)."""
 
 from __future__ import annotations
 

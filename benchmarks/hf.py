@@ -1,5 +1,4 @@
-"""Training an HF Llama, ds_ring vs DeepSpeed's ALST: ``python -m benchmarks.hf`` (ds_ring's strategies on the model
-of ``launch/train_hf.py``) and ``.longctx`` (issue 22, whole-model long context); details: ``benchmarks/SUITE.md``."""
+"""Training an HF Llama, ds_ring vs DeepSpeed's ALST: ``benchmarks.hf`` and ``.longctx`` (``benchmarks/SUITE.md``)."""
 
 import itertools
 import math

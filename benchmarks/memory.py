@@ -1,7 +1,6 @@
-"""Activation memory per rank of one forward+backward as a slope in q-shards plus a fixed cost; the method:
-``benchmarks/SUITE.md``. The rows go under ``--label`` into ``DIR/memory.json``; the plot is ``DIR/memory.png``.
+"""Activation memory per rank of one fwd+bwd: slope (q-shards) and fixed MiB (SUITE.md); DIR/memory.json, .png.
 
-    python -m benchmarks.memory --ranks 1 2 4 --calls dense_ring dilated_ring --label before"""
+python -m benchmarks.memory --ranks 1 2 4 --calls dense_ring dilated_ring --label before"""
 
 import contextlib
 import itertools

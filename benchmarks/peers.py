@@ -1,5 +1,4 @@
-"""The libraries the benchmarks compare against: pinned versions, ``python -m benchmarks install-peers`` (``--no-deps``)
-and how each is called (``benchmarks/README.md``, ``benchmarks/SUITE.md``)."""
+"""The libraries the benchmarks compare against: pinned, installed (``install-peers``), called (README.md)."""
 
 import os
 import subprocess

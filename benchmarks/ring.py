@@ -1,5 +1,4 @@
-"""Ring attention on CPU ranks: dense ring vs all-gather vs ``ring-attention-pytorch`` (issue 3), ring dilated vs
-dense ring vs one process (issue 4); rows, columns and the goals they are read against: ``benchmarks/SUITE.md``."""
+"""Ring attention on CPU ranks, dense (issue 3) and dilated (issue 4); the rows and goals: ``benchmarks/SUITE.md``."""
 
 from benchmarks import strategies
 from benchmarks.common import Case, fmt_seq
