@@ -67,13 +67,13 @@ def grid_cases(seq: int, world: int, data: int, heads: int, kv_heads: int, ulyss
 def plan(session: Session) -> None:
     args, session.extra["timing"] = session.args, []
     # (ranks, data-parallel replicas): every world asked for, and 4 ranks as 2 replicas of 2 sequence-parallel ranks
-    setups = [] if args.no_timing else [(w, 1) for w in args.worlds] + [(4, 2)] * (4 in args.worlds and args.data)
+    setups = [(w, 1) for w in args.worlds] + [(4, 2)] * (4 in args.worlds and args.data)
     for (world, data), seq, (heads, kv_heads) in itertools.product(setups, args.seqs, GRID_HEADS):
         cases = grid_cases(seq, world, data, heads, kv_heads, ulysses=2)
         got = rank_values(interleaved_rank, world, args.timeout_s, cases, args.rounds, args.timeout_s)[0]
         point = {"ranks": world, "data": data, "hosts": 1, "seq": seq, "heads": heads, "kv_heads": kv_heads}
         _verdict(session, {**point, **got})
-    if args.two_hosts and not args.no_timing:
+    if args.two_hosts:
         points = time_two_hosts(args.seqs, args.rounds, args.timeout_s)
         if isinstance(points, str):
             print(f"no two-host points: {points}", flush=True)
@@ -139,8 +139,7 @@ def _verdict(session: Session, got: dict[str, Any]) -> None:
 
 def memory_check(args: Any) -> list[dict[str, Any]]:
     """Measured slope (q-shards, :func:`benchmarks.auto_fit.measure_memory`) vs the model's, per strategy."""
-    lengths = tuple(args.memory_lengths)
-    rows = auto_fit.measure_memory(args.memory_ranks, 8, 8, lengths, args.timeout_s, STRATEGIES)
+    rows = auto_fit.measure_memory(args.memory_ranks, 8, 8, tuple(args.memory_lengths), args.timeout_s, STRATEGIES)
     for row in rows:
         measured, predicted = row["measured_q_shards"], auto_fit.predict_memory(row)
         row.update(predicted_q_shards=predicted, error=predicted / measured - 1 if measured else None,
@@ -188,7 +187,6 @@ def add_args(p: Any) -> None:
     p.add_argument("--memory-ranks", type=int, default=4)
     p.add_argument("--memory-lengths", nargs=2, type=int, default=[4096, 8192], help="rows per rank")
     p.add_argument("--no-memory", action="store_true")
-    p.add_argument("--no-timing", action="store_true", help="the memory check only")
     p.add_argument("--no-data", dest="data", action="store_false", help="no data-parallel point (4 ranks as 2 × 2)")
     p.add_argument("--two-hosts", action="store_true", help="also 4 ranks on two hosts (network namespaces, root)")
 
