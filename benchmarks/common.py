@@ -9,7 +9,6 @@ import importlib.metadata
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -61,10 +60,6 @@ class Timing:
     baseline_rss_mib: float
     first_extra_mib: float
     peak_extra_mib: float
-
-    @property
-    def median_s(self) -> float:
-        return statistics.median(self.times_s)
 
 
 def measure(fn: Callable[[], object], *, calls: int, setup: Callable[[], object] | None = None) -> Timing:

@@ -6,6 +6,7 @@ import argparse
 import itertools
 import math
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -217,12 +218,12 @@ def summarize(row: Row, outcomes: list[testing.RankOutcome], wall_s: float, othe
     if errors or any(r.fwdbwd is None for r in results):
         return
     fb = [r.fwdbwd for r in results]
-    row.calls, row.fwdbwd_s = len(fb[0].times_s), max(t.median_s for t in fb)
+    row.calls, row.fwdbwd_s = len(fb[0].times_s), max(statistics.median(t.times_s) for t in fb)
     row.peak_mib_per_rank = [r.working_mib(r.fwdbwd) for r in results]
     row.peak_mib, row.first_extra_mib = max(row.peak_mib_per_rank), max(t.first_extra_mib for t in fb)
     row.inputs_mib = max(r.inputs_mib or 0.0 for r in results)
     if all(r.fwd for r in results):
-        row.fwd_s = max(r.fwd.median_s for r in results)
+        row.fwd_s = max(statistics.median(r.fwd.times_s) for r in results)
         row.fwd_peak_mib = max(r.working_mib(r.fwd) for r in results)
         row.fwd_first_extra_mib = max(r.fwd.first_extra_mib for r in results)
     row.warmup_max_abs_err = max((e for r in results if (e := r.warmup_max_abs_err) is not None), default=None)
