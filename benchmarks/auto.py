@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from benchmarks import auto_fit, strategies
 from benchmarks.common import Case, figure, fmt_seq, qkv_dout, rank_values
-from benchmarks.driver import Benchmark, Session, main
+from benchmarks.driver import Benchmark, Session, dict_table, main
 from benchmarks.strategies import STRATEGIES
 from ds_ring.auto import strategy as auto
 from ds_ring.comm import cores
@@ -162,7 +162,7 @@ def report(session: Session) -> str:
     memory = [{"strategy": m["strategy"], "p": m["ranks"], "measured q-shards": m["measured_q_shards"],
                "predicted q-shards": m["predicted_q_shards"], "within 15 %": m["within_15pct"]}
               for m in session.extra["memory"]]  # fmt: skip
-    return f"{auto_fit.dict_table(timing)}\n\n{auto_fit.dict_table(memory)}"
+    return f"{dict_table(timing)}\n\n{dict_table(memory)}"
 
 
 def plots(session: Session) -> None:

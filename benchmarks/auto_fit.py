@@ -14,7 +14,7 @@ import torch
 
 from benchmarks import memory
 from benchmarks.common import Case, rank_values, read_json, script_args, ulysses_degree, write_json
-from benchmarks.driver import Column, markdown_table
+from benchmarks.driver import dict_table
 from benchmarks.strategies import STRATEGIES
 from ds_ring.auto.model import BUFFERS, Calibration, Link, Option, Problem, memory_q_shards, plan_options
 from ds_ring.auto.probe import agree_link, measure_link
@@ -159,12 +159,6 @@ def coefficients(results: dict) -> dict[str, Any]:
         error[f"{kind}_fitted"], error[f"{kind}_baseline"] = err(fitted[key]), err(baseline[key])
         used[key] = fitted[key] if error[f"{kind}_fitted"] < error[f"{kind}_baseline"] else baseline[key]
     return {"fitted": fitted, "heldout_median_abs_log": error, "used": used}
-
-
-def dict_table(rows: list[dict[str, Any]]) -> str:
-    """Markdown table of ``rows`` (the first row's keys are the headers; floats to 2 decimals), "" for no rows."""
-    two = lambda v: f"{v:.2f}" if isinstance(v, float) else str(v)
-    return markdown_table(rows, [Column(h, lambda r, h=h: r[h], two) for h in rows[0]]) if rows else ""
 
 
 def report(results: dict) -> dict[str, Any]:

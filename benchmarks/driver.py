@@ -280,6 +280,12 @@ def markdown_table(rows: Sequence[Any], columns: Sequence[Column | str]) -> str:
     return "\n".join(lines + ["| " + " | ".join(cell(r, c) for c in cols) + " |" for r in rows])
 
 
+def dict_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown table of ``rows`` (the first row's keys are the headers; floats to 2 decimals), "" for no rows."""
+    two = lambda v: f"{v:.2f}" if isinstance(v, float) else str(v)
+    return markdown_table(rows, [Column(h, lambda r, h=h: r[h], two) for h in rows[0]]) if rows else ""
+
+
 Figure = tuple[str, str, Sequence[tuple[str, Callable[["Row"], float | None], str]]]  # (file suffix, y label, lines)
 TIME: Figure = ("time", "fwd+bwd time per call, slowest rank (s)", [("", lambda r: r.fwdbwd_s, "-o")])
 MEMORY: Figure = ("memory", "peak working memory, largest rank (MiB)", [("", lambda r: r.peak_mib, "-o")])
