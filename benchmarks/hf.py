@@ -21,7 +21,7 @@ from transformers.models.llama import modeling_llama
 
 import ds_ring
 from benchmarks.common import Case, RankResult, measure, useful_gflop
-from benchmarks.driver import Benchmark, Column, Figure, Row, Session, find, main, markdown_table, plot_rows, ratio
+from benchmarks.driver import MEMORY, Benchmark, Column, Row, Session, find, main, markdown_table, plot_rows, ratio
 from ds_ring.integrations.hf import causal_lm_loss, register_with_transformers, shard_batch
 from launch.train import VOCAB
 from launch.train_hf import RecallDataset, build_model
@@ -39,10 +39,7 @@ REFERENCES = {  # per benchmark: the reference's name in the tables, the fields 
     "compiled": ("eager", lambda r: {"impl": r.case.impl.removesuffix(" compiled")}),
     "longctx": ("ALST full", lambda r: {"impl": "alst full", "tag": r.case.tag}),
 }
-STEP_FIGURES: list[Figure] = [
-    ("throughput", "tokens/s (whole job)", [("", lambda r: r.tokens_per_s, "-o")]),
-    ("memory", "step working memory, largest rank (MiB)", [("", lambda r: r.peak_mib, "-o")]),
-]
+STEP_FIGURES = [("throughput", "tokens/s (whole job)", [("", lambda r: r.tokens_per_s, "-o")]), MEMORY]
 
 
 def zero0(case: Case, **more: Any) -> dict[str, Any]:

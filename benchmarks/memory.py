@@ -180,7 +180,6 @@ def heap_launch(world: int, strategy: str, local_len: int, calls: int, heap: str
 
 
 def heap_main(doc: str) -> None:
-    """``python -m benchmarks.heap``: ds_ring's heap setting vs glibc's default, alternated launch by launch."""
     args = common.script_args(doc, ("--ranks", {"type": int, "default": 4}),
                        ("--strategies", {"nargs": "+", "default": ["ulysses", "ring"]}),
                        ("--tokens-per-rank", {"nargs": "+", "type": int, "default": [1024, 4096]}),
