@@ -23,7 +23,7 @@ from torch.distributed import ProcessGroup
 
 from ds_ring.calls import attend, group_placement, topology_placement
 from ds_ring.comm.group_ranks import group_size
-from ds_ring.compiled import compiled_module_call, module_handle
+from ds_ring.compiler.attention_op import compiled_module_call, module_handle
 from ds_ring.engine.gradient_scale import require_marked
 from ds_ring.parallel.topology import Topology
 from ds_ring.strategies import DEFAULT_STRATEGY, AttentionCall
@@ -128,7 +128,7 @@ class RingDilatedAttention(nn.Module):
         bidirectional_spans: torch.Tensor | Sequence | None = None,
         prefix_lengths: int | Sequence[int] | None = None,
     ) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # one custom op the compiler holds whole (ds_ring/compiled.py)
+        if torch.compiler.is_compiling():  # one custom op the compiler holds whole (ds_ring/compiler/attention_op.py)
             return compiled_module_call(
                 self._compile_handle, q, k, v, cu_seqlens=cu_seqlens, sinks=sinks,
                 bidirectional_spans=bidirectional_spans, prefix_lengths=prefix_lengths,

@@ -35,7 +35,7 @@ import ds_ring.auto  # noqa: F401  (registers strategy "auto")
 from ds_ring.comm.agree import agree
 from ds_ring.comm.group_ranks import group_rank, group_size, takes_cpu
 from ds_ring.comm.job import job
-from ds_ring.compiled import compilable
+from ds_ring.compiler.attention_op import compilable
 from ds_ring.cpu_heap import configure_cpu_heap
 from ds_ring.kernels.dilation import check_cu_seqlens, check_softcap, validate_qkv
 from ds_ring.kernels.sinks import check_sinks
@@ -64,7 +64,7 @@ CACHE_SIZE = 256
 _lock = threading.Lock()
 
 
-@compilable  # under torch.compile: one custom op (ds_ring/compiled.py)
+@compilable  # under torch.compile: one custom op (ds_ring/compiler/attention_op.py)
 def ring_dilated_attention(
     q: torch.Tensor,
     k: torch.Tensor,

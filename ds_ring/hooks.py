@@ -183,7 +183,7 @@ def labelled(**labels: Any) -> Iterator[None]:
 @contextmanager
 def muted() -> Iterator[None]:
     """No event is delivered from this thread inside the block: work that repeats what was already reported (a
-    compiled attention's backward recomputing its forward, ds_ring/opaque.py)."""
+    compiled attention's backward recomputing its forward, ds_ring/compiler/custom_ops.py)."""
     before = getattr(_context, "muted", False)
     _context.muted = True
     try:

@@ -1,5 +1,6 @@
 """docs/design.md's layout lists every module of ``ds_ring/``, one line each (its docstring's first sentence),
-and its links resolve: ``python -m tests.test_docs_layout`` rewrites the listing after a module is added."""
+and its links resolve: ``python -m tests.test_docs_layout`` rewrites the listing after a module is added. The package's
+root holds at most 8 files."""
 
 from __future__ import annotations
 
@@ -41,6 +42,12 @@ def _listed() -> str:
 
 def test_the_layout_in_the_design_lists_every_module() -> None:
     assert _listed() == layout(), "docs/design.md's layout is stale: run python -m tests.test_docs_layout"
+
+
+def test_the_package_root_holds_at_most_eight_files() -> None:
+    """The public API and what it is made of at the top; everything else in a subpackage named for its job."""
+    root = sorted(path.name for path in (ROOT / "ds_ring").glob("*.py"))
+    assert len(root) <= 8, f"ds_ring/ has {len(root)} files at its root: {root}; put the new one in a subpackage"
 
 
 def test_relative_links_in_the_docs_resolve() -> None:

@@ -10,7 +10,7 @@ number), each with the release it starts at:
 Differences written around rather than switched on, so one spelling works on every release:
 
 - torch 2.6's ``torch.library.custom_op`` infers no schema from ``X | None`` annotations: ds_ring's ops spell
-  theirs out (:func:`ds_ring.opaque.differentiable_op`);
+  theirs out (:func:`ds_ring.compiler.custom_ops.differentiable_op`);
 - torch 2.6's compiler does not trace ``next(iterator, default)`` nor an ``import`` inside a traced function
   (2.13's does): the code ``torch.compile`` traces uses neither (``engine/gradient_scale.py``, and
   ``integrations/hf/recurrent.py``'s ``recurrent_supported``: run, not traced, a constant to the compiler).

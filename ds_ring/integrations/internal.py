@@ -9,13 +9,13 @@ from ds_ring.comm.collectives import all_gather, all_reduce
 from ds_ring.comm.group_ranks import group_rank, group_size
 from ds_ring.comm.job import process
 from ds_ring.comm.spans import group_members
+from ds_ring.compiler.custom_ops import differentiable_op, lookup, register
 from ds_ring.config import SECTION, DsConfig, LongContextConfig, RingAttentionConfig, read_ds_config, read_section
 from ds_ring.engine.gradient_scale import mark_parameters, parameter_gradient_scale
 from ds_ring.engine.initialize import deepspeed_config_for, init_distributed
 from ds_ring.engine.patches import Patch, keep_attribute, set_attribute, set_item, undo_all
 from ds_ring.engine.preemption import Preemption
 from ds_ring.loss import sequence_parallel_cross_entropy, sequence_parallel_mean
-from ds_ring.opaque import differentiable_op, lookup, register
 from ds_ring.parallel.groups import control_world
 from ds_ring.parallel.order import gather_sequence, order_chunks, shard_sequence
 from ds_ring.parallel.topology import Topology, sequence_group

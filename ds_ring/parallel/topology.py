@@ -20,7 +20,7 @@ from torch.distributed import ProcessGroup
 from ds_ring.comm.agree import agree
 from ds_ring.comm.job import job
 from ds_ring.comm.wait import resolve_timeout
-from ds_ring.opaque import register
+from ds_ring.compiler.custom_ops import register
 from ds_ring.parallel.groups import control_world, create_groups
 from ds_ring.parallel.layout import DEGREE_KEYS, RankLayout, rank_layout, read_key
 from ds_ring.parallel.mpu import DeepSpeedMpu
@@ -77,7 +77,7 @@ class Topology(DeepSpeedMpu):
         timeout_s: the bound in seconds on communication waits over these groups, where a call names none.
         hosts: every global rank's host, in rank order, as this topology gathered them.
         places: every global rank's CPU place (:class:`~ds_ring.comm.cores.CpuPlace`), in rank order.
-        compile_handle: how ``torch.compile``'d calls over this topology name it (:mod:`ds_ring.compiled`).
+        compile_handle: how ``torch.compile``'d calls over this topology name it (:mod:`ds_ring.compiler.attention_op`).
 
     The first topology of a job records its hosts and places as the job's (:class:`ds_ring.comm.job.Job`, what
     communication errors and ``strategy="auto"`` read); a later one keeps its own and overwrites nothing.
@@ -137,7 +137,7 @@ class Topology(DeepSpeedMpu):
         object.__setattr__(self, "world_group", group)
         object.__setattr__(self, "timeout_s", timeout_s)
         object.__setattr__(self, "_controls", {**groups.controls, id(group): groups.controls[id(world)]})
-        # how a call over this topology names it under torch.compile (ds_ring/compiled.py), not keeping it alive
+        # how a call over this topology names it under torch.compile (compiler/attention_op.py), not keeping it alive
         object.__setattr__(self, "compile_handle", register(weakref.ref(self)))
         for role, pg in groups.mine.items():
             object.__setattr__(self, f"{role}_group", pg)

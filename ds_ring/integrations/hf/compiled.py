@@ -4,12 +4,12 @@ Under ``torch.compile`` :class:`~ds_ring.integrations.hf.attention.SequenceParal
 features while tracing (plain Python on constants) and hands the rest of the call to ``ds_ring::hf_attention``: the
 documents, positions and mask checks, the ranks' agreement, the prepared-call cache and the strategy's
 communication all run inside the op, as in eager mode, and the compiler sees one node with a known output shape.
-Its backward, ``ds_ring::hf_attention_backward`` (:func:`ds_ring.opaque.differentiable_op`), runs the same call
-again with autograd and differentiates it (one more attention forward per layer, its communication included, its
-events muted; nothing but the inputs is kept between them).
+Its backward, ``ds_ring::hf_attention_backward`` (:func:`ds_ring.compiler.custom_ops.differentiable_op`), runs the
+same call again with autograd and differentiates it (one more attention forward per layer, its communication
+included, its events muted; nothing but the inputs is kept between them).
 
 The call site's settings (module and config names, the mask the model asked for, ``scaling``, ``softcap``) are
-constants of the traced call: they reach the op as one ``int`` handle (:mod:`ds_ring.opaque`),
+constants of the traced call: they reach the op as one ``int`` handle (:mod:`ds_ring.compiler.custom_ops`),
 made while tracing.
 The documents of a packed batch reach it as the batch's ``cu_seq_lens_q`` tensor when it has one, else as Python ints
 (constants of the graph). A batch of other documents may still compile a new graph (docs/hf.md).

@@ -4,7 +4,7 @@
 :class:`~ds_ring.RingDilatedAttention` hand their call, while the compiler traces it, to ``ds_ring::attention``: the
 eager call runs inside the op (its validation, the ranks' agreement, the prepared-call cache and the strategy's
 communication as in eager mode) and the compiler sees one node with its outputs' shapes. Its backward
-(:func:`ds_ring.opaque.differentiable_op`) runs the call again with autograd and differentiates it.
+(:func:`ds_ring.compiler.custom_ops.differentiable_op`) runs the call again with autograd and differentiates it.
 
 What reaches the op: ``q``, ``k``, ``v`` and the tensors among the options (``sinks``, ``cu_seqlens``,
 ``bidirectional_spans``) as inputs; everything else as one ``int`` handle made while tracing (a constant of the
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ds_ring.opaque import differentiable_op, lookup, register
+from ds_ring.compiler.custom_ops import differentiable_op, lookup, register
 from ds_ring.parallel.topology import Topology
 
 __all__ = ["compilable", "module_handle", "compiled_module_call"]
